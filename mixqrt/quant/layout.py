@@ -1,0 +1,259 @@
+"""Packed byte layout of every quantized format: the contract between quantizers and kernels.
+
+All packed formats are row-major. A tensor of shape [N, K] is N rows; each row holds
+nb = ceil(K / G) blocks of G weights (G = the format's group size, a multiple of 32). The last
+block of a row is padded with code 0 up to G; padded weights are never returned by dequantize and
+kernels pair them with zero activations. A block is a small header (scales) followed by G/32
+*chunks*, each chunk holding 32 codes packed so that a 256-bit register unpacks one chunk and a
+512-bit register two, with nothing but a broadcast, a shift by (0, 2, 4, 6) per qword and a mask:
+
+  pack2  8 B : byte i = c[i] | c[i+8] << 2 | c[i+16] << 4 | c[i+24] << 6            (i < 8)
+  pack3 12 B : pack2(c & 3) then u32 little-endian, bit i = bit 2 of c[i]
+  pack4 16 B : byte i = c[i] | c[i+16] << 4                                          (i < 16)
+  pack5 20 B : pack4(c & 15) then u32 little-endian, bit i = bit 4 of c[i]
+  pack6 24 B : pack4(c & 15) then pack2(c >> 4)
+  pack8 32 B : the codes as int8
+
+Block headers (fp16 little-endian; values decode as w = d * L[q] + m, computed in float32 as one
+multiply and one add, which is what every C tier does too):
+
+  q8   G=32  : d                        L[q] = q (signed int8), m = 0          34 B = 8.5 bpw
+  q6   G=32  : d                        L[q] = q - 32 (codes 0..63), m = 0     26 B = 6.5 bpw
+  q4   G=32  : d, m                     L[q] = q                               20 B = 5.0 bpw
+  q3u  G=64  : d, m                     L[q] = q                               28 B = 3.5 bpw
+  q3p  G=64  : d, m                     L[q] = Q3P_LEVELS[q] (fixed u8 table)  28 B = 3.5 bpw
+  q2c  G=128 : d, m, lut u8[4]          L[q] = lut[q] (per-block codebook)     40 B = 2.5 bpw
+  q5g  G=32  : no header; the tensor ends with 8 bytes (lo, hi) float32, and
+               w = lo + q * ((hi - lo) / 31)                                   20 B/32 + 8 B
+
+This module is numpy only and is the reference the C packers are checked against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mixqrt.errors import QuantError
+
+CHUNK = 32
+
+# Unsigned integer levels of q3p: fine steps near the centre, coarse on the tails (see docs/formats.md
+# for how they were chosen). Kernels receive this table as an argument, so it can change freely.
+Q3P_LEVELS = np.array([0, 8, 13, 16, 19, 22, 27, 35], dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    bits: int
+    group: int          # weights per block
+    header: int         # header bytes per block
+    chunk_bytes: int    # bytes per 32 codes
+    trailer: int = 0    # bytes after all rows (q5g: lo, hi)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.header + (self.group // CHUNK) * self.chunk_bytes
+
+    def blocks_per_row(self, k: int) -> int:
+        return -(-k // self.group)
+
+    def row_bytes(self, k: int) -> int:
+        return self.blocks_per_row(k) * self.block_bytes
+
+    def nbytes(self, shape) -> int:
+        n, k = rows_cols(shape)
+        return n * self.row_bytes(k) + self.trailer
+
+
+PACKED = {
+    "q8": Layout("q8", 8, 32, 2, 32),
+    "q6": Layout("q6", 6, 32, 2, 24),
+    "q4": Layout("q4", 4, 32, 4, 16),
+    "q3u": Layout("q3u", 3, 64, 4, 12),
+    "q3p": Layout("q3p", 3, 64, 4, 12),
+    "q2c": Layout("q2c", 2, 128, 8, 8),
+    "q5g": Layout("q5g", 5, 32, 0, 20, trailer=8),
+}
+PLAIN = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
+
+
+def rows_cols(shape) -> tuple[int, int]:
+    """[K] -> (1, K); [N, K] -> (N, K); higher ranks flatten the leading axes into rows."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        raise QuantError("cannot quantize a 0-d tensor; expected at least 1 dimension")
+    if any(s <= 0 for s in shape):
+        raise QuantError(f"shape {shape} has an empty or negative dimension")
+    k = shape[-1]
+    n = 1
+    for s in shape[:-1]:
+        n *= s
+    return n, k
+
+
+def expected_nbytes(fmt: str, shape) -> int:
+    """Exact packed size of a tensor of `shape` in `fmt` (the .mxq reader checks spans with this)."""
+    if fmt in PACKED:
+        return PACKED[fmt].nbytes(shape)
+    if fmt in PLAIN:
+        n, k = rows_cols(shape)
+        return n * k * PLAIN[fmt].itemsize
+    raise QuantError(f"unknown format {fmt!r}")
+
+
+# ----------------------------------------------------------------------------- chunk packers
+def _pack2(c: np.ndarray) -> np.ndarray:
+    c = c.astype(np.uint8)
+    return (c[..., 0:8] | (c[..., 8:16] << 2) | (c[..., 16:24] << 4) | (c[..., 24:32] << 6)).astype(np.uint8)
+
+
+def _unpack2(b: np.ndarray) -> np.ndarray:
+    return np.concatenate([(b >> s) & 3 for s in (0, 2, 4, 6)], axis=-1).astype(np.uint8)
+
+
+def _pack4(c: np.ndarray) -> np.ndarray:
+    c = c.astype(np.uint8)
+    return (c[..., 0:16] | (c[..., 16:32] << 4)).astype(np.uint8)
+
+
+def _unpack4(b: np.ndarray) -> np.ndarray:
+    return np.concatenate([b & 15, b >> 4], axis=-1).astype(np.uint8)
+
+
+def _packbits32(bits: np.ndarray) -> np.ndarray:
+    """[..., 32] of 0/1 -> [..., 4] bytes: bit i of the little-endian u32 is bits[i]."""
+    return np.packbits(bits.astype(np.uint8), axis=-1, bitorder="little")
+
+
+def _unpackbits32(b: np.ndarray) -> np.ndarray:
+    return np.unpackbits(b, axis=-1, bitorder="little")
+
+
+def pack_chunks(codes: np.ndarray, bits: int) -> np.ndarray:
+    """codes [..., 32] (uint8, or int8 for bits=8) -> packed bytes [..., chunk_bytes]."""
+    if codes.shape[-1] != CHUNK:
+        raise QuantError(f"pack_chunks wants a last axis of {CHUNK}, got {codes.shape}")
+    if bits == 8:
+        return codes.astype(np.int8).view(np.uint8)
+    c = codes.astype(np.uint8)
+    if bits == 2:
+        return _pack2(c)
+    if bits == 3:
+        return np.concatenate([_pack2(c & 3), _packbits32((c >> 2) & 1)], axis=-1)
+    if bits == 4:
+        return _pack4(c)
+    if bits == 5:
+        return np.concatenate([_pack4(c & 15), _packbits32((c >> 4) & 1)], axis=-1)
+    if bits == 6:
+        return np.concatenate([_pack4(c & 15), _pack2(c >> 4)], axis=-1)
+    raise QuantError(f"no chunk packing for {bits} bits")
+
+
+def unpack_chunks(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of pack_chunks: [..., chunk_bytes] -> codes [..., 32] (int8 for bits=8)."""
+    p = packed.astype(np.uint8, copy=False)
+    if bits == 8:
+        return p.view(np.int8)
+    if bits == 2:
+        return _unpack2(p)
+    if bits == 3:
+        return (_unpack2(p[..., :8]) | (_unpackbits32(p[..., 8:12]) << 2)).astype(np.uint8)
+    if bits == 4:
+        return _unpack4(p)
+    if bits == 5:
+        return (_unpack4(p[..., :16]) | (_unpackbits32(p[..., 16:20]) << 4)).astype(np.uint8)
+    if bits == 6:
+        return (_unpack4(p[..., :16]) | (_unpack2(p[..., 16:24]) << 4)).astype(np.uint8)
+    raise QuantError(f"no chunk packing for {bits} bits")
+
+
+# ----------------------------------------------------------------------------- whole tensors
+@dataclass
+class Parts:
+    """A packed tensor taken apart. codes: [N, nb, G] (pad included); d, m: [N, nb] float16;
+    lut: [N, nb, 4] uint8 (q2c only); lo_hi: (lo, hi) float32 (q5g only)."""
+    codes: np.ndarray
+    d: np.ndarray | None = None
+    m: np.ndarray | None = None
+    lut: np.ndarray | None = None
+    lo_hi: tuple[float, float] | None = None
+
+
+def assemble(fmt: str, shape, parts: Parts) -> bytes:
+    """Parts -> packed bytes, in the layout above."""
+    lay = PACKED[fmt]
+    n, k = rows_cols(shape)
+    nb = lay.blocks_per_row(k)
+    codes = np.asarray(parts.codes).reshape(n, nb, lay.group // CHUNK, CHUNK)
+    body = pack_chunks(codes, lay.bits).reshape(n, nb, -1)
+    heads = []
+    if fmt in ("q8", "q6"):
+        heads.append(np.asarray(parts.d, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
+    elif fmt in ("q4", "q3u", "q3p", "q2c"):
+        heads.append(np.asarray(parts.d, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
+        heads.append(np.asarray(parts.m, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
+        if fmt == "q2c":
+            heads.append(np.asarray(parts.lut, dtype=np.uint8).reshape(n, nb, 4))
+    out = np.concatenate(heads + [body], axis=-1) if heads else body
+    data = np.ascontiguousarray(out).tobytes()
+    if fmt == "q5g":
+        data += np.asarray(parts.lo_hi, dtype="<f4").tobytes()
+    return data
+
+
+def disassemble(fmt: str, shape, data) -> Parts:
+    """Packed bytes -> Parts (inverse of assemble)."""
+    lay = PACKED[fmt]
+    n, k = rows_cols(shape)
+    nb = lay.blocks_per_row(k)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    if buf.size != lay.nbytes(shape):
+        raise QuantError(f"{fmt} tensor of shape {tuple(shape)} needs {lay.nbytes(shape)} bytes, got {buf.size}")
+    blocks = buf[: n * nb * lay.block_bytes].reshape(n, nb, lay.block_bytes)
+    nch = lay.group // CHUNK
+    body = blocks[:, :, lay.header:].reshape(n, nb, nch, lay.chunk_bytes)
+    codes = unpack_chunks(body, lay.bits).reshape(n, nb, lay.group)
+    p = Parts(codes=codes)
+    if lay.header >= 2:
+        p.d = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(n, nb)
+    if lay.header >= 4:
+        p.m = np.ascontiguousarray(blocks[:, :, 2:4]).view("<f2").reshape(n, nb)
+    if fmt == "q2c":
+        p.lut = np.ascontiguousarray(blocks[:, :, 4:8])
+    if fmt == "q5g":
+        lo, hi = np.frombuffer(bytes(buf[-8:]), dtype="<f4")
+        p.lo_hi = (float(lo), float(hi))
+    return p
+
+
+def levels(fmt: str, parts: Parts) -> np.ndarray:
+    """Integer level L[q] of every code, float32, shape like parts.codes."""
+    c = parts.codes
+    if fmt == "q8":
+        return c.astype(np.int8).astype(np.float32)
+    if fmt == "q6":
+        return c.astype(np.float32) - np.float32(32)
+    if fmt == "q3p":
+        return Q3P_LEVELS[c].astype(np.float32)
+    if fmt == "q2c":
+        return np.take_along_axis(parts.lut, c.astype(np.intp), axis=-1).astype(np.float32)
+    return c.astype(np.float32)
+
+
+def dequantize_bytes(fmt: str, shape, data) -> np.ndarray:
+    """Reference dequantization of packed bytes to float32 of `shape`."""
+    n, k = rows_cols(shape)
+    parts = disassemble(fmt, shape, data)
+    lv = levels(fmt, parts)
+    if fmt == "q5g":
+        lo, hi = np.float32(parts.lo_hi[0]), np.float32(parts.lo_hi[1])
+        step = (hi - lo) / np.float32(31)
+        w = lo + lv * step
+    else:
+        d = parts.d.astype(np.float32)[..., None]
+        w = d * lv
+        if parts.m is not None:
+            w = w + parts.m.astype(np.float32)[..., None]
+    return np.ascontiguousarray(w.reshape(n, -1)[:, :k].astype(np.float32)).reshape(shape)

@@ -1,0 +1,75 @@
+"""QTensor: a packed tensor (format + shape + bytes). The bytes may be a zero-copy view of an mmap."""
+from __future__ import annotations
+
+import numpy as np
+
+from mixqrt.errors import QuantError
+from mixqrt.quant import layout
+
+
+class QTensor:
+    """A tensor in one of mixqrt's formats.
+
+    raw: 1-D uint8 array holding exactly ``layout.expected_nbytes(fmt, shape)`` bytes, laid out as
+    described in mixqrt.quant.layout. For plain formats (f32/f16/bf16) the bytes are the values.
+    """
+
+    __slots__ = ("fmt", "shape", "raw", "meta")
+
+    def __init__(self, fmt: str, shape, raw: np.ndarray, meta: dict | None = None):
+        from mixqrt.quant.formats import FORMATS  # local: formats imports this module
+        if fmt not in FORMATS:
+            raise QuantError(f"unknown format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
+        shape = tuple(int(s) for s in shape)
+        want = layout.expected_nbytes(fmt, shape)
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8 or raw.ndim != 1:
+            raw = raw.reshape(-1).view(np.uint8)
+        if raw.size != want:
+            raise QuantError(f"{fmt} tensor of shape {shape} needs {want} bytes, got {raw.size}")
+        self.fmt = fmt
+        self.shape = shape
+        self.raw = raw
+        self.meta = meta or {}
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def nbytes(self) -> int:
+        """Packed bytes, including every scale, offset, codebook and trailer."""
+        return int(self.raw.size)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / self.numel
+
+    @property
+    def rows(self) -> int:
+        return layout.rows_cols(self.shape)[0]
+
+    @property
+    def cols(self) -> int:
+        return layout.rows_cols(self.shape)[1]
+
+    # ------------------------------------------------------------------ bytes
+    def to_bytes(self) -> bytes:
+        return self.raw.tobytes()
+
+    @classmethod
+    def from_bytes(cls, b, fmt: str, shape) -> "QTensor":
+        """Wrap bytes (or any buffer: bytes, memoryview, mmap slice) without copying."""
+        return cls(fmt, shape, np.frombuffer(b, dtype=np.uint8))
+
+    # ------------------------------------------------------------------ values
+    def dequantize(self) -> np.ndarray:
+        from mixqrt.quant.formats import FORMATS
+        return FORMATS[self.fmt].dequantize(self)
+
+    def __repr__(self) -> str:
+        return f"QTensor(fmt={self.fmt!r}, shape={self.shape}, nbytes={self.nbytes}, bpw={self.bits_per_weight:.3f})"
