@@ -3,3 +3,10 @@ from mixqrt.errors import (FormatError, GenerationError, KernelError, MixqrtErro
                            QuantError)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: importing mixqrt stays cheap
+    if name in ("Pipeline", "load"):
+        from mixqrt import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'mixqrt' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+import sys
+from mixqrt.cli import main
+sys.exit(main())

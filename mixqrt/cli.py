@@ -1,0 +1,170 @@
+"""The `mixqrt` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _add_model(p, optional=False):
+    if optional:
+        p.add_argument("model", nargs="?", default=None,
+                       help="a .mxq, a .gguf, a Hugging Face folder, a hub id or alias (e.g. Qwen2-7B-2356); "
+                            "default: the demo Qwen2.5-Coder-0.5B-Instruct from mixqrt[demo]")
+    else:
+        p.add_argument("model", help="a .mxq, a .gguf, a Hugging Face folder, or a hub id / alias")
+    p.add_argument("--recipe", default=None, help="quantization recipe (default 2356, or the name's suffix)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--offline", action="store_true", help="never touch the network (like HF_HUB_OFFLINE=1)")
+
+
+def _add_sampling(p):
+    p.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config.json)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+
+
+def _sampling_kwargs(a) -> dict:
+    kw = {"max_new_tokens": a.max_new_tokens}
+    for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop"):
+        v = getattr(a, k)
+        if v is not None:
+            kw[k] = v
+    return kw
+
+
+def _pipeline(a):
+    from mixqrt.pipeline import Pipeline
+    return Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
+                    offline=True if a.offline else None, max_context=getattr(a, "ctx", None))
+
+
+def cmd_doctor(a):
+    from mixqrt.doctor import format_report, report
+    info = report()
+    print(json.dumps(info, indent=2) if a.json else format_report(info))
+
+
+def cmd_quantize(a):
+    from mixqrt.convert import describe, dumps_report, quantize_model
+    rep = quantize_model(a.src, a.recipe or "2356", a.output, overrides=a.tensor_type,
+                         progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None)
+    if a.json:
+        print(dumps_report(rep))
+        return
+    print(describe(rep))
+    if not a.dry_run:
+        print(f"wrote {a.output}: {rep.total_bytes:,d} bytes of tensors, {rep.bits_per_weight:.3f} bits/weight, "
+              f"{rep.seconds:.1f} s, peak RSS {rep.peak_rss_bytes / 2**20:.0f} MiB")
+
+
+def cmd_inspect(a):
+    from mixqrt.inspect import inspect_model
+    print(inspect_model(a.model, placement=a.placement, as_json=a.json, recipe=a.recipe))
+
+
+def cmd_generate(a):
+    pipe = _pipeline(a)
+    prompt = a.prompt if a.prompt is not None else sys.stdin.read()
+    last = None
+    for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a)):
+        sys.stdout.write(r.text)
+        sys.stdout.flush()
+        last = r
+    sys.stdout.write("\n")
+    if last is not None and not a.quiet:
+        print(f"[prompt {last.prompt_tokens} tok, {last.prompt_tps:.1f} tok/s | "
+              f"generated {last.generation_tokens} tok, {last.generation_tps:.1f} tok/s | "
+              f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}]", file=sys.stderr)
+
+
+def cmd_chat(a):
+    pipe = _pipeline(a)
+    messages = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("mixqrt chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for r in pipe.stream(messages, **_sampling_kwargs(a)):
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            reply.append(r.text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mixqrt", description="Pure-CPU LLM runtime with mixed-bit ('2356') quantization.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("doctor", help="CPU, ISA tier, usable cores, NUMA nodes, hugepages")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_doctor)
+
+    s = sub.add_parser("quantize", help="quantize a model with a recipe into a .mxq file")
+    s.add_argument("src", help="a .gguf, a Hugging Face folder or a hub id")
+    s.add_argument("--recipe", default="2356", help="2356 (default), f32, f16, q8, q4, or an ablation")
+    s.add_argument("--tensor-type", action="append", default=None, metavar="PATTERN=FMT",
+                   help="override a tensor's format (regex on the HF name, or a role like ffn_down); repeatable")
+    s.add_argument("-o", "--output", default=None, help="output .mxq path")
+    s.add_argument("--dry-run", action="store_true", help="plan and size only; write nothing")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("--offline", action="store_true")
+    s.set_defaults(fn=cmd_quantize)
+
+    s = sub.add_parser("inspect", help="per-tensor format, bits/weight, bytes, layout and placement")
+    s.add_argument("model")
+    s.add_argument("--recipe", default=None, help="for a source model: show the plan for this recipe")
+    s.add_argument("--placement", action="store_true", help="print the NUMA/tier placement plan")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model(s, optional=True)
+    s.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    _add_sampling(s)
+    s.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_model(s, optional=True)
+    s.add_argument("--system", default=None, help="system prompt")
+    _add_sampling(s)
+    s.set_defaults(fn=cmd_chat)
+    return p
+
+
+def main(argv=None) -> int:
+    from mixqrt.errors import MixqrtError
+    args = build_parser().parse_args(argv)
+    if args.cmd == "quantize" and not args.dry_run and not args.output:
+        build_parser().error("quantize needs -o OUTPUT (or --dry-run)")
+    try:
+        args.fn(args)
+    except MixqrtError as e:
+        print(f"mixqrt: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""`mixqrt.Pipeline` and `mixqrt.load`: name a model and a recipe, get text.
+
+    pipe = mixqrt.Pipeline("Qwen2-7B-2356")            # alias + recipe, hub id, HF folder, .gguf or .mxq
+    pipe("def quicksort(xs):", max_new_tokens=64)      # -> [{"generated_text": ...}] (transformers' shape)
+    for piece in pipe.stream(messages, temperature=0.7):
+        print(piece.text, end="")
+    pipe.save("model.mxq")
+
+Quantized models are cached in ~/.cache/mixqrt ($MIXQRT_CACHE): the second load is an mmap.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mixqrt.errors import GenerationError, ModelError
+from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
+
+
+class LoadedModel:
+    """A model ready to run: graph + tokenizer + the .mxq it is mapped from."""
+
+    def __init__(self, path, *, threads: int | None = None, prefetch: bool = False):
+        from mixqrt.io.mxq import MxqFile
+        from mixqrt.models import get_model_class
+        from mixqrt.tokenizer import Tokenizer
+
+        t0 = time.perf_counter()
+        self.path = str(path)
+        self.file = MxqFile(path)
+        meta = self.file.meta
+        if meta.get("kind") != "mixqrt-llm":
+            raise ModelError(f"{path}: not a mixqrt language model file (kind={meta.get('kind')!r})")
+        self.meta = meta
+        self.recipe = meta.get("recipe", {}).get("name")
+        self.tokenizer = Tokenizer.from_spec(meta["tokenizer"])
+        self.generation_config = dict(meta.get("generation_config") or {})
+        cls = get_model_class(meta["arch"])
+        self.model = cls(cls.args_class.from_dict(meta["config"]) if hasattr(cls, "args_class") else meta["config"],
+                         dict(self.file.tensors), generation_config=self.generation_config)
+        if threads is not None:
+            from mixqrt import ops
+            if hasattr(ops, "set_num_threads"):
+                ops.set_num_threads(int(threads))
+        self.load_seconds = time.perf_counter() - t0
+
+    @property
+    def config(self) -> dict:
+        return self.meta["config"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.file.tensors.values())
+
+    def logits(self, token_ids) -> np.ndarray:
+        """float32 [T, vocab]: full forward of token_ids from position 0."""
+        return self.model.logits(token_ids)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _source_for(res: Resolved, offline, progress) -> str:
+    if res.kind == "demo":
+        return str(demo_model_path(progress=progress))
+    if res.kind == "hub":
+        from mixqrt.io.hub import resolve_hub
+        return str(resolve_hub(res.where, offline=offline, progress=progress))
+    return res.where
+
+
+def prepare(name_or_path, recipe: str | None = None, *, offline=None, progress=True,
+            overrides=None) -> Path:
+    """Resolve a model name to a local .mxq, quantizing it once into the cache when needed."""
+    from mixqrt.convert import quantize_model
+    from mixqrt.quant.recipes import get_recipe
+
+    res = resolve(name_or_path)
+    if res.kind == "mxq":
+        if recipe is not None:
+            raise ModelError(f"{res.where} is already quantized; drop recipe={recipe!r} or load the source model")
+        return Path(res.where)
+    rec = get_recipe(recipe or res.recipe or DEFAULT_RECIPE, overrides)
+    src = _source_for(res, offline, progress)
+    out = cached_mxq_path(res.label, src, rec.spec())
+    if not out.exists():
+        quantize_model(src, rec, out, progress=progress, offline=offline)
+    return out
+
+
+def load(path_or_name, recipe: str | None = None, *, threads=None, offline=None, progress=True) -> LoadedModel:
+    """A model with .tokenizer.encode/decode and .logits(ids) -> float32 [T, vocab]."""
+    return LoadedModel(prepare(path_or_name, recipe, offline=offline, progress=progress), threads=threads)
+
+
+_GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
+             "do_sample", "return_full_text", "stop_strings", "max_tokens"}
+
+
+class Pipeline:
+    """Text generation, shaped like transformers' pipeline("text-generation")."""
+
+    def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
+                 offline: bool | None = None, progress: bool = True, max_context: int | None = None):
+        self.path = prepare(model, recipe, offline=offline, progress=progress)
+        self.loaded = LoadedModel(self.path, threads=threads)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.max_context = int(max_context) if max_context else min(self.model.context_length, 4096)
+
+    # ------------------------------------------------------------------ generation
+    def _prompt(self, text_or_messages) -> tuple[str, bool]:
+        if isinstance(text_or_messages, str):
+            return text_or_messages, False
+        if isinstance(text_or_messages, (list, tuple)) and text_or_messages and all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in text_or_messages):
+            return self.tokenizer.apply_chat_template(list(text_or_messages), add_generation_prompt=True), True
+        raise GenerationError("input must be a prompt string or a non-empty list of chat messages "
+                              f"({{'role': ..., 'content': ...}}), got {type(text_or_messages).__name__}")
+
+    def _gen_kwargs(self, kw: dict) -> dict:
+        unknown = set(kw) - _GEN_KEYS
+        if unknown:
+            raise GenerationError(f"unknown generation argument(s): {', '.join(sorted(unknown))}")
+        kw = dict(kw)
+        kw.pop("return_full_text", None)
+        if "max_tokens" in kw:
+            kw.setdefault("max_new_tokens", kw.pop("max_tokens"))
+        if "stop_strings" in kw:
+            kw.setdefault("stop", kw.pop("stop_strings"))
+        do_sample = kw.pop("do_sample", None)
+        if do_sample is False:
+            kw["temperature"] = 0.0
+        elif do_sample is True and kw.get("temperature") in (None, 0.0):
+            kw["temperature"] = float(self.loaded.generation_config.get("temperature", 1.0) or 1.0)
+        elif do_sample is None and "temperature" not in kw and not self.loaded.generation_config.get("do_sample", False):
+            kw["temperature"] = 0.0   # generation_config.json without do_sample means greedy, as in transformers
+        return kw
+
+    def stream(self, text_or_messages, **kw):
+        """Yield GenerationResponse pieces (text, token, finish_reason, tokens/s, TTFT...)."""
+        from mixqrt.generate import stream_generate
+
+        prompt, _ = self._prompt(text_or_messages)
+        return stream_generate(self.model, self.tokenizer, prompt, max_context=self.max_context,
+                               **self._gen_kwargs(kw))
+
+    def __call__(self, text_or_messages, **kw):
+        full = kw.pop("return_full_text", True)
+        pieces = list(self.stream(text_or_messages, **kw))
+        text = "".join(p.text for p in pieces)
+        if isinstance(text_or_messages, str):
+            return [{"generated_text": (text_or_messages + text) if full else text}]
+        return [{"generated_text": list(text_or_messages) + [{"role": "assistant", "content": text}]}]
+
+    # ------------------------------------------------------------------ files
+    def save(self, path) -> Path:
+        """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
+        path = Path(path)
+        if path.resolve() == Path(self.path).resolve():
+            return path
+        tmp = path.with_name(path.name + f".{os.getpid()}.part")
+        try:
+            shutil.copyfile(self.path, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        return path
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.path}, recipe={self.loaded.recipe})"

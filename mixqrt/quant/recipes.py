@@ -1,0 +1,115 @@
+"""Recipes: which format each tensor gets, by its role in the network.
+
+A recipe maps roles (embed, attn_q/k/v/o, ffn_gate/up/down, norm, bias, lm_head) to format names.
+Per-tensor overrides work like llama-quantize's --tensor-type: ``PATTERN=FMT``, where PATTERN is a
+regular expression searched in the Hugging Face tensor name, or an exact role name.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from mixqrt.errors import QuantError
+
+ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
+         "norm", "bias", "lm_head")
+
+_ROLE_PATTERNS = (
+    (r"embed_tokens\.weight$", "embed"),
+    (r"self_attn\.q_proj\.weight$", "attn_q"),
+    (r"self_attn\.k_proj\.weight$", "attn_k"),
+    (r"self_attn\.v_proj\.weight$", "attn_v"),
+    (r"self_attn\.o_proj\.weight$", "attn_o"),
+    (r"mlp\.gate_proj\.weight$", "ffn_gate"),
+    (r"mlp\.up_proj\.weight$", "ffn_up"),
+    (r"mlp\.down_proj\.weight$", "ffn_down"),
+    (r"norm\.weight$", "norm"),
+    (r"\.bias$", "bias"),
+    (r"^lm_head\.weight$", "lm_head"),
+)
+
+_ATTN = {"attn_q": None, "attn_k": None, "attn_v": None, "attn_o": None}
+_FFN = {"ffn_gate": None, "ffn_up": None, "ffn_down": None}
+
+
+def _fill(**kw) -> dict:
+    table = {"bias": "f32", "norm": "f32"}
+    for role in _ATTN:
+        table[role] = kw.get("attn")
+    for role in _FFN:
+        table[role] = kw.get("ffn")
+    table["embed"] = kw["embed"]
+    table["lm_head"] = kw["lm_head"]
+    if "norm" in kw:
+        table["norm"] = kw["norm"]
+    return table
+
+
+RECIPES: dict[str, dict[str, str]] = {
+    # the seed's recipe: 2-bit k-means embedding, 3-bit piecewise FFN, 6-bit attention, 5-bit norms
+    # sharing one range; the output projection keeps its own 6-bit copy even when tied.
+    "2356": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
+    "f32": _fill(embed="f32", attn="f32", ffn="f32", lm_head="f32"),
+    "f16": _fill(embed="f16", attn="f16", ffn="f16", lm_head="f16"),
+    "q8": _fill(embed="q8", attn="q8", ffn="q8", lm_head="q8"),       # the seed's "INT8 uniform"
+    "q4": _fill(embed="q4", attn="q4", ffn="q4", lm_head="q4"),       # the seed's "4-bit uniform"
+    # ablations of 2356 (docs/results.md)
+    "2356-q3u": _fill(embed="q2c", attn="q6", ffn="q3u", norm="q5g", lm_head="q6"),
+    "2356-q8embed": _fill(embed="q8", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
+    "2356-f32norm": _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q6"),
+}
+
+
+def role_of(name: str) -> str:
+    for pat, role in _ROLE_PATTERNS:
+        if re.search(pat, name):
+            return role
+    raise QuantError(f"tensor {name!r} has no known role; recipes cannot place it")
+
+
+def parse_overrides(items) -> list[tuple[str, str]]:
+    """['ffn_down=q6', 'layers\\.0\\..*=q8'] -> [(pattern, fmt)], validated."""
+    from mixqrt.quant.formats import FORMATS
+
+    out = []
+    for item in items or ():
+        if "=" not in item:
+            raise QuantError(f"tensor-type override {item!r} must look like PATTERN=FORMAT")
+        pat, fmt = item.rsplit("=", 1)
+        pat, fmt = pat.strip(), fmt.strip()
+        if fmt not in FORMATS:
+            raise QuantError(f"override {item!r}: unknown format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise QuantError(f"override {item!r}: bad regular expression: {e}") from None
+        out.append((pat, fmt))
+    return out
+
+
+@dataclass
+class Recipe:
+    name: str
+    table: dict[str, str]
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+
+    def format_for(self, name: str, role: str | None = None) -> str:
+        role = role or role_of(name)
+        fmt = self.table[role]
+        for pat, ofmt in self.overrides:  # later overrides win, like llama-quantize
+            if pat == role or re.search(pat, name):
+                fmt = ofmt
+        if role in ("norm", "bias") and fmt not in ("f32", "f16", "bf16", "q5g", "q8"):
+            raise QuantError(f"{name}: format {fmt} is not allowed for a 1-D {role} vector")
+        return fmt
+
+    def spec(self) -> dict:
+        return {"name": self.name, "table": dict(self.table), "overrides": [list(o) for o in self.overrides]}
+
+
+def get_recipe(name: str, overrides=None) -> Recipe:
+    if isinstance(name, Recipe):
+        return name
+    if name not in RECIPES:
+        raise QuantError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
+    return Recipe(name, dict(RECIPES[name]), parse_overrides(overrides))
