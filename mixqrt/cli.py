@@ -109,6 +109,53 @@ def cmd_chat(a):
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_ppl(a):
+    from mixqrt.evaluate import perplexity
+    from mixqrt.pipeline import load
+    m = load(a.model, a.recipe, threads=a.threads, offline=True if a.offline else None, progress=not a.quiet)
+    with open(a.text, encoding="utf-8") as f:
+        text = f.read()
+    toks = m.tokenizer.encode(text, add_special_tokens=False)
+    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos", False) else None
+    if bos is not None:
+        toks = [bos] + list(toks)
+
+    def show(i, v):
+        if not a.json and not a.quiet:
+            print(f"[{i + 1}]{v:.4f}", end=" ", flush=True, file=sys.stderr)
+
+    r = perplexity(lambda ids: m.logits(ids), toks, ctx=a.ctx, chunks=a.chunks, bos_id=bos,
+                   save_logits=a.save_logits, kl_base=a.kl_base, progress=False, on_chunk=show)
+    if a.json:
+        d = r.to_dict()
+        d.update(model=str(a.model), recipe=m.recipe, text=a.text)
+        print(json.dumps(d))
+        return
+    print(file=sys.stderr)
+    print(f"PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}  ({r.tokens} tokens scored in {r.chunks} chunks of {r.ctx}, "
+          f"{r.seconds:.1f} s)")
+    if r.kld_mean is not None:
+        print(f"KL divergence: mean {r.kld_mean:.6f}, 99th percentile {r.kld_p99:.6f}; "
+              f"same top token {r.same_top_pct:.2f} %")
+
+
+def cmd_bench(a):
+    from mixqrt.bench import bench, format_rows
+    from mixqrt.pipeline import load
+    try:
+        threads = [int(t) for t in a.threads.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"mixqrt bench: -t wants a comma list of ints, got {a.threads!r}") from None
+    m = load(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
+    rows = bench(m, threads=threads, n_prompt=a.n_prompt, n_gen=a.n_gen, repeats=a.repetitions, perf=a.perf)
+    for r in rows:
+        r["load_seconds"] = m.load_seconds
+    if a.json:
+        print(json.dumps(rows if len(rows) > 1 else rows[0]))
+    else:
+        print(format_rows(rows, f"{a.model} [{m.recipe}]"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mixqrt", description="Pure-CPU LLM runtime with mixed-bit ('2356') quantization.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -148,6 +195,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", default=None, help="system prompt")
     _add_sampling(s)
     s.set_defaults(fn=cmd_chat)
+
+    s = sub.add_parser("ppl", help="perplexity (llama-perplexity's method) and KL divergence against a base")
+    s.add_argument("model")
+    s.add_argument("--recipe", default=None)
+    s.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext-2 test")
+    s.add_argument("--ctx", type=int, default=512)
+    s.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    s.add_argument("--save-logits", default=None, metavar="FILE", help="save log-probs for a later --kl-base")
+    s.add_argument("--kl-base", default=None, metavar="FILE", help="compare with a base model's saved log-probs")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("-t", "--threads", type=int, default=None)
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("--offline", action="store_true")
+    s.set_defaults(fn=cmd_ppl)
+
+    s = sub.add_parser("bench", help="pp/tg tokens/s, TTFT, peak RSS, bytes/token vs read bandwidth")
+    s.add_argument("model")
+    s.add_argument("--recipe", default=None)
+    s.add_argument("-t", "--threads", default="2", help="comma list of thread counts (default 2)")
+    s.add_argument("-p", "--n-prompt", type=int, default=512)
+    s.add_argument("-n", "--n-gen", type=int, default=128)
+    s.add_argument("-r", "--repetitions", type=int, default=3)
+    s.add_argument("--perf", action="store_true", help="cache-misses per instruction (perf_event_open)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.add_argument("--offline", action="store_true")
+    s.set_defaults(fn=cmd_bench)
     return p
 
 

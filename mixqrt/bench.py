@@ -1,0 +1,128 @@
+"""`mixqrt bench`: llama-bench-style pp/tg tokens/s, time to first token, peak RSS, and decode bytes
+per token against the machine's read bandwidth measured in the same run."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from mixqrt.convert import peak_rss_bytes
+
+
+def measure_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
+    """Read bandwidth in bytes/s: a streaming read over a buffer much larger than the LLC."""
+    from mixqrt import ops
+    if hasattr(ops, "read_bandwidth"):
+        return float(ops.read_bandwidth(nbytes, threads))
+    buf = np.ones(nbytes // 8, dtype=np.float64)
+    buf.sum()
+    t = time.perf_counter()
+    buf.sum()
+    return nbytes / (time.perf_counter() - t)
+
+
+def decode_bytes_per_token(model, ctx_tokens: int) -> int:
+    """Bytes a decode step must read: every weight but the embedding table (one row is gathered),
+    plus the K and V cache rows attended to."""
+    from mixqrt.models.base import is_qtensor
+    total = 0
+    for name, t in _weights(model):
+        if name == "embed":
+            continue
+        total += t.nbytes if is_qtensor(t) or hasattr(t, "nbytes") else 0
+    a = model.args
+    total += 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4 * ctx_tokens
+    return total
+
+
+def _weights(model):
+    seen = set()
+    if model.lm_head is not model.embed_tokens:
+        yield "lm_head", model.lm_head
+    yield "embed", model.embed_tokens
+    for L in model.layers:
+        for k, v in vars(L).items():
+            for t in (v if isinstance(v, list) else [v]):
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    yield k, t
+
+
+def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_prompt: int = 128,
+          repeats: int = 3, perf: bool = False, progress: bool = True) -> list[dict]:
+    """One row per thread count: pp_tok_s, tg_tok_s, ttft_s, peak_rss_bytes, model_bytes, bandwidth_ratio."""
+    from mixqrt import ops
+    model = loaded.model
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    prompt = rng.integers(100, min(vocab, 30000), size=n_prompt)
+    rows = []
+    for nt in threads:
+        if hasattr(ops, "set_num_threads"):
+            ops.set_num_threads(int(nt))
+        bw = measure_bandwidth(int(nt))
+        cache = model.make_cache(n_prompt + n_gen + 8)
+        model(prompt[:32], cache, 0, last_only=True)        # warm-up: page in weights, JIT nothing
+        pp, tg, ttft = [], [], []
+        counters = None
+        for r in range(repeats):
+            cache.reset()
+            t = time.perf_counter()
+            model(prompt, cache, 0, last_only=True)
+            pp.append(n_prompt / (time.perf_counter() - t))
+            cache.reset()
+            t = time.perf_counter()
+            logits = model(prompt[:ttft_prompt], cache, 0, last_only=True)
+            tok = int(np.argmax(logits))
+            ttft.append(time.perf_counter() - t)
+            if perf and r == 0:
+                from mixqrt.perf import Counters
+                counters = Counters()
+            t = time.perf_counter()
+            ctx = counters if (counters is not None and counters.ok and r == 0) else _null()
+            with ctx:
+                for _ in range(n_gen):
+                    logits = model(np.array([tok]), cache, None, last_only=True)
+                    tok = int(np.argmax(logits))
+            tg.append(n_gen / (time.perf_counter() - t))
+        tg_med = statistics.median(tg)
+        bpt = decode_bytes_per_token(model, ttft_prompt + n_gen // 2)
+        row = {"threads": int(nt), "pp_tok_s": statistics.median(pp), "tg_tok_s": tg_med,
+               "ttft_s": statistics.median(ttft), "peak_rss_bytes": peak_rss_bytes(),
+               "model_bytes": loaded.nbytes, "decode_bytes_per_token": bpt,
+               "read_bandwidth_bytes_s": bw,
+               # achieved decode bandwidth / measured bandwidth; 1.0 = at the memory limit
+               "bandwidth_ratio": tg_med * bpt / bw, "n_prompt": n_prompt, "n_gen": n_gen}
+        if perf:
+            if counters is not None and counters.ok:
+                row["cache_miss_per_instr"] = counters.miss_ratio()
+                row["perf"] = counters.values
+            else:
+                row["perf_error"] = counters.error if counters is not None else "not measured"
+        rows.append(row)
+    return rows
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def format_rows(rows, label: str) -> str:
+    head = (f"| model | threads | pp{rows[0]['n_prompt']} tok/s | tg{rows[0]['n_gen']} tok/s | TTFT s | "
+            f"peak RSS MiB | model MiB | B/token / bandwidth |")
+    out = [head, "|" + "---|" * 8]
+    for r in rows:
+        out.append(f"| {label} | {r['threads']} | {r['pp_tok_s']:.1f} | {r['tg_tok_s']:.1f} | {r['ttft_s']:.3f} | "
+                   f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['model_bytes'] / 2**20:.1f} | "
+                   f"{r['bandwidth_ratio']:.2f} ({r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s) |")
+        if "cache_miss_per_instr" in r:
+            warn = "  WARNING: above 15 %" if r["cache_miss_per_instr"] > 0.15 else ""
+            out.append(f"cache-misses/instructions: {100 * r['cache_miss_per_instr']:.2f} %{warn}")
+        elif "perf_error" in r:
+            out.append(f"perf counters unavailable: {r['perf_error']}")
+    return "\n".join(out)
