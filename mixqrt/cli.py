@@ -116,7 +116,7 @@ def cmd_ppl(a):
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
     toks = m.tokenizer.encode(text, add_special_tokens=False)
-    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos", False) else None
+    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
     if bos is not None:
         toks = [bos] + list(toks)
 

@@ -206,18 +206,18 @@ def _fuse_target(name: str):
 
 
 def build_meta(source, recipe: Recipe) -> dict:
-    tok = source.tokenizer
-    return {
+    meta = {
         "kind": MXQ_KIND,
         "arch": source.arch,
         "config": dict(source.config),
         "generation_config": dict(source.generation_config or {}),
-        "tokenizer": tok.to_spec(),
         "recipe": recipe.spec(),
         "source": str(getattr(source, "description", "") or getattr(source, "path", "")),
         "fused": {k: list(v) for k, v in FUSE.items()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    meta.update(source.tokenizer.to_meta())   # tokenizer.json, chat_template, tokenizer_info
+    return meta
 
 
 def describe(report: QuantReport) -> str:

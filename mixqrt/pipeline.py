@@ -37,7 +37,7 @@ class LoadedModel:
             raise ModelError(f"{path}: not a mixqrt language model file (kind={meta.get('kind')!r})")
         self.meta = meta
         self.recipe = meta.get("recipe", {}).get("name")
-        self.tokenizer = Tokenizer.from_spec(meta["tokenizer"])
+        self.tokenizer = Tokenizer.from_meta(meta)
         self.generation_config = dict(meta.get("generation_config") or {})
         cls = get_model_class(meta["arch"])
         self.model = cls(cls.args_class.from_dict(meta["config"]) if hasattr(cls, "args_class") else meta["config"],

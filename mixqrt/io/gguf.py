@@ -1,0 +1,333 @@
+"""GGUF files as a Source: HF names, HF layouts, float32 tensors one at a time.
+
+The header is parsed here rather than with gguf.GGUFReader: the reader builds a numpy object per
+string and takes ~8 s on a 150k-token vocabulary, and it does not check that tensor spans lie
+inside the file. This parser reads the same format strictly (every length and offset checked
+against the file size) in a fraction of a second; gguf.quants still does the dequantization.
+
+llama.cpp's converter permutes the q/k rows of llama-architecture models so that its own RoPE
+(adjacent pairs) can be used; we undo it, so every graph uses HF's rotate-half RoPE. Qwen2 GGUFs
+are written unpermuted (llama.cpp runs NEOX-style RoPE for them), so they pass through untouched.
+"""
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from mixqrt.errors import FormatError, ModelError
+from mixqrt.io.source import SUPPORTED_ARCHS, Source, check_config, check_layout
+
+GGUF_MAGIC = b"GGUF"
+MAX_DIMS = 4
+MAX_STRING = 1 << 30
+
+# value type code -> (struct format, size); 8 = string and 9 = array are handled by hand
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+            6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+               10: "<u8", 11: "<i8", 12: "<f8"}
+
+# GGUF name -> HF name, per layer and global
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF name for a GGUF tensor name; None for tensors the graphs do not use (rope_freqs...)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp convert_hf_to_gguf's permute(): per head, interleaved pairs -> halves."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permute() (HF halves -> interleaved pairs); used by tests to build GGUFs."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# -- strict header parser --------------------------------------------------------------------
+
+class _Cursor:
+    """Bounds-checked little-endian reads over the mapped file."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.path, self.size = buf, 0, path, len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise FormatError(f"{self.path}: truncated GGUF: {what} needs {n} bytes at offset {self.pos}, "
+                              f"file has {self.size}")
+
+    def scalar(self, code: int, what: str):
+        fmt, n = _SCALARS[code]
+        self.need(n, what)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.scalar(10, what + " length")
+        if n > MAX_STRING:
+            raise FormatError(f"{self.path}: {what}: string length {n} is implausible")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # llama.cpp stores some vocab entries as raw bytes; keep them round-trippable
+            return raw.decode("utf-8", errors="surrogateescape")
+
+    def value(self, vtype: int, what: str):
+        if vtype in _SCALARS:
+            return self.scalar(vtype, what)
+        if vtype == 8:
+            return self.string(what)
+        if vtype == 9:
+            etype = self.scalar(4, what + " element type")
+            n = self.scalar(10, what + " length")
+            if etype in _NP_SCALARS:
+                width = _SCALARS[etype][1]
+                if n > (self.size - self.pos) // width:
+                    self.need(n * width, what)
+                arr = np.frombuffer(self.buf, dtype=_NP_SCALARS[etype], count=n, offset=self.pos).copy()
+                self.pos += n * width
+                return arr.astype(bool) if etype == 7 else arr
+            if etype == 8:
+                if n > self.size - self.pos:          # each string costs at least 8 bytes
+                    self.need(n * 8, what)
+                return [self.string(what) for _ in range(n)]
+            if etype == 9:
+                return [self.value(9, what) for _ in range(n)]
+            raise FormatError(f"{self.path}: {what}: unknown array element type {etype}")
+        raise FormatError(f"{self.path}: {what}: unknown value type {vtype}")
+
+
+def read_gguf_header(buf, path: Path):
+    """(metadata dict, {gguf tensor name: (dims ne0-first, type, absolute offset, nbytes)})."""
+    c = _Cursor(buf, path)
+    c.need(4, "magic")
+    if bytes(buf[0:4]) != GGUF_MAGIC:
+        raise FormatError(f"{path}: not a GGUF file (magic {bytes(buf[0:4])!r})")
+    c.pos = 4
+    version = c.scalar(4, "version")
+    if version not in (2, 3):
+        hint = " (big-endian files are not supported)" if version > 0xFFFF else ""
+        raise FormatError(f"{path}: unsupported GGUF version {version}{hint}")
+    n_tensors = c.scalar(10, "tensor count")
+    n_kv = c.scalar(10, "metadata count")
+    if n_tensors > c.size // 24 or n_kv > c.size // 12:  # each entry needs at least that many bytes
+        raise FormatError(f"{path}: truncated GGUF: header claims {n_tensors} tensors / {n_kv} keys")
+    meta = {}
+    for i in range(n_kv):
+        key = c.string(f"metadata key #{i}")
+        vtype = c.scalar(4, f"type of {key}")
+        meta[key] = c.value(vtype, key)
+    infos = {}
+    for i in range(n_tensors):
+        name = c.string(f"tensor name #{i}")
+        nd = c.scalar(4, f"tensor {name} rank")
+        if not 1 <= nd <= MAX_DIMS:
+            raise FormatError(f"{path}: tensor {name!r} has rank {nd}")
+        dims = tuple(c.scalar(10, f"tensor {name} dims") for _ in range(nd))
+        ttype = c.scalar(4, f"tensor {name} type")
+        offset = c.scalar(10, f"tensor {name} offset")
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            raise FormatError(f"{path}: tensor {name!r} has unknown ggml type {ttype}") from None
+        block, nbytes_block = GGML_QUANT_SIZES[qtype]
+        if any(d <= 0 for d in dims) or dims[0] % block:
+            raise FormatError(f"{path}: tensor {name!r} dims {dims} do not fit {qtype.name} blocks of {block}")
+        nbytes = int(np.prod(dims, dtype=object)) // block * nbytes_block
+        if name in infos:
+            raise FormatError(f"{path}: tensor {name!r} appears twice")
+        infos[name] = (dims, qtype, offset, nbytes)
+    align = int(meta.get("general.alignment", 32))
+    if align <= 0 or align & (align - 1):
+        raise FormatError(f"{path}: general.alignment={align} is not a power of two")
+    data_start = (c.pos + align - 1) // align * align
+    out = {}
+    for name, (dims, qtype, offset, nbytes) in infos.items():
+        start = data_start + offset
+        if offset % align or start + nbytes > c.size:
+            raise FormatError(f"{path}: tensor {name!r} spans bytes [{start}, {start + nbytes}) but the "
+                              f"file has {c.size} (truncated or corrupt)")
+        out[name] = (dims, qtype, start, nbytes)
+    return meta, out
+
+
+# -- metadata -> HF config -------------------------------------------------------------------
+
+def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{path}: unknown architecture {arch} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def key(k, default=None, required=True):
+        v = meta.get(f"{arch}.{k}", default)
+        if v is None and required:
+            raise ModelError(f"{path}: GGUF metadata key {arch}.{k} is missing")
+        return v.item() if isinstance(v, np.generic) else v
+
+    n_head = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    emb = tensors.get("token_embd.weight")
+    vocab = len(tokens) if tokens is not None else (emb[0][1] if emb else key("vocab_size"))
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(key("attention.head_count_kv", n_head)),
+        "head_dim": int(key("attention.key_length", hidden // n_head)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length")),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    else:
+        cfg["use_sliding_window"] = False
+    scaling = key("rope.scaling.type", required=False)
+    if scaling and scaling != "none":
+        cfg["rope_scaling"] = {"type": scaling, "rope_type": scaling,
+                               "factor": float(key("rope.scaling.factor", 1.0))}
+        orig = key("rope.scaling.original_context_length", required=False)
+        if orig:
+            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+    for tok in ("bos", "eos", "padding"):
+        v = meta.get(f"tokenizer.ggml.{tok}_token_id")
+        if v is not None:
+            cfg["pad_token_id" if tok == "padding" else f"{tok}_token_id"] = int(v)
+    return cfg
+
+
+def generation_config_from_metadata(meta: dict, eos_ids) -> dict:
+    gen = {"eos_token_id": sorted(eos_ids) if len(eos_ids) > 1 else next(iter(eos_ids), None)}
+    for k in ("bos_token_id", "padding_token_id"):
+        v = meta.get(f"tokenizer.ggml.{k}")
+        if v is not None:
+            gen["pad_token_id" if k.startswith("padding") else k] = int(v)
+    # newer converters copy generation_config.json's sampling defaults into general.sampling.*
+    for gk, hk in (("top_k", "top_k"), ("top_p", "top_p"), ("temp", "temperature"),
+                   ("min_p", "min_p"), ("penalty_repeat", "repetition_penalty")):
+        v = meta.get(f"general.sampling.{gk}")
+        if v is not None:
+            gen[hk] = float(v) if hk != "top_k" else int(v)
+    if "temperature" in gen or "top_p" in gen or "top_k" in gen:
+        gen["do_sample"] = True
+    return gen
+
+
+# -- the Source --------------------------------------------------------------------------------
+
+class GGUFSource(Source):
+    """A .gguf file; tensors are dequantized to float32 on .get, one at a time."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:                         # an empty file cannot be mapped
+            raise FormatError(f"{self.path}: empty file, not a GGUF model") from None
+        try:
+            self.metadata, self._gguf = read_gguf_header(self._map, self.path)
+            self.config = config_from_metadata(self.metadata, self._gguf, self.path)
+            self.arch = self.config["model_type"]
+            check_config(self.config, str(self.path))
+            self._names = {}                        # HF name -> GGUF name
+            self.unmapped = []                      # GGUF tensors the graphs do not use
+            for gname, (dims, qtype, _, _) in self._gguf.items():
+                hname = gguf_to_hf_name(gname)
+                if hname is None:
+                    self.unmapped.append(gname)
+                    continue
+                self._names[hname] = gname
+                self._info[hname] = (tuple(int(d) for d in reversed(dims)), qtype.name)
+            check_layout(self)
+            from mixqrt.tokenizer import eos_ids_from_gguf
+            self.generation_config = generation_config_from_metadata(
+                self.metadata, eos_ids_from_gguf(self.metadata))
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_tokenizer(self):
+        from mixqrt.tokenizer import Tokenizer
+        return Tokenizer.from_gguf_metadata(self.metadata, where=str(self.path))
+
+    def raw(self, name: str) -> tuple[np.ndarray, str]:
+        """(raw bytes of the GGUF tensor as a read-only uint8 view, ggml type name), HF name in."""
+        dims, qtype, start, nbytes = self._gguf[self._names[name]]
+        return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start), qtype.name
+
+    def _read(self, name: str) -> np.ndarray:
+        gname = self._names[name]
+        dims, qtype, start, nbytes = self._gguf[gname]
+        shape = tuple(int(d) for d in reversed(dims))
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
+        if qtype == GGMLQuantizationType.F32:
+            w = raw.view("<f4").reshape(shape).copy()
+        elif qtype == GGMLQuantizationType.F16:
+            w = raw.view("<f2").astype(np.float32).reshape(shape)
+        elif qtype == GGMLQuantizationType.BF16:
+            w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        else:
+            try:
+                w = dequantize(raw.reshape(-1, nbytes // (int(np.prod(shape)) // shape[-1])), qtype)
+            except NotImplementedError:
+                raise ModelError(f"{self.path}: tensor {gname!r}: cannot dequantize ggml type "
+                                 f"{qtype.name}") from None
+            w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_qk(w, self.config["num_attention_heads"])
+        elif self.arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_qk(w, self.config["num_key_value_heads"])
+        return np.ascontiguousarray(w, dtype=np.float32)
+
+    def close(self) -> None:
+        m, f = getattr(self, "_map", None), getattr(self, "_file", None)
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:
+                pass                                # a raw() view is still alive; GC closes it later
+            self._map = None
+        if f is not None:
+            f.close()
+            self._file = None

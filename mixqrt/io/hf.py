@@ -1,0 +1,218 @@
+"""Hugging Face folders: config.json + model.safetensors (or shards + model.safetensors.index.json).
+
+The safetensors header is read here, strictly, as the format's own reader does: an 8-byte
+little-endian length under a fixed limit, a JSON object, every tensor's byte span equal to
+shape x dtype size, spans contiguous from the start of the data and ending exactly at the end of
+the file. Reading it ourselves also lets BF16 load without ml_dtypes or torch (the u16 is the top
+half of a float32) and keeps one error class with messages that name the file and tensor.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from mixqrt.errors import FormatError, ModelError
+from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
+                              refuse_pickle)
+
+MAX_HEADER = 100 * 1024 * 1024          # the limit safetensors itself enforces
+
+# safetensors dtype -> (item size, numpy dtype to read, or None for "cannot be a weight")
+DTYPES = {"F64": (8, "<f8"), "F32": (4, "<f4"), "F16": (2, "<f2"), "BF16": (2, "<u2"),
+          "I64": (8, None), "I32": (4, None), "I16": (2, None), "I8": (1, None), "U8": (1, None),
+          "U16": (2, None), "U32": (4, None), "U64": (8, None), "BOOL": (1, None),
+          "F8_E4M3": (1, None), "F8_E5M2": (1, None)}
+
+
+class SafetensorsFile:
+    """One .safetensors file, memory-mapped; .read(name) -> float32 array."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self._file = open(self.path, "rb")
+        try:
+            size = self.path.stat().st_size
+            if size < 8:
+                raise FormatError(f"{self.path}: truncated safetensors file ({size} bytes, header length needs 8)")
+            n = struct.unpack("<Q", self._file.read(8))[0]
+            if n > MAX_HEADER:
+                raise FormatError(f"{self.path}: header length {n} exceeds the {MAX_HEADER}-byte limit")
+            if 8 + n > size:
+                raise FormatError(f"{self.path}: truncated safetensors file: header claims {n} bytes, "
+                                  f"file has {size - 8} after the length")
+            raw = self._file.read(n)
+            try:
+                header = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise FormatError(f"{self.path}: header is not valid UTF-8 JSON: {e}") from None
+            if not isinstance(header, dict):
+                raise FormatError(f"{self.path}: header is not a JSON object")
+            self.metadata = header.pop("__metadata__", None) or {}
+            self.data_start = 8 + n
+            self.tensors = self._check(header, size - self.data_start)
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > self.data_start else None
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _check(self, header: dict, data_len: int) -> dict:
+        out, spans = {}, []
+        for name, e in header.items():
+            where = f"{self.path}: tensor {name!r}"
+            if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+                raise FormatError(f"{where}: entry needs dtype, shape and data_offsets")
+            dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+            if dtype not in DTYPES:
+                raise FormatError(f"{where}: unknown dtype {dtype!r}")
+            if (not isinstance(shape, list) or
+                    not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+                raise FormatError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+            if (not isinstance(offs, list) or len(offs) != 2 or
+                    not all(isinstance(o, int) and not isinstance(o, bool) for o in offs) or not 0 <= offs[0] <= offs[1]):
+                raise FormatError(f"{where}: data_offsets {offs!r} must be [begin, end] with 0 <= begin <= end")
+            want = DTYPES[dtype][0]
+            for d in shape:
+                want *= d                          # Python ints: no overflow to check
+            if offs[1] - offs[0] != want:
+                raise FormatError(f"{where}: byte span {offs[1] - offs[0]} != shape {tuple(shape)} x "
+                                  f"{dtype} ({want} bytes)")
+            if offs[1] > data_len:
+                raise FormatError(f"{where}: data_offsets {offs} run past the end of the file "
+                                  f"({data_len} data bytes; truncated?)")
+            out[name] = (tuple(shape), dtype, offs[0], offs[1])
+            spans.append((offs[0], offs[1], name))
+        pos = 0
+        for begin, end, name in sorted(spans):
+            if begin != pos:
+                what = "overlaps the previous tensor" if begin < pos else f"leaves a gap at byte {pos}"
+                raise FormatError(f"{self.path}: tensor {name!r} starts at {begin} and {what}")
+            pos = end
+        if pos != data_len:
+            raise FormatError(f"{self.path}: tensors cover {pos} data bytes but the file has {data_len}")
+        return out
+
+    def read(self, name: str) -> np.ndarray:
+        shape, dtype, begin, end = self.tensors[name]
+        np_dtype = DTYPES[dtype][1]
+        if np_dtype is None:
+            raise ModelError(f"{self.path}: tensor {name!r} is {dtype}, not a floating-point weight")
+        count = (end - begin) // DTYPES[dtype][0]
+        if count == 0:
+            return np.zeros(shape, np.float32)
+        a = np.frombuffer(self._map, dtype=np_dtype, count=count, offset=self.data_start + begin)
+        if dtype == "BF16":
+            out = (a.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = a.astype(np.float32)              # always a fresh array: the map may close
+        return out.reshape(shape)
+
+    def close(self):
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+            self._map = None
+        self._file.close()
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError(f"{path.parent}: no {path.name} ({what})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise FormatError(f"{path}: expected a JSON object")
+    return data
+
+
+class HFSource(Source):
+    """An HF model folder with safetensors weights."""
+
+    # tensors a checkpoint may carry that no graph reads
+    _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+    def __init__(self, folder):
+        super().__init__()
+        self.path = Path(folder)
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, SafetensorsFile] = {}   # HF name -> file holding it
+        try:
+            self.config = _read_json(self.path / "config.json", "every HF model folder has one")
+            self.arch = arch_from_config(self.config, str(self.path / "config.json"))
+            check_config(self.config, str(self.path / "config.json"))
+            self._open_weights()
+            check_layout(self)
+            gpath = self.path / "generation_config.json"
+            self.generation_config = _read_json(gpath, "") if gpath.is_file() else {}
+        except BaseException:
+            self.close()
+            raise
+
+    def _weight_files(self) -> tuple[list[Path], dict | None]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = _read_json(index, "").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise FormatError(f"{index}: no weight_map")
+            files = sorted({self.path / f for f in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise ModelError(f"{index}: shard {f.name} is listed but missing from the folder")
+            return files, weight_map
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickles = sorted(p.name for p in self.path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+            if pickles:
+                refuse_pickle(self.path / pickles[0])
+            raise ModelError(f"{self.path}: no *.safetensors weights in the folder")
+        return files, None
+
+    def _open_weights(self) -> None:
+        files, weight_map = self._weight_files()
+        for f in files:
+            self._files[f.name] = SafetensorsFile(f)
+        tied = bool(self.config.get("tie_word_embeddings", False))
+        for fname, sf in self._files.items():
+            for name, (shape, dtype, _, _) in sf.tensors.items():
+                if name.endswith(self._IGNORED_SUFFIXES):
+                    continue
+                if weight_map is not None and weight_map.get(name) != fname:
+                    continue                        # the index decides which shard owns a name
+                if name in self._info:
+                    raise FormatError(f"{self.path}: tensor {name!r} appears in both "
+                                      f"{self._where[name].path.name} and {fname}")
+                if tied and name == "lm_head.weight":
+                    continue                        # contract: absent when tied (some checkpoints save a copy)
+                self._info[name] = (shape, dtype)
+                self._where[name] = sf
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self._files[fname].tensors:
+                    raise FormatError(f"{self.path / fname}: tensor {name!r} is listed in the index "
+                                      "but not stored in this shard")
+
+    def _read(self, name: str) -> np.ndarray:
+        return self._where[name].read(name)
+
+    def _load_tokenizer(self):
+        from mixqrt.tokenizer import Tokenizer
+        eos = []
+        for d in (self.generation_config, self.config):
+            v = d.get("eos_token_id")
+            eos += v if isinstance(v, list) else ([v] if isinstance(v, int) else [])
+        tk = Tokenizer.from_folder(self.path, extra_eos_ids=eos)
+        if tk.bos_token_id is None and isinstance(self.config.get("bos_token_id"), int):
+            tk.bos_token_id = self.config["bos_token_id"]
+        return tk
+
+    def close(self) -> None:
+        for sf in self._files.values():
+            sf.close()
+        self._files.clear()

@@ -1,0 +1,216 @@
+"""The Source contract: one model checkpoint seen through Hugging Face's names and layouts.
+
+Every reader (GGUF file, HF safetensors folder, hub snapshot) presents the same thing:
+
+    src.config                 dict with HF config.json keys (hidden_size, num_hidden_layers, ...)
+    src.arch                   "qwen2" | "llama"
+    src.tensor_names()         HF names: model.layers.0.self_attn.q_proj.weight, ...
+    src.tensor_info(name)      (shape tuple in HF order [out, in], source dtype str)
+    src.get(name)              float32 ndarray, one tensor at a time (never the whole model)
+    src.tokenizer              mixqrt.tokenizer.Tokenizer
+    src.generation_config      dict
+
+Layout checks live here so both readers refuse the same broken checkpoints with the same words:
+a tensor that disagrees with config.json, or a missing one, is a ModelError at open time (cheap:
+only headers are read); NaN/Inf is found by .get (reading the data is the only way to see it).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mixqrt.errors import FormatError, ModelError
+
+SUPPORTED_ARCHS = ("qwen2", "llama")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+# HF `architectures` entries we know, for configs whose model_type is missing or odd.
+_ARCH_CLASSES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+class Source:
+    """Base class: subclasses fill config/arch/tokenizer/generation_config and the tensor table."""
+
+    path: Path
+    config: dict
+    arch: str
+    generation_config: dict
+
+    def __init__(self):
+        self._tokenizer = None
+        self._info: dict[str, tuple[tuple[int, ...], str]] = {}   # HF name -> (HF shape, source dtype)
+
+    # -- tensors ---------------------------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        return list(self._info)
+
+    def tensor_info(self, name: str) -> tuple[tuple[int, ...], str]:
+        try:
+            return self._info[name]
+        except KeyError:
+            raise ModelError(f"{self.path}: no tensor named {name!r}") from None
+
+    def _read(self, name: str) -> np.ndarray:
+        """Subclass hook: the tensor as float32 in HF layout (a fresh array, not a view)."""
+        raise NotImplementedError
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor as a float32 array in HF layout; FormatError if it holds NaN or Inf."""
+        if name not in self:
+            raise ModelError(f"{self.path}: no tensor named {name!r}")
+        arr = self._read(name)
+        if not np.isfinite(arr).all():
+            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            raise FormatError(f"{self.path}: tensor {name!r} holds {bad} NaN/Inf value(s)")
+        return arr
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._info
+
+    # -- lazily built pieces ---------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self):
+        raise NotImplementedError
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"{type(self).__name__}({str(self.path)!r}, arch={self.arch!r}, tensors={len(self.tensor_names())})"
+
+
+# -- architecture and layout checks ----------------------------------------------------------
+
+def arch_from_config(config: dict, where: str) -> str:
+    """'qwen2' or 'llama' from an HF config; ModelError naming anything else."""
+    mt = config.get("model_type")
+    if mt in SUPPORTED_ARCHS:
+        return mt
+    for cls in config.get("architectures") or ():
+        if cls in _ARCH_CLASSES:
+            return _ARCH_CLASSES[cls]
+    name = mt or ",".join(config.get("architectures") or ()) or "(none given)"
+    raise ModelError(f"{where}: unknown architecture {name} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+
+_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def check_config(config: dict, where: str) -> None:
+    """The config keys the graph needs must be present positive integers."""
+    for key in _REQUIRED_KEYS:
+        v = config.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ModelError(f"{where}: config key {key!r} must be a positive integer, got {v!r}")
+    kv = config.get("num_key_value_heads", config["num_attention_heads"])
+    if not isinstance(kv, int) or kv <= 0 or config["num_attention_heads"] % kv:
+        raise ModelError(f"{where}: num_key_value_heads={kv!r} must divide "
+                         f"num_attention_heads={config['num_attention_heads']}")
+
+
+def expected_shapes(config: dict, arch: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor the graph needs, with its HF shape, from the config alone."""
+    h = config["hidden_size"]
+    nh = config["num_attention_heads"]
+    nkv = config.get("num_key_value_heads", nh)
+    hd = config.get("head_dim") or h // nh
+    inter = config["intermediate_size"]
+    vocab = config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * hd, h),
+            p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, nh * hd),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if arch == "qwen2" or config.get("attention_bias", False):
+            shapes.update({p + "self_attn.q_proj.bias": (nh * hd,),
+                           p + "self_attn.k_proj.bias": (nkv * hd,),
+                           p + "self_attn.v_proj.bias": (nkv * hd,)})
+    return shapes
+
+
+def check_layout(src: Source) -> None:
+    """ModelError for a missing tensor or one whose shape disagrees with the config."""
+    names = set(src.tensor_names())
+    for name, shape in expected_shapes(src.config, src.arch).items():
+        if name not in names:
+            raise ModelError(f"{src.path}: missing tensor {name!r} ({src.arch}, "
+                             f"{src.config['num_hidden_layers']} layers)")
+        got = tuple(src.tensor_info(name)[0])
+        if got != shape:
+            raise ModelError(f"{src.path}: tensor {name!r} has shape {got}, config says {shape}")
+
+
+# -- dispatch --------------------------------------------------------------------------------
+
+def _looks_like_repo_id(s: str) -> bool:
+    # "org/name" with no filesystem hints; anything else that does not exist is a bad path.
+    parts = s.split("/")
+    return (len(parts) == 2 and all(parts) and not s.startswith((".", "~"))
+            and not os.path.isabs(s) and "\\" not in s)
+
+
+def refuse_pickle(path: Path) -> None:
+    raise FormatError(f"{path}: pickle checkpoints ({', '.join(PICKLE_SUFFIXES)}) are refused — loading "
+                      "them can run arbitrary code. Convert to safetensors (e.g. transformers' "
+                      "save_pretrained(..., safe_serialization=True)) or use a GGUF file")
+
+
+def open_source(path_or_id, *, offline: bool | None = None, progress: bool = True,
+                cache_dir=None) -> Source:
+    """Open a .gguf file, an HF folder (config.json + *.safetensors) or a hub id ("Qwen/Qwen2-0.5B").
+
+    offline=None follows HF_HUB_OFFLINE; progress controls the hub's download bars.
+    """
+    from mixqrt.io.gguf import GGUFSource
+    from mixqrt.io.hf import HFSource
+
+    s = os.fspath(path_or_id)
+    p = Path(s).expanduser()
+    if p.is_file():
+        suffix = p.suffix.lower()
+        if suffix in PICKLE_SUFFIXES:
+            refuse_pickle(p)
+        if suffix == ".gguf" or _has_gguf_magic(p):
+            return GGUFSource(p)
+        if suffix == ".safetensors":
+            return HFSource(p.parent)
+        if p.name == "config.json":
+            return HFSource(p.parent)
+        raise FormatError(f"{p}: not a model source mixqrt can open (want a .gguf file, an HF folder "
+                          "with config.json + *.safetensors, or a hub id)")
+    if p.is_dir():
+        return HFSource(p)
+    if _looks_like_repo_id(s):
+        from mixqrt.io.hub import resolve_hub
+        return HFSource(resolve_hub(s, offline=offline, progress=progress, cache_dir=cache_dir))
+    raise ModelError(f"{s}: no such file or folder, and not a hub id of the form 'org/name'")
+
+
+def _has_gguf_magic(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"

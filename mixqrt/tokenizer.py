@@ -1,0 +1,326 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus what generation needs (eos set, chat template, streaming).
+
+Two ways in:
+  * Tokenizer.from_folder(dir)          tokenizer.json (+ tokenizer_config.json, generation_config.json)
+  * Tokenizer.from_gguf_metadata(meta)  rebuilt from tokenizer.ggml.* — byte-level BPE from the
+    token list and merges, with the pre-tokenizer regex llama.cpp uses for tokenizer.ggml.pre, so
+    that ids agree with llama.cpp (benchmarks/check_tokenizer.py measures it; docs/tokenizer.md).
+
+encode() parses special tokens written in the text by default, because a rendered chat template
+contains them ("<|im_start|>"); parse_special=False treats them as plain text (llama.cpp's
+special=false), which is what untrusted user text should get.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from mixqrt.errors import FormatError, ModelError
+
+# llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), keyed by tokenizer.ggml.pre
+_QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_FAMILIES = {
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3",
+    "smollm": "digits+gpt2", "starcoder": "digits+gpt2", "refact": "digits+gpt2", "codeshell": "digits+gpt2",
+    "gpt-2": "gpt2", "gpt2": "gpt2", "default": "gpt2",
+}
+# text of control tokens that end a turn; llama.cpp adds these to its end-of-generation set too
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+              "<EOT>", "_<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>"}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by every byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _pre_tokenizer(pre: str, where: str):
+    family = _PRE_FAMILIES.get(pre)
+    if family is None:
+        raise ModelError(f"{where}: GGUF pre-tokenizer {pre!r} is not supported "
+                         f"(supported: {', '.join(sorted(_PRE_FAMILIES))})")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    if family in ("qwen2", "llama3"):
+        regex = _QWEN2_RE if family == "qwen2" else _LLAMA3_RE
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                                        byte_level])
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if family == "digits+gpt2":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    return gpt2
+
+
+def _scalar(meta, key, default=None):
+    v = meta.get(key, default)
+    return v.item() if hasattr(v, "item") else v
+
+
+def eos_ids_from_gguf(meta: dict) -> set[int]:
+    """eos/eot/eom ids from the metadata plus control tokens whose text ends a turn (as llama.cpp)."""
+    ids = {int(_scalar(meta, f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")
+           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None}
+    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None:
+        for i in np.flatnonzero(np.isin(np.asarray(types), (_CONTROL, _USER_DEFINED))):
+            if tokens[i] in _EOG_TEXTS:
+                ids.add(int(i))
+    return ids
+
+
+class Tokenizer:
+    """Encode/decode, special ids, chat template and streaming for one model."""
+
+    def __init__(self, backend: _HFTokenizer, *, bos_token_id=None, eos_token_ids=(), pad_token_id=None,
+                 chat_template=None, add_bos_token=False):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = set(int(i) for i in eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template          # str, or {name: str} when a model ships several
+        self.add_bos_token = bool(add_bos_token)
+        self._added = backend.get_added_tokens_decoder()
+        self.special_ids = {i for i, t in self._added.items() if t.special}
+        self._plain = None                          # copy that does not parse special tokens
+        self._id_bytes = None
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, where: str = "GGUF") -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelError(f"{where}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise FormatError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.merges missing")
+        types = meta.get("tokenizer.ggml.token_type")
+        if types is not None and len(types) != len(tokens):
+            raise FormatError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+        vocab = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)                  # a duplicate keeps its first id, like llama.cpp
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise FormatError(f"{where}: merge {m!r} is not 'left right'")
+            pairs.append((a, b))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        try:
+            bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
+                             ignore_merges=_PRE_FAMILIES.get(pre) == "llama3")
+        except Exception as e:                      # tokenizers reports e.g. a merge of unknown tokens
+            raise FormatError(f"{where}: tokenizer vocabulary is inconsistent: {e}") from None
+        tk = _HFTokenizer(bpe)
+        tk.pre_tokenizer = _pre_tokenizer(pre, where)
+        tk.decoder = decoders.ByteLevel()
+        if types is not None:
+            types = np.asarray(types)
+            special = [AddedToken(tokens[i], special=True, normalized=False)
+                       for i in np.flatnonzero(types == _CONTROL)]
+            user = [AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.flatnonzero(types == _USER_DEFINED)]
+            tk.add_special_tokens(special)
+            tk.add_tokens(user)
+        bos = _scalar(meta, "tokenizer.ggml.bos_token_id")
+        add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+        if add_bos:
+            name = tokens[int(bos)]
+            tk.post_processor = processors.TemplateProcessing(
+                single=f"{name} $A", pair=f"{name} $A {name} $B", special_tokens=[(name, int(bos))])
+        pad = _scalar(meta, "tokenizer.ggml.padding_token_id")
+        return cls(tk, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids_from_gguf(meta),
+                   pad_token_id=None if pad is None else int(pad),
+                   chat_template=meta.get("tokenizer.chat_template"), add_bos_token=add_bos)
+
+    @classmethod
+    def from_folder(cls, folder, *, extra_eos_ids=()) -> "Tokenizer":
+        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of an HF model folder."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelError(f"{folder}: no tokenizer.json (mixqrt needs the fast-tokenizer file; "
+                             "transformers' tokenizer.save_pretrained() writes it)")
+        try:
+            tk = _HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise FormatError(f"{path}: not a valid tokenizer.json: {e}") from None
+        cfg = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise FormatError(f"{cfg_path}: not valid JSON: {e}") from None
+
+        def tok_id(entry):
+            text = entry.get("content") if isinstance(entry, dict) else entry
+            return None if text is None else tk.token_to_id(text)
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):              # [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+        jinja = folder / "chat_template.jinja"
+        if template is None and jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        eos = {i for i in [tok_id(cfg.get("eos_token"))] if i is not None} | set(extra_eos_ids)
+        return cls(tk, bos_token_id=tok_id(cfg.get("bos_token")), eos_token_ids=eos,
+                   pad_token_id=tok_id(cfg.get("pad_token")), chat_template=template,
+                   add_bos_token=cfg.get("add_bos_token", False))
+
+    # -- serialization (a .mxq file stores these meta entries) ------------------------------
+    def to_meta(self) -> dict:
+        """JSON-able entries that rebuild this tokenizer with from_meta() (no GGUF/folder needed)."""
+        return {"tokenizer": self.backend.to_str(), "chat_template": self.chat_template,
+                "tokenizer_info": {"bos_token_id": self.bos_token_id, "eos_token_ids": sorted(self.eos_token_ids),
+                                   "pad_token_id": self.pad_token_id, "add_bos_token": self.add_bos_token}}
+
+    @classmethod
+    def from_meta(cls, meta) -> "Tokenizer":
+        try:
+            backend = _HFTokenizer.from_str(meta["tokenizer"])
+        except KeyError:
+            raise FormatError("model file has no 'tokenizer' entry") from None
+        except Exception as e:
+            raise FormatError(f"model file's 'tokenizer' entry is not a valid tokenizer.json: {e}") from None
+        info = dict(meta.get("tokenizer_info") or {})
+        return cls(backend, bos_token_id=info.get("bos_token_id"), eos_token_ids=info.get("eos_token_ids") or (),
+                   pad_token_id=info.get("pad_token_id"), chat_template=meta.get("chat_template"),
+                   add_bos_token=info.get("add_bos_token", False))
+
+    # -- encode / decode -------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode() wants str, got {type(text).__name__}")
+        tk = self.backend
+        if not parse_special:
+            if self._plain is None:
+                self._plain = _HFTokenizer.from_str(self.backend.to_str())
+                self._plain.encode_special_tokens = True
+            tk = self._plain
+        return tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str):
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, i: int):
+        return self.backend.id_to_token(int(i))
+
+    @property
+    def bos_token(self):
+        return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self):
+        return None if not self.eos_token_ids else self.id_to_token(min(self.eos_token_ids))
+
+    # -- chat ------------------------------------------------------------------------------
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **context) -> str:
+        """The prompt string for `messages`, rendered from the model's own template."""
+        from mixqrt.chat_template import render
+
+        template = self.chat_template
+        if isinstance(template, dict):
+            template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
+        if not template:
+            raise ModelError("this model ships no chat template; pass a plain prompt instead")
+        context.setdefault("bos_token", self.bos_token or "")
+        context.setdefault("eos_token", self.eos_token or "")
+        return render(template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **context)
+
+    # -- streaming -------------------------------------------------------------------------
+    def token_bytes(self, i: int) -> bytes | None:
+        """The exact bytes token i stands for (byte-level BPE only; None otherwise)."""
+        if self._id_bytes is None:
+            self._id_bytes = self._build_id_bytes()
+        if self._id_bytes is False:
+            return None
+        return self._id_bytes[i] if 0 <= i < len(self._id_bytes) else b""
+
+    def _build_id_bytes(self):
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return False
+        table = []
+        for i in range(self.vocab_size):
+            tok = self.backend.id_to_token(i)
+            if tok is None:
+                table.append(b"")
+            elif i in self._added:
+                table.append(tok.encode("utf-8"))
+            else:
+                try:
+                    table.append(bytes(_BYTE_OF_CHAR[c] for c in tok))
+                except KeyError:                    # not a byte-level string: take it literally
+                    table.append(tok.encode("utf-8"))
+        return table
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Token ids in, complete UTF-8 text out: feed() never returns half a character.
+
+    Byte-level BPE models split multi-byte characters across tokens (an emoji is often 2-4
+    tokens); bytes are buffered in an incremental UTF-8 decoder until a character completes.
+    Other tokenizers fall back to re-decoding a short window and emitting the grown suffix.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self._byte_level = tokenizer.token_bytes(0) is not None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []
+        self._prefix = self._read = 0
+
+    def feed(self, token_id: int) -> str:
+        token_id = int(token_id)
+        if self.skip and token_id in self.tok.special_ids:
+            return ""
+        if self._byte_level:
+            return self._utf8.decode(self.tok.token_bytes(token_id))
+        self._ids.append(token_id)
+        before = self.tok.decode(self._ids[self._prefix:self._read], self.skip)
+        after = self.tok.decode(self._ids[self._prefix:], self.skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still buffered (an incomplete character becomes U+FFFD)."""
+        if self._byte_level:
+            return self._utf8.decode(b"", final=True)
+        before = self.tok.decode(self._ids[self._prefix:self._read], self.skip)
+        after = self.tok.decode(self._ids[self._prefix:], self.skip)
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):]
