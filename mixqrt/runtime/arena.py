@@ -1,0 +1,126 @@
+"""Arena: one read-only mmap of a model file, handing out zero-copy uint8 views.
+
+The .mxq reader (mixqrt/io/mxq.py) decides *where* tensors are; the arena only maps the file,
+slices it and passes madvise hints (huge pages, read-ahead of one layer's span for the prefetcher).
+Nothing here reads tensor bytes, so mapping a file adds nothing to RSS until a kernel touches a page.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from mixqrt.errors import FormatError
+
+ALIGN = 64                      # every tensor starts on a cache line (AVX-512 loads, no splits)
+PAGE = 4096                     # default span alignment written into .mxq files
+SYS_PAGE = mmap.PAGESIZE        # what madvise() needs; may exceed PAGE on some machines
+
+_MADV = {name: getattr(mmap, "MADV_" + name.upper(), None)
+         for name in ("willneed", "dontneed", "hugepage", "sequential", "random", "normal")}
+
+
+def align_up(x: int, a: int) -> int:
+    """Smallest multiple of `a` (a power of two) that is >= x."""
+    return (x + a - 1) & ~(a - 1)
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+class Arena:
+    """Read-only mmap of `path`.
+
+    hugepages: madvise(MADV_HUGEPAGE) on the whole mapping. For a file mapping this only has an effect
+        when the kernel has CONFIG_READ_ONLY_THP_FOR_FS and khugepaged collapses the range; it is a
+        hint and never an error.
+    willneed: madvise(MADV_WILLNEED) on the whole file: starts read-ahead into the page cache without
+        faulting pages into this process (RSS grows only when a page is touched).
+    """
+
+    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False):
+        self.path = os.fspath(path)
+        self._mm = None
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self.size = os.fstat(self._fd).st_size
+            if self.size == 0:
+                raise FormatError(f"{self.path}: empty file")
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            if len(self._mm) != self.size:              # file changed under us between fstat and mmap
+                raise FormatError(f"{self.path}: file size changed while mapping")
+        except BaseException:
+            self.close()
+            raise
+        if hugepages:
+            self.advise("hugepage")
+        if willneed:
+            self.advise("willneed")
+
+    # ------------------------------------------------------------------ access
+    @property
+    def closed(self) -> bool:
+        return self._mm is None or self._mm.closed
+
+    def _check(self, offset: int, nbytes: int) -> None:
+        if self.closed:
+            raise FormatError(f"{self.path}: arena is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise FormatError(f"{self.path}: range [{offset}, {offset + nbytes}) outside the file of {self.size} bytes")
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """Zero-copy 1-D uint8 view of [offset, offset + nbytes); read-only."""
+        self._check(offset, nbytes)
+        return np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A copy of [offset, offset + nbytes), by pread() so that the pages never enter this process's
+        RSS through the mapping (used for the prefix and the header only)."""
+        self._check(offset, nbytes)
+        out = os.pread(self._fd, nbytes, offset)
+        if len(out) != nbytes:
+            raise FormatError(f"{self.path}: short read at {offset} (file truncated while open?)")
+        return out
+
+    def advise(self, advice: str, offset: int = 0, nbytes: int | None = None) -> bool:
+        """madvise() a byte range (rounded out to system pages). Returns False when the platform lacks
+        the advice or the kernel refuses it; hints never raise."""
+        flag = _MADV.get(advice)
+        if flag is None or self.closed or not hasattr(self._mm, "madvise"):
+            return False
+        if nbytes is None:
+            nbytes = self.size - offset
+        self._check(offset, nbytes)
+        start = offset - offset % SYS_PAGE
+        length = min(align_up(offset + nbytes, SYS_PAGE), align_up(self.size, SYS_PAGE)) - start
+        if length <= 0:
+            return True
+        try:
+            self._mm.madvise(flag, start, length)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def prefetch(self, offset: int, nbytes: int) -> bool:
+        """Read-ahead hint for one span (the prefetch thread calls this a layer ahead)."""
+        return self.advise("willneed", offset, nbytes)
+
+    def close(self) -> None:
+        """Unmap now if no view is alive; otherwise the mapping goes when the last view is collected."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+        mm, self._mm = self._mm, None
+        if mm is not None and not mm.closed:
+            try:
+                mm.close()
+            except BufferError:
+                pass     # numpy views still export the buffer; the mmap object frees itself later
+
+    def __enter__(self) -> "Arena":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
