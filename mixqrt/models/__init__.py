@@ -1,0 +1,33 @@
+"""Model graphs, one module per architecture (mlx-lm style), and a registry by HF model_type."""
+from __future__ import annotations
+
+from mixqrt.errors import ModelError
+
+_ARCHS = {"qwen2": "mixqrt.models.qwen2", "llama": "mixqrt.models.llama"}
+
+
+def _module(arch: str):
+    import importlib
+    if not isinstance(arch, str) or arch not in _ARCHS:
+        raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}")
+    return importlib.import_module(_ARCHS[arch])
+
+
+def get_model_class(arch: str):
+    """'qwen2' | 'llama' -> the Model class (its config dataclass is Model.args_class)."""
+    return _module(arch).Model
+
+
+def build_model(config: dict, weights: dict, arch: str | None = None, generation_config: dict | None = None):
+    """Model from an HF config dict and a dict of HF-named tensors (QTensor or float32 arrays)."""
+    arch = arch or (config or {}).get("model_type")
+    cls = get_model_class(arch)
+    return cls(cls.args_class.from_dict(config, model_type=arch), weights, generation_config)
+
+
+def load_f32(source, tensor_filter=None):
+    """Model with every tensor from ``source`` (mixqrt.io Source) as a float32 array (reference runs)."""
+    names = [n for n in source.tensor_names() if tensor_filter is None or tensor_filter(n)]
+    weights = {n: source.get(n) for n in names}
+    return build_model(source.config, weights, arch=source.arch,
+                       generation_config=getattr(source, "generation_config", None))

@@ -1,0 +1,80 @@
+"""Preallocated KV cache (gpt-fast style): one K and one V buffer per layer, allocated once.
+
+Buffers are created with np.zeros, which the allocator maps lazily: a cache sized for the whole
+context only becomes resident as positions are written.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mixqrt.errors import GenerationError
+
+
+class KVCache:
+    """Keys and values of every layer for positions 0 .. max_len-1.
+
+    ``offset`` is the number of positions filled (the next token's position). The model writes
+    positions pos0 .. pos0+T-1 of every layer with ``write`` and then calls ``advance``.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype=np.float32):
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("max_len", max_len)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise GenerationError(f"KVCache {name} must be a positive int, got {v!r}")
+        self.num_layers = int(num_layers)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.max_len = int(max_len)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float16):
+            raise GenerationError(f"KVCache dtype must be float32 or float16, got {self.dtype}")
+        shape = (self.num_kv_heads, self.max_len, self.head_dim)
+        self.keys = [np.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]    # L x [Hkv, S, Dh]
+        self.values = [np.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]  # L x [Hkv, S, Dh]
+        self.offset = 0                                                                    # positions filled
+
+    # ------------------------------------------------------------------ writes
+    def check_room(self, pos0: int, n: int) -> None:
+        """Raise GenerationError unless positions pos0 .. pos0+n-1 fit and follow the filled ones."""
+        if pos0 < 0 or pos0 > self.offset:
+            raise GenerationError(f"cannot write at position {pos0}: the cache holds {self.offset} positions "
+                                  f"(writes must start at or before the first empty position)")
+        if pos0 + n > self.max_len:
+            raise GenerationError(f"KV cache overflow: writing {n} token(s) at position {pos0} needs "
+                                  f"{pos0 + n} positions, the cache holds at most {self.max_len}")
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
+        """Store k, v ([T, Hkv, Dh]) at positions pos0 .. pos0+T-1 of `layer`."""
+        t = k.shape[0]
+        if pos0 + t > self.max_len:
+            raise GenerationError(f"KV cache overflow: position {pos0 + t - 1} >= max_len {self.max_len}")
+        self.keys[layer][:, pos0:pos0 + t] = k.transpose(1, 0, 2)
+        self.values[layer][:, pos0:pos0 + t] = v.transpose(1, 0, 2)
+
+    def advance(self, pos_end: int) -> None:
+        self.offset = int(pos_end)
+
+    # ------------------------------------------------------------------ housekeeping
+    def trim(self, n: int) -> int:
+        """Forget the last n positions (they are overwritten by later writes); returns how many went."""
+        n = max(0, min(int(n), self.offset))
+        self.offset -= n
+        return n
+
+    def reset(self) -> None:
+        self.offset = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (virtual) for all layers, K and V."""
+        return 2 * self.num_layers * self.num_kv_heads * self.max_len * self.head_dim * self.dtype.itemsize
+
+    @staticmethod
+    def bytes_needed(num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype=np.float32) -> int:
+        """Size of a cache before allocating it (for memory estimates)."""
+        return 2 * num_layers * num_kv_heads * max_len * head_dim * np.dtype(dtype).itemsize
+
+    def __repr__(self) -> str:
+        return (f"KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"max_len={self.max_len}, offset={self.offset}, nbytes={self.nbytes})")

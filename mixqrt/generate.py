@@ -1,0 +1,267 @@
+"""Generation, layered like mlx-lm: generate_step (token generator) -> stream_generate (responses with
+text and statistics) -> generate (a string)."""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from mixqrt.errors import GenerationError
+from mixqrt.sample_utils import _int, make_logits_processors, make_sampler
+
+# transformers' GenerationConfig defaults, used when neither the call nor the model says otherwise
+_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+# ============================================================================ token level
+def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_processors: list | None = None,
+                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield (token, logits) for up to max_tokens new tokens after prompt_ids.
+
+    logits [vocab] are those the token was sampled from (after the processors). The prompt is fed
+    at cache.offset (0 for a fresh cache) in prefill_chunk pieces. The caller stops early by
+    closing the generator (e.g. leaving a for loop).
+    """
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+    if prompt.size == 0:
+        raise GenerationError("the prompt is empty: at least one token is needed")
+    max_tokens = _int("max_tokens", max_tokens, lo=0)
+    sampler = sampler or make_sampler(0.0)
+    procs = list(logits_processors or ())
+    if cache is None:
+        cache = model.make_cache(prompt.size + max(max_tokens, 1))
+    # every token seen so far, for the logits processors (a view of one preallocated buffer)
+    history = np.empty(prompt.size + max_tokens, dtype=np.int64)
+    history[:prompt.size] = prompt
+    n = prompt.size
+    if max_tokens == 0:
+        return
+    logits = model(prompt, cache, last_only=True, chunk_size=prefill_chunk)
+    step = np.empty(1, dtype=np.int64)                     # the one-token input, reused every step
+    for i in range(max_tokens):
+        for p in procs:
+            logits = p(history[:n], logits)
+        tok = int(sampler(logits))
+        history[n] = tok
+        n += 1
+        yield tok, logits
+        if i + 1 == max_tokens:
+            return
+        step[0] = tok
+        logits = model(step, cache, last_only=True)
+
+
+# ============================================================================ text level
+@dataclass
+class GenerationResponse:
+    text: str                      # the new piece of text (may be empty)
+    token: int | None              # the token this response is for
+    finish_reason: str | None      # None while running, then "stop" | "length"
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float              # prompt tokens / prefill seconds
+    generation_tps: float          # decode tokens / decode seconds (after the first token)
+    ttft_s: float                  # seconds from the call to the first new token
+    peak_rss_bytes: int
+
+
+def peak_rss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+class _OffsetDecoder:
+    """UTF-8-safe incremental detokenizer for any tokenizer with decode(ids) (HF TextStreamer's method:
+    decode a short window, emit what grew, hold back text ending in an incomplete character)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(int(token))
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return now[len(before):]
+
+
+def _stream_decoder(tokenizer):
+    """The tokenizer's own StreamDecoder (mixqrt.tokenizer: feed/flush) when it has one."""
+    make = getattr(tokenizer, "stream_decoder", None)
+    if make is not None:
+        dec = make()
+        return _Adapted(dec.feed, dec.flush)
+    return _OffsetDecoder(tokenizer)
+
+
+class _Adapted:
+    def __init__(self, add, flush):
+        self.add, self._flush = add, flush
+
+    def flush(self) -> str:
+        return self._flush() or ""
+
+
+class _StopMatcher:
+    """Holds back text that could still become a stop string, so a stop string never leaks."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """-> (text safe to emit, stopped)."""
+        if not self.stops:
+            return piece, False
+        self.pending += piece
+        hit = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            out, self.pending = self.pending[:hit], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _eos_ids(explicit, model, tokenizer) -> set[int]:
+    def as_set(v):
+        if v is None:
+            return set()
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            return {int(v)}
+        if isinstance(v, (list, tuple, set, frozenset, np.ndarray)) and all(
+                isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in v):
+            return {int(x) for x in v}
+        raise GenerationError(f"eos_token_ids must be an int or a list of ints, got {v!r}")
+    if explicit is not None:
+        return as_set(explicit)
+    gen = getattr(model, "generation_config", None) or {}
+    return as_set(gen.get("eos_token_id")) | as_set(getattr(tokenizer, "eos_token_ids", None))
+
+
+def _stops(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise GenerationError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stops):
+        raise GenerationError("stop strings must be non-empty")
+    return list(stops)
+
+
+def resolve_sampling(model, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None) -> dict:
+    """Fill None arguments from the model's generation_config like transformers (greedy unless do_sample)."""
+    gen = getattr(model, "generation_config", None) or {}
+    out = {}
+    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
+                    ("repetition_penalty", repetition_penalty)):
+        out[name] = v if v is not None else (gen.get(name) if gen.get(name) is not None else _HF_DEFAULTS[name])
+    if temperature is None and not gen.get("do_sample", False):
+        out["temperature"] = 0.0
+    return out
+
+
+def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
+                    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                    repetition_penalty: float | None = None, repetition_context_size: int = 64,
+                    seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
+                    prefill_chunk: int = 512) -> Iterator[GenerationResponse]:
+    """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
+
+    prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
+    Stop strings and eos tokens end generation and are not part of the text.
+    """
+    t0 = time.perf_counter()
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt))
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if getattr(tokenizer, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, int(bos))
+    elif isinstance(prompt, (list, tuple, np.ndarray)):
+        ids = list(np.asarray(prompt).reshape(-1)) if isinstance(prompt, np.ndarray) else list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise GenerationError("a prompt given as a list must hold token ids (ints)")
+    else:
+        raise GenerationError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise GenerationError("the prompt is empty: at least one token is needed")
+    vocab = model.args.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise GenerationError(f"prompt token ids must be in [0, {vocab}), got [{min(ids)}, {max(ids)}]")
+    max_new_tokens = _int("max_new_tokens", max_new_tokens, lo=1)
+    ctx = model.args.max_position_embeddings if max_context is None else _int("max_context", max_context, lo=1)
+    if len(ids) + 1 > ctx:
+        raise GenerationError(f"the prompt has {len(ids)} tokens; with at least one new token that needs "
+                              f"{len(ids) + 1} positions but the context holds {ctx}")
+    budget = min(max_new_tokens, ctx - len(ids))      # reaching the context end finishes with "length"
+    s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty)
+    sampler = make_sampler(s["temperature"], s["top_k"], s["top_p"], s["min_p"], seed)
+    procs = make_logits_processors(s["repetition_penalty"], repetition_context_size)
+    stops = _StopMatcher(_stops(stop))
+    eos = _eos_ids(eos_token_ids, model, tokenizer)
+    decoder = _stream_decoder(tokenizer)
+    cache = model.make_cache(len(ids) + budget)
+
+    n_gen, t_first, ttft, prompt_tps = 0, 0.0, 0.0, 0.0
+
+    def response(text, token, reason):
+        now = time.perf_counter()
+        gen_tps = (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0
+        return GenerationResponse(text, token, reason, len(ids), n_gen, prompt_tps, gen_tps, ttft,
+                                  peak_rss_bytes())
+
+    steps = generate_step(model, ids, sampler=sampler, logits_processors=procs, max_tokens=budget, cache=cache,
+                          prefill_chunk=prefill_chunk)
+    try:
+        for tok, _ in steps:
+            n_gen += 1
+            if n_gen == 1:
+                t_first = time.perf_counter()
+                ttft = t_first - t0
+                prompt_tps = len(ids) / ttft if ttft > 0 else 0.0
+            if tok in eos:
+                yield response(stops.feed(decoder.flush())[0] + stops.flush(), tok, "stop")
+                return
+            text, stopped = stops.feed(decoder.add(tok))
+            if stopped:
+                yield response(text, tok, "stop")
+                return
+            if n_gen == budget:
+                text2, stopped = stops.feed(decoder.flush())
+                text += text2
+                yield response(text if stopped else text + stops.flush(), tok, "stop" if stopped else "length")
+                return
+            yield response(text, tok, None)
+    finally:
+        steps.close()
+
+
+def generate(model, tokenizer, prompt, **kwargs) -> str:
+    """The whole new text (stop strings and eos excluded). kwargs: those of stream_generate."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))

@@ -1,0 +1,120 @@
+"""Samplers and logits processors (mlx-lm's shape: plain callables built by make_*)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mixqrt.errors import GenerationError
+
+
+def _number(name, v, lo=None, hi=None, lo_open=False, hi_open=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
+        raise GenerationError(f"{name} must be a finite number, got {v!r}")
+    v = float(v)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise GenerationError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+    if hi is not None and (v >= hi if hi_open else v > hi):
+        raise GenerationError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {v}")
+    return v
+
+
+def _int(name, v, lo=0):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise GenerationError(f"{name} must be an int, got {v!r}")
+    if v < lo:
+        raise GenerationError(f"{name} must be >= {lo}, got {v}")
+    return int(v)
+
+
+def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None):
+    """-> sampler(logits [vocab]) -> token id (int).
+
+    temperature 0 is greedy (argmax; the other knobs are then irrelevant). Otherwise the filters
+    run in transformers' order on logits / temperature: top_k (0 = off), top_p (nucleus, 1 = off),
+    min_p (keep p >= min_p * p_max, 0 = off); then one draw from a numpy Generator seeded by seed.
+    """
+    temperature = _number("temperature", temperature, lo=0.0)
+    top_k = _int("top_k", top_k)
+    top_p = _number("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+    min_p = _number("min_p", min_p, lo=0.0, hi=1.0)
+    if seed is not None:
+        seed = _int("seed", seed)
+    if temperature == 0.0:
+        def greedy(logits: np.ndarray) -> int:
+            return int(np.argmax(logits))
+        return greedy
+
+    rng = np.random.default_rng(seed)
+    inv_t = 1.0 / temperature
+
+    def sample(logits: np.ndarray) -> int:
+        logits = np.asarray(logits).reshape(-1)
+        v = logits.size
+        # candidate ids (top_k) and their scaled logits, float64
+        if 0 < top_k < v:
+            ids = np.argpartition(logits, v - top_k)[v - top_k:]
+            z = logits[ids].astype(np.float64)
+        else:
+            ids = None
+            z = logits.astype(np.float64)
+        z = (z - z.max()) * inv_t
+        p = np.exp(z)
+        p /= p.sum()
+        if top_p < 1.0:
+            p, ids = _top_p(p, ids, top_p)
+        if min_p > 0.0:
+            keep = np.flatnonzero(p >= min_p * p.max())
+            p = p[keep]
+            ids = keep if ids is None else ids[keep]
+        c = np.cumsum(p)
+        j = min(int(np.searchsorted(c, rng.random() * c[-1], side="right")), c.size - 1)
+        return int(j if ids is None else ids[j])
+
+    return sample
+
+
+def _top_p(p: np.ndarray, ids, top_p: float):
+    """Keep the smallest most-probable set with mass >= top_p (at least one token).
+
+    Sorting 150k probabilities costs more than a decode step's bookkeeping should, so sort only
+    the tokens above a small threshold when they already carry the needed mass (exact: those are
+    the top of the sorted order).
+    """
+    cand = np.flatnonzero(p >= p.max() * 1e-6)
+    if p[cand].sum() < top_p:
+        cand = np.arange(p.size)
+    order = cand[np.argsort(-p[cand], kind="stable")]
+    c = np.cumsum(p[order])
+    n = min(int(np.searchsorted(c, top_p * c[-1] if top_p >= 1.0 else top_p, side="left")) + 1, order.size)
+    keep = order[:n]
+    return p[keep], (keep if ids is None else ids[keep])
+
+
+def make_repetition_penalty(penalty: float, context_size: int = 64):
+    """HF semantics on the last context_size tokens: positive logits / penalty, negative * penalty."""
+    penalty = _number("repetition_penalty", penalty, lo=0.0, lo_open=True)
+    context_size = _int("repetition_context_size", context_size, lo=1)
+
+    def processor(tokens: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        if len(tokens) == 0:
+            return logits
+        ids = np.unique(np.asarray(tokens[-context_size:], dtype=np.int64))
+        sel = logits[ids]
+        logits[ids] = np.where(sel > 0, sel / penalty, sel * penalty)
+        return logits
+
+    return processor
+
+
+def make_logits_processors(repetition_penalty: float | None = None, repetition_context_size: int = 64) -> list:
+    """-> list of processor(tokens_so_far, logits [vocab]) -> logits (may edit logits in place)."""
+    procs = []
+    if repetition_penalty is not None:
+        p = make_repetition_penalty(repetition_penalty, repetition_context_size)
+        if float(repetition_penalty) != 1.0:
+            procs.append(p)
+    else:
+        _int("repetition_context_size", repetition_context_size, lo=1)
+    return procs
