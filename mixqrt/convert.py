@@ -178,12 +178,16 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
             target, parts = fused
             if all(prefix + p in pending for p in parts):
                 qts = [pending.pop(prefix + p) for p in parts]
-                if len({q.fmt for q in qts}) == 1 and len({q.cols for q in qts}) == 1:
-                    raw = np.concatenate([q.raw for q in qts])
-                    rows = sum(q.rows for q in qts)
-                    shp = (rows, qts[0].cols) if len(qts[0].shape) == 2 else (rows,)
-                    w.add(prefix + target, QTensor(qts[0].fmt, shp, raw,
-                                                   meta={"split": [q.rows for q in qts]}), layer=layer)
+                one_fmt = len({q.fmt for q in qts}) == 1
+                if one_fmt and all(len(q.shape) == 2 for q in qts) and len({q.cols for q in qts}) == 1:
+                    # packed rows are independent: fusing is concatenating row blocks
+                    shp = (sum(q.rows for q in qts), qts[0].cols)
+                    w.add(prefix + target, QTensor(qts[0].fmt, shp, np.concatenate([q.raw for q in qts])),
+                          layer=layer)
+                elif one_fmt and all(len(q.shape) == 1 for q in qts) and qts[0].fmt in layout.PLAIN:
+                    shp = (sum(q.shape[0] for q in qts),)
+                    w.add(prefix + target, QTensor(qts[0].fmt, shp, np.concatenate([q.raw for q in qts])),
+                          layer=layer)
                 else:  # formats differ (an override): keep the parts separate
                     for p, q in zip(parts, qts):
                         w.add(prefix + p, q, layer=layer)
