@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-q", "--quiet", action="store_true")
     s.add_argument("--offline", action="store_true")
     s.set_defaults(fn=cmd_bench)
+
+    from mixqrt.server import add_serve_parser
+    add_serve_parser(sub)
     return p
 
 
