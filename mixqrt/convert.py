@@ -150,7 +150,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
 
     # dynamic range binding: one (lo, hi) over every vector quantized to q5g
     q5 = [n for n, _, fmt, _ in plan if fmt == "q5g"]
-    q5_range = bind_range([source.get(n) for n in q5]) if q5 else None
+    q5_range = bind_range([source.get(n) for n in q5]) if (q5 and rec.q5g_binding == "global") else None
 
     meta = build_meta(source, rec)
     tied = "lm_head.weight" not in source.tensor_names()
@@ -163,7 +163,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
             _check_finite(name, arr)
             if tuple(arr.shape) != tuple(shape):
                 raise ModelError(f"tensor {name}: source says shape {shape} but holds {arr.shape}")
-            opts = {"lo": q5_range[0], "hi": q5_range[1]} if fmt == "q5g" else {}
+            opts = {"lo": q5_range[0], "hi": q5_range[1]} if (fmt == "q5g" and q5_range) else {}
             qt = quantize(arr, fmt, **opts)
             del arr
             report.tensors.append(TensorReport(name, role, fmt, shape, qt.nbytes))
