@@ -1,0 +1,308 @@
+"""Quantization formats: a traits table, the numpy reference quantizers (the spec) and the fast path.
+
+``quantize(w, fmt)`` validates ``w``, then runs the compiled quantizer (mixqrt._kernels._quant) or,
+with ``impl="ref"``, the numpy reference below; the two are bit-exact (tests/test_quant*.py). The
+reference produces layout.Parts and layout.assemble packs them, so the byte layout has one owner.
+
+Rounding rules shared by both paths (why: re-quantizing a dequantized tensor must give it back):
+- m (the offset) is the block minimum rounded to nearest-even fp16.
+- d (the scale) is rounded toward zero to fp16, so the extreme element always lands on the top
+  code; if fl(d * top + m) misses the block maximum but the next fp16 scale hits it exactly, the
+  next one is kept. A dequantized block then re-quantizes to the same d and m.
+- q6 is symmetric with the sign trick: d = x_ext / -32 where x_ext is the element of largest
+  magnitude, so x_ext takes code 0 (level -32) and all 64 codes are usable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from mixqrt.errors import QuantError
+from mixqrt.quant import kmeans, layout
+from mixqrt.quant.kmeans import F32, h_rne, h_rtz, snap
+from mixqrt.quant.qtensor import QTensor
+
+FP16_MAX = 65504.0
+_BF16_INF_FROM = np.array([0x7F7F8000], dtype=np.uint32).view(np.float32)[0]  # rounds up to bf16 Inf
+_FAST_IDS = {"q8": 0, "q6": 1, "q4": 2, "q3u": 3, "q3p": 4, "q2c": 5, "q5g": 6, "f16": 7, "bf16": 8, "f32": 9}
+
+try:  # the compiled fast path; the package still works (slowly) without a build
+    from mixqrt._kernels import _quant as _fast
+except ImportError:  # pragma: no cover - exercised only on a source tree that was never built
+    _fast = None
+
+
+@dataclass(frozen=True)
+class Format:
+    """Traits of one format. block_bytes/group_size are 0 for the plain (unblocked) formats."""
+    name: str
+    bits: int
+    group_size: int
+    block_bytes: int
+    kind: str                          # "uniform" | "symmetric" | "piecewise" | "codebook" | "global" | "plain"
+    quantize: Callable[..., QTensor]
+    dequantize: Callable[[QTensor], np.ndarray]
+    layout: layout.Layout | None
+
+    def nbytes(self, shape) -> int:
+        return layout.expected_nbytes(self.name, shape)
+
+
+# ----------------------------------------------------------------------------- validation
+def _as_f32(w, fmt: str) -> np.ndarray:
+    if fmt not in _FAST_IDS:
+        raise QuantError(f"unknown format {fmt!r}; known: {', '.join(sorted(_FAST_IDS))}")
+    a = np.asarray(w)
+    if a.dtype == object or a.dtype.kind not in "f":
+        raise QuantError(f"cannot quantize dtype {a.dtype} to {fmt}; expected float16, float32 or float64")
+    if a.dtype not in (np.float16, np.float32, np.float64):
+        raise QuantError(f"cannot quantize dtype {a.dtype} to {fmt}; expected float16, float32 or float64")
+    if a.ndim == 0:
+        raise QuantError(f"cannot quantize a 0-d tensor to {fmt}; expected at least 1 dimension")
+    if a.size == 0:
+        raise QuantError(f"cannot quantize an empty tensor (shape {a.shape}) to {fmt}")
+    x = np.ascontiguousarray(a, dtype=F32)
+    if not np.isfinite(x).all():
+        bad = "NaN" if np.isnan(x).any() else "Inf (or a float64 beyond float32 range)"
+        raise QuantError(f"cannot quantize to {fmt}: the tensor contains {bad}")
+    if fmt in layout.PACKED and fmt != "q5g" or fmt == "f16":
+        amax = float(np.abs(x).max())
+        if amax > FP16_MAX:
+            raise QuantError(f"cannot quantize to {fmt}: |w| reaches {amax:g}, beyond the fp16 range "
+                             f"({FP16_MAX:g}) of its scales; use q5g, bf16 or f32")
+    return x
+
+
+def _blocks(x: np.ndarray, group: int):
+    """[n, k] -> padded [n, nb, G] and the valid count per block [nb]."""
+    n, k = x.shape
+    nb = -(-k // group)
+    X = np.zeros((n, nb * group), dtype=F32)
+    X[:, :k] = x
+    nv = np.minimum(group, k - np.arange(nb) * group)
+    return X.reshape(n, nb, group), nv
+
+
+# ----------------------------------------------------------------------------- reference quantizers
+def _ref_minmax(fmt: str, X: np.ndarray, nv: np.ndarray, top: float):
+    """Asymmetric min/max: returns (d16, m16, t = (x - m) / d with 0 where d == 0)."""
+    valid = np.arange(X.shape[-1])[None, :] < nv[:, None]
+    mn = np.where(valid, X, np.inf).min(axis=-1) + F32(0)          # -0.0 -> +0.0 (C does the same)
+    mx = np.where(valid, X, -np.inf).max(axis=-1)
+    m16 = h_rne(mn)
+    m = m16.astype(F32)
+    raw = (mx - m) / F32(top)
+    d16 = snap(h_rtz(np.where(raw > 0, raw, F32(0))), m, top, mx)
+    d = d16.astype(F32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(d > 0, (X - m[..., None]) / np.where(d > 0, d, F32(1)), F32(0))
+    return d16, m16, t, valid
+
+
+def _ref_parts(x: np.ndarray, fmt: str, lo=None, hi=None) -> layout.Parts:
+    lay = layout.PACKED[fmt]
+    X, nv = _blocks(x, lay.group)
+    valid = np.broadcast_to(np.arange(lay.group)[None, :] < nv[:, None], X.shape)
+    if fmt == "q8":
+        amax = np.where(valid, np.abs(X), 0).max(axis=-1)
+        d16 = snap(h_rtz(amax / F32(127)), F32(0), 127.0, amax)
+        d = d16.astype(F32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(d > 0, np.clip(np.rint(X / np.where(d > 0, d, F32(1))), -127, 127), 0)
+        return layout.Parts(codes=np.where(valid, q, 0).astype(np.int8), d=d16)
+    if fmt == "q6":
+        ax = np.where(valid, np.abs(X), -1)
+        ext = np.take_along_axis(X, np.argmax(ax, axis=-1)[..., None], -1)[..., 0]
+        d16 = h_rtz(ext / F32(-32))
+        d = d16.astype(F32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(d != 0, np.clip(np.rint(X / np.where(d != 0, d, F32(1))), -32, 31), 0) + 32
+        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16)
+    if fmt in ("q4", "q3u"):
+        top = float(2 ** lay.bits - 1)
+        d16, m16, t, valid = _ref_minmax(fmt, X, nv, top)
+        q = np.clip(np.rint(t), 0, top)
+        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16, m=m16)
+    if fmt == "q3p":
+        L = layout.Q3P_LEVELS.astype(F32)
+        d16, m16, t, valid = _ref_minmax(fmt, X, nv, float(L[-1]))
+        mids = (L[:-1] + L[1:]) * F32(0.5)
+        q = (t[..., None] > mids).sum(axis=-1)
+        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16, m=m16)
+    if fmt == "q2c":
+        n, nb, G = X.shape
+        flat_nv = np.broadcast_to(nv, (n, nb)).reshape(-1)
+        codes, d16, m16, lut, _, _ = kmeans.quantize_blocks(X.reshape(-1, G), flat_nv)
+        return layout.Parts(codes=codes.reshape(n, nb, G), d=d16.reshape(n, nb), m=m16.reshape(n, nb),
+                            lut=lut.reshape(n, nb, 4))
+    if fmt == "q5g":
+        lo, hi = _q5g_range(x, lo, hi)
+        step = (hi - lo) / F32(31)
+        t = (X - lo) / step if step > 0 else np.zeros_like(X)
+        q = np.clip(np.rint(t), 0, 31)
+        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), lo_hi=(float(lo), float(hi)))
+    raise QuantError(f"no reference quantizer for {fmt!r}")
+
+
+def _ref_pack(x2: np.ndarray, fmt: str, lo, hi) -> bytes:
+    """Reference quantize + assemble, a slab of rows at a time: the q2c reference holds several float64
+    copies of its input, which for a whole embedding table would be gigabytes."""
+    n, k = x2.shape
+    step = max(1, (1 << 18) // k)
+    out = []
+    for r0 in range(0, n, step):
+        xs = x2[r0:r0 + step]
+        b = layout.assemble(fmt, xs.shape, _ref_parts(xs, fmt, lo, hi))
+        out.append(b[:-8] if fmt == "q5g" else b)
+    if fmt == "q5g":
+        out.append(np.array([lo, hi], dtype="<f4").tobytes())
+    return b"".join(out)
+
+
+def _q5g_range(x: np.ndarray, lo, hi):
+    if (lo is None) != (hi is None):
+        raise QuantError("q5g needs both lo and hi (or neither, to use the tensor's own range)")
+    if lo is None:
+        return F32(x.min()), F32(x.max())
+    lo, hi = F32(lo), F32(hi)
+    if not (np.isfinite(lo) and np.isfinite(hi)) or lo > hi:
+        raise QuantError(f"q5g range lo={lo!r}, hi={hi!r} must be finite with lo <= hi")
+    # half a step of slack: a dequantized q5g tensor (lo + 31 * step can round past hi) must re-quantize
+    slack = float((hi - lo) / F32(31)) * 0.5
+    if x.min() < lo - slack or x.max() > hi + slack:
+        raise QuantError(f"q5g: values span [{x.min():g}, {x.max():g}], outside the bound range "
+                         f"[{lo:g}, {hi:g}]; pass the range from bind_range over every tensor it covers")
+    return lo, hi
+
+
+def bind_range(arrays) -> tuple[float, float]:
+    """"Dynamic range binding": one (lo, hi) over every array (e.g. all RMSNorm weights), as float32."""
+    arrays = list(arrays)
+    if not arrays:
+        raise QuantError("bind_range needs at least one array")
+    lo, hi = np.inf, -np.inf
+    for i, a in enumerate(arrays):
+        x = _as_f32(a, "q5g")
+        lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+    return float(F32(lo)), float(F32(hi))
+
+
+# ----------------------------------------------------------------------------- plain formats
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even; no ml_dtypes needed."""
+    u = x.view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    if ((r & 0x7F80) == 0x7F80).any():
+        raise QuantError("cannot store as bf16: a value rounds to Inf (|w| near the float32 maximum)")
+    return r
+
+
+def _plain_raw(x: np.ndarray, fmt: str) -> np.ndarray:
+    if fmt == "f32":
+        return x.astype("<f4").reshape(-1).view(np.uint8)
+    if fmt == "f16":
+        return x.astype("<f2").reshape(-1).view(np.uint8)
+    return _to_bf16(x).astype("<u2").reshape(-1).view(np.uint8)
+
+
+# ----------------------------------------------------------------------------- public API
+def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None) -> QTensor:
+    """Quantize a float array to `fmt`; impl="ref" runs the numpy reference (the spec).
+
+    q5g: lo/hi give the bound range (see bind_range); without them the tensor's own min/max is used.
+    """
+    x = _as_f32(w, fmt)
+    shape = x.shape
+    if fmt != "q5g" and (lo is not None or hi is not None):
+        raise QuantError(f"lo/hi are only meaningful for q5g, not {fmt}")
+    if impl not in ("fast", "ref"):
+        raise QuantError(f"impl must be 'fast' or 'ref', got {impl!r}")
+    n, k = layout.rows_cols(shape)
+    x2 = x.reshape(n, k)
+    meta = {}
+    if fmt == "q5g":
+        lo, hi = _q5g_range(x2, lo, hi)
+        meta["lo_hi"] = (float(lo), float(hi))
+    if impl == "ref" or _fast is None:
+        if fmt in layout.PLAIN:
+            raw = _plain_raw(x2, fmt)
+        else:
+            raw = np.frombuffer(_ref_pack(x2, fmt, lo, hi), dtype=np.uint8)
+    else:
+        if fmt == "bf16" and np.abs(x2).max() >= _BF16_INF_FROM:
+            raise QuantError("cannot store as bf16: a value rounds to Inf (|w| near the float32 maximum)")
+        raw = np.empty(layout.expected_nbytes(fmt, shape), dtype=np.uint8)
+        _fast.quantize(_FAST_IDS[fmt], x2, raw, layout.Q3P_LEVELS,
+                       float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 0.0)
+    return QTensor(fmt, shape, raw, meta)
+
+
+def _lo_hi(qt: QTensor) -> tuple[float, float]:
+    if qt.fmt != "q5g":
+        return 0.0, 0.0
+    lo, hi = np.frombuffer(qt.raw[-8:].tobytes(), dtype="<f4")
+    return float(lo), float(hi)
+
+
+def _levels(qt: QTensor) -> np.ndarray:
+    """The q3p table a tensor was quantized with (its meta), else the current Q3P_LEVELS."""
+    lv = qt.meta.get("q3p_levels") if qt.meta else None
+    return layout.Q3P_LEVELS if lv is None else np.ascontiguousarray(lv, dtype=np.uint8)
+
+
+def dequantize(qt: QTensor, *, impl: str = "fast") -> np.ndarray:
+    """QTensor -> float32 array of qt.shape."""
+    if impl == "ref" or _fast is None:
+        if qt.fmt == "f32":
+            return qt.raw.view("<f4").astype(np.float32).reshape(qt.shape)
+        if qt.fmt == "f16":
+            return qt.raw.view("<f2").astype(np.float32).reshape(qt.shape)
+        if qt.fmt == "bf16":
+            return (qt.raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(qt.shape)
+        if qt.fmt == "q3p" and not np.array_equal(_levels(qt), layout.Q3P_LEVELS):
+            p = layout.disassemble("q3p", qt.shape, qt.raw)
+            w = p.d.astype(F32)[..., None] * _levels(qt)[p.codes].astype(F32) + p.m.astype(F32)[..., None]
+            return np.ascontiguousarray(w.reshape(qt.rows, -1)[:, : qt.cols]).reshape(qt.shape)
+        return layout.dequantize_bytes(qt.fmt, qt.shape, qt.raw)
+    n, k = qt.rows, qt.cols
+    out = np.empty((n, k), dtype=np.float32)
+    lo, hi = _lo_hi(qt)
+    _fast.dequantize_rows(_FAST_IDS[qt.fmt], qt.raw, k, None, out, _levels(qt), lo, hi)
+    return out.reshape(qt.shape)
+
+
+def dequantize_rows(qt: QTensor, row_ids) -> np.ndarray:
+    """Rows `row_ids` of a 2-D QTensor as float32 [len(row_ids), K] (embedding lookup): touches only
+    those rows' bytes."""
+    ids = np.ascontiguousarray(np.asarray(row_ids).reshape(-1))
+    if ids.dtype.kind not in "iu":
+        raise QuantError(f"row ids must be integers, got dtype {ids.dtype}")
+    n, k = qt.rows, qt.cols
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        raise QuantError(f"row id out of range [0, {n}) for a {qt.fmt} tensor of shape {qt.shape}: "
+                         f"got {int(ids.min())}..{int(ids.max())}")
+    out = np.empty((ids.size, k), dtype=np.float32)
+    if _fast is None:
+        return dequantize(qt, impl="ref").reshape(n, k)[ids]
+    lo, hi = _lo_hi(qt)
+    _fast.dequantize_rows(_FAST_IDS[qt.fmt], qt.raw, k, ids, out, _levels(qt), lo, hi)
+    return out
+
+
+def _make(name: str, bits: int, kind: str) -> Format:
+    lay = layout.PACKED.get(name)
+    return Format(name=name, bits=bits, group_size=lay.group if lay else 0,
+                  block_bytes=lay.block_bytes if lay else 0, kind=kind,
+                  quantize=lambda w, _f=name, **o: quantize(w, _f, **o),
+                  dequantize=dequantize, layout=lay)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    _make("q2c", 2, "codebook"), _make("q3p", 3, "piecewise"), _make("q3u", 3, "uniform"),
+    _make("q4", 4, "uniform"), _make("q5g", 5, "global"), _make("q6", 6, "symmetric"),
+    _make("q8", 8, "symmetric"), _make("f16", 16, "plain"), _make("bf16", 16, "plain"),
+    _make("f32", 32, "plain"),
+)}
