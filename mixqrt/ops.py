@@ -1,3 +1,276 @@
 """Public ops used by the model graph. Signatures are those of mixqrt.ops_ref (the numpy spec);
-the fast C kernels (mixqrt._kernels._ops) take over where they exist."""
-from mixqrt.ops_ref import attention, embed, matmul, rmsnorm, rope, rope_cos_sin, silu_mul, softmax  # noqa: F401
+the C kernels of mixqrt._kernels._ops do the work, on a native thread pool (started at import,
+``set_num_threads`` / ``get_num_threads``; MIXQRT_NUM_THREADS overrides the default, which respects
+os.sched_getaffinity and the cgroup CPU quota). Where no kernel exists the reference runs.
+
+Extras over the reference: ``out=`` on the hot ops, ``matmul`` on a list of weights sharing x
+(fused QKV / gate-up without repacking), ``softmax(fast=...)`` and f16 KV caches in ``attention``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from mixqrt import ops_ref
+from mixqrt.errors import KernelError
+from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
+from mixqrt.quant import layout
+
+try:
+    from mixqrt._kernels import _ops
+except ImportError:  # not built: everything falls back to numpy
+    _ops = None
+
+_FMT_ID = {"q8": 0, "q6": 1, "q4": 2, "q3u": 3, "q3p": 4, "q2c": 5, "q5g": 6, "f32": 10, "f16": 11, "bf16": 12}
+_Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
+# prefill: above this many query tokens attention runs as batched BLAS products (numpy)
+ATTN_C_MAX_T = 8
+
+
+# ----------------------------------------------------------------------------- threads
+def _cgroup_cpus() -> float | None:
+    """CPU quota of this cgroup (v2 cpu.max, or v1 cfs files), in CPUs; None if unlimited."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            q, p = f.read().split()[:2]
+        if q != "max":
+            return int(q) / int(p)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            q = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            p = int(f.read())
+        if q > 0 and p > 0:
+            return q / p
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def default_num_threads() -> int:
+    """MIXQRT_NUM_THREADS if set, else min(CPUs in our affinity mask, ceil(cgroup quota))."""
+    env = os.environ.get("MIXQRT_NUM_THREADS")
+    if env:
+        try:
+            n = int(env)
+            if n >= 1:
+                return n
+        except ValueError:
+            pass
+        raise KernelError(f"MIXQRT_NUM_THREADS={env!r} is not a positive integer")
+    n = len(_allowed_cpus())
+    quota = _cgroup_cpus()
+    if quota is not None:
+        n = min(n, max(1, math.ceil(quota)))
+    return max(1, n)
+
+
+_blas_limiter = None
+
+
+def _limit_blas(n: int) -> None:
+    """Keep numpy's BLAS single-threaded while mixqrt's pool owns the cores (threadpoolctl)."""
+    global _blas_limiter
+    if n <= 1:
+        if _blas_limiter is not None:
+            _blas_limiter.restore_original_limits()
+            _blas_limiter = None
+        return
+    if _blas_limiter is not None:
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+        _blas_limiter = threadpool_limits(limits=1, user_api="blas")
+    except Exception:  # threadpoolctl missing or no BLAS found: nothing to limit
+        _blas_limiter = None
+
+
+def set_num_threads(n: int) -> int:
+    """Restart the native pool with n threads (the calling thread counts as one); returns n."""
+    n = int(n)
+    if n < 1:
+        raise KernelError(f"set_num_threads: need at least 1 thread, got {n}")
+    if _ops is None:
+        return 1
+    got = _ops.pool_start(n, _allowed_cpus())
+    _limit_blas(got)
+    return got
+
+
+def get_num_threads() -> int:
+    return _ops.pool_size() if _ops is not None else 1
+
+
+# ----------------------------------------------------------------------------- products
+def _weight_args(w):
+    """-> (fmt id, raw uint8, N, K, q3p levels, q5 lo, q5 step)."""
+    if isinstance(w, np.ndarray):
+        if w.ndim != 2:
+            raise KernelError(f"matmul: weight must be [N, K], got shape {w.shape}")
+        if w.dtype == np.float32:
+            fid = 10
+        elif w.dtype == np.float16:
+            fid = 11
+        else:
+            w = w.astype(np.float32)
+            fid = 10
+        w = np.ascontiguousarray(w)
+        return fid, w.reshape(-1).view(np.uint8), w.shape[0], w.shape[1], None, 0.0, 0.0
+    fmt = w.fmt
+    fid = _FMT_ID.get(fmt)
+    if fid is None:
+        raise KernelError(f"matmul: no kernel for format {fmt!r}")
+    n, k = layout.rows_cols(w.shape)
+    raw = w.raw
+    lo = step = 0.0
+    lv = None
+    meta = getattr(w, "meta", None) or {}
+    if fmt == "q3p":
+        lv = meta.get("q3p_levels")
+        lv = _Q3P_DEFAULT if lv is None else bytes(np.asarray(lv, dtype=np.uint8).tobytes())
+    elif fmt == "q5g":
+        lo32, hi32 = np.frombuffer(raw[-8:].tobytes(), dtype="<f4")
+        lo, step = float(lo32), float((hi32 - lo32) / np.float32(31))
+    return fid, raw, n, k, lv, lo, step
+
+
+def matmul(w, x, out=None):
+    """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32."""
+    if _ops is None:
+        return ops_ref.matmul(w, x)
+    fid, raw, n, k, lv, lo, step = _weight_args(w)
+    x = np.asarray(x, dtype=np.float32)
+    vec = x.ndim == 1
+    x2 = x.reshape(1, -1) if vec else x
+    if x2.ndim != 2 or x2.shape[1] != k:
+        raise KernelError(f"matmul: x has shape {x.shape}, weight is [{n}, {k}]")
+    if not x2.flags.c_contiguous:
+        x2 = np.ascontiguousarray(x2)
+    if out is None:
+        y = np.empty((x2.shape[0], n), dtype=np.float32)
+    else:
+        y = out.reshape(1, n) if vec else out
+    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step)
+    return y.reshape(n) if vec else y
+
+
+def matmul_many(ws, x):
+    """[matmul(w, x) for w in ws] (fused QKV / gate-up): x is quantized once per weight."""
+    return [matmul(w, x) for w in ws]
+
+
+def embed(w, ids) -> np.ndarray:
+    """Rows `ids` of the table w ([V, D]) as float32 [T, D]."""
+    ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
+    if _ops is None:
+        return ops_ref.embed(w, ids)
+    if isinstance(w, np.ndarray):
+        return np.asarray(w[ids], dtype=np.float32)
+    fid, raw, n, k, lv, lo, step = _weight_args(w)
+    out = np.empty((ids.shape[0], k), dtype=np.float32)
+    return _ops.dequant_rows(fid, raw, n, k, ids, out, lv, lo, step)
+
+
+# ----------------------------------------------------------------------------- float ops
+def rmsnorm(x, weight, eps: float, out=None) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if out is None:
+        out = np.empty_like(x)
+    return _ops.rmsnorm(x, weight, float(eps), out)
+
+
+def rope(x, positions, theta: float) -> np.ndarray:
+    """Rotate-half RoPE on x [T, H, Dh] at `positions` [T]; returns a new array."""
+    y = np.array(x, dtype=np.float32, order="C", copy=True)
+    pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
+    return _ops.rope_(y, pos, float(theta))
+
+
+def rope_(x, positions, theta: float) -> np.ndarray:
+    """In-place rope on a C-contiguous float32 x [T, H, Dh]."""
+    pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
+    return _ops.rope_(x, pos, float(theta))
+
+
+def silu_mul(gate, up, out=None) -> np.ndarray:
+    gate = np.ascontiguousarray(gate, dtype=np.float32)
+    up = np.ascontiguousarray(up, dtype=np.float32)
+    if gate.shape != up.shape:
+        raise KernelError(f"silu_mul: gate {gate.shape} and up {up.shape} differ")
+    if out is None:
+        out = np.empty_like(gate)
+    return _ops.silu_mul(gate, up, out)
+
+
+def softmax(x, axis: int = -1, fast: bool = True) -> np.ndarray:
+    """Softmax; fast=True is the hybrid-precision path (fast exp in range, libm exp outside)."""
+    x = np.asarray(x, dtype=np.float32)
+    if axis not in (-1, x.ndim - 1):
+        return ops_ref.softmax(x, axis)
+    y = np.array(x, dtype=np.float32, order="C", copy=True)
+    return _ops.softmax_(y, fast)
+
+
+def _attention_blas(q, k_cache, v_cache, pos0):
+    t, hq, dh = q.shape
+    hkv = k_cache.shape[0]
+    g = hq // hkv
+    n = pos0 + t
+    k = np.asarray(k_cache[:, :n], dtype=np.float32)
+    v = np.asarray(v_cache[:, :n], dtype=np.float32)
+    qh = q.reshape(t, hkv, g, dh).transpose(1, 2, 0, 3).reshape(hkv, g * t, dh)
+    s = np.matmul(qh, k.transpose(0, 2, 1))                                  # [Hkv, g*T, n]
+    s *= np.float32(1.0 / math.sqrt(dh))
+    s = s.reshape(hkv, g, t, n)
+    mask = np.arange(n)[None, :] > (pos0 + np.arange(t))[:, None]
+    s[:, :, mask] = -np.inf
+    s = s.reshape(-1, n)
+    _ops.softmax_(s, True)
+    o = np.matmul(s.reshape(hkv, g * t, n), v)                              # [Hkv, g*T, Dh]
+    return np.ascontiguousarray(o.reshape(hkv, g, t, dh).transpose(2, 0, 1, 3).reshape(t, hq, dh))
+
+
+def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
+    """Causal GQA attention; q [T,Hq,Dh]; caches [Hkv,S,Dh] float32 or float16 -> [T,Hq,Dh]."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    if q.ndim != 3 or k_cache.ndim != 3 or q.shape[1] % k_cache.shape[0]:
+        raise KernelError(f"attention: q {q.shape} and cache {k_cache.shape} do not fit (GQA needs Hq % Hkv == 0)")
+    if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
+        raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")
+    if q.shape[0] > ATTN_C_MAX_T:
+        o = _attention_blas(q, k_cache, v_cache, pos0)
+        if out is not None:
+            out[...] = o
+            return out
+        return o
+    if k_cache.dtype not in (np.float32, np.float16) or not k_cache.flags.c_contiguous:
+        k_cache = np.ascontiguousarray(k_cache, dtype=np.float32)
+    if v_cache.dtype != k_cache.dtype or not v_cache.flags.c_contiguous:
+        v_cache = np.ascontiguousarray(v_cache, dtype=k_cache.dtype)
+    if out is None:
+        out = np.empty_like(q)
+    return _ops.attention(q, k_cache, v_cache, int(pos0), out)
+
+
+def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> float:
+    """Measured streaming-read bandwidth, bytes/s (C probe)."""
+    return _ops.read_bandwidth(int(nbytes), int(threads), int(reps))
+
+
+if _ops is not None:
+    set_num_threads(default_num_threads())
+else:  # kernels not built: the numpy reference serves every op
+    rmsnorm, silu_mul, attention = ops_ref.rmsnorm, ops_ref.silu_mul, ops_ref.attention  # noqa: F811
+    rope, softmax = ops_ref.rope, ops_ref.softmax  # noqa: F811

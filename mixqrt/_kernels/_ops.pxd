@@ -1,0 +1,38 @@
+# Declarations of src/ops/mq_ops.h.
+from libc.stdint cimport int8_t, uint8_t, int64_t
+
+cdef extern from "mq_ops.h" nogil:
+    ctypedef struct mq_act:
+        int8_t *q
+        float *d
+        float *s
+        int T, K, kp, ncp
+    ctypedef struct mq_mm_job:
+        int fmt
+        const uint8_t *w
+        size_t row_bytes
+        int N, K, nc
+        const mq_act *a
+        const float *x
+        int T
+        size_t ldx
+        float *y
+        size_t ldy
+        const uint8_t *q3p_levels
+        float q5_lo, q5_step
+    ctypedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1) noexcept nogil
+    void mq_quantize_act_rows(const float *x, size_t ldx, mq_act *a, int t0, int t1)
+    void mq_mm_rows(const mq_mm_job *j, int n0, int n1)
+    void mq_dequant_row(const mq_mm_job *j, int n, float *out)
+    int mq_pool_start(int n, const int *cpus, int ncpus)
+    int mq_pool_size()
+    void mq_pool_stop()
+    void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align)
+    double mq_read_bandwidth(size_t nbytes, int threads, int reps)
+    void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps)
+    void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta)
+    void mq_silu_mul(const float *g, const float *u, float *y, size_t n)
+    void mq_softmax_rows(float *x, int rows, int n, int fast)
+    float mq_expf_fast(float x)
+    void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
+                      int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch)

@@ -1,0 +1,293 @@
+"""Kernels of mixqrt.ops: products from packed weights, activation quantization, the thread pool,
+the bandwidth probe and the float ops of a layer. Thin wrappers: check shapes and dtypes, release
+the GIL, run on the native pool. Declarations: _ops.pxd; C sources: src/ops/."""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int8_t, uint8_t, int64_t, uintptr_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
+
+cnp.import_array()
+
+FMT_ID = {"q8": 0, "q6": 1, "q4": 2, "q3u": 3, "q3p": 4, "q2c": 5, "q5g": 6, "f32": 10, "f16": 11, "bf16": 12}
+GROUP = {"q8": 32, "q6": 32, "q4": 32, "q3u": 64, "q3p": 64, "q2c": 128, "q5g": 32}
+
+
+def set_isa(int isa):
+    return mq_isa_set(isa)
+
+
+def get_isa():
+    return mq_isa_get()
+
+
+cdef inline void* _ptr(cnp.ndarray a) noexcept:
+    return cnp.PyArray_DATA(a)
+
+
+cdef void _mm_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
+    mq_mm_rows(<const mq_mm_job*>arg, <int>i0, <int>i1)
+
+
+cdef struct _qa_arg:
+    const float *x
+    size_t ldx
+    mq_act *a
+
+cdef void _qa_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
+    cdef _qa_arg *p = <_qa_arg*>arg
+    mq_quantize_act_rows(p.x, p.ldx, p.a, <int>i0, <int>i1)
+
+
+cdef int _padded(int K) noexcept nogil:
+    return (K + 127) // 128 * 128
+
+
+def quantize_act(cnp.ndarray x):
+    """x float32 [T, K] C-contiguous -> (q int8 [T, kp], d float32 [T, kp/32], s float32 [T, kp/32]).
+    kp = K rounded up to 128; exactly what the products use."""
+    if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous:
+        raise ValueError("quantize_act wants a C-contiguous float32 [T, K] array")
+    cdef int T = x.shape[0], K = x.shape[1], kp = _padded(K)
+    q = np.empty((T, kp), np.int8)
+    d = np.empty((T, kp // 32), np.float32)
+    s = np.empty((T, kp // 32), np.float32)
+    cdef mq_act a
+    a.q = <int8_t*>_ptr(q); a.d = <float*>_ptr(d); a.s = <float*>_ptr(s)
+    a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
+    cdef const float *px = <const float*>_ptr(x)
+    with nogil:
+        mq_quantize_act_rows(px, K, &a, 0, T)
+    return q, d, s
+
+
+cdef bytes _Q3P_DEFAULT = bytes([0, 8, 13, 16, 19, 22, 27, 35])
+
+
+def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
+           bytes q3p_levels=None, float q5_lo=0.0, float q5_step=0.0):
+    """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
+
+    x: float32 [T, K] C-contiguous; y: float32 [T, N] (rows may be strided, columns contiguous).
+    raw: uint8 1-D with at least N * row_bytes bytes. Runs on the native pool without the GIL."""
+    cdef mq_mm_job j
+    cdef mq_act a
+    cdef _qa_arg qa
+    cdef int T, G, nb, cb
+    cdef size_t row_bytes
+    cdef const uint8_t *lv
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != K or not x.flags.c_contiguous:
+        raise ValueError(f"matmul: x must be C-contiguous float32 [T, {K}], got {x.dtype} {np.shape(x)}")
+    T = x.shape[0]
+    if y.dtype != np.float32 or y.ndim != 2 or y.shape[0] != T or y.shape[1] != N or y.strides[1] != 4 \
+            or not y.flags.writeable:
+        raise ValueError(f"matmul: out must be a writable float32 [{T}, {N}] array with contiguous rows")
+    if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
+        raise ValueError("matmul: raw must be a contiguous 1-D uint8 array")
+    if fmt >= 10:
+        row_bytes = <size_t>K * (4 if fmt == 10 else 2)
+        j.nc = 0
+    elif 0 <= fmt <= 6:
+        G = (32, 32, 32, 64, 64, 128, 32)[fmt]
+        cb = (34, 26, 20, 28, 28, 40, 20)[fmt]
+        nb = (K + G - 1) // G
+        row_bytes = <size_t>nb * cb
+        j.nc = nb * (G // 32)
+    else:
+        raise ValueError(f"matmul: unknown format id {fmt}")
+    if <size_t>raw.shape[0] < <size_t>N * row_bytes:
+        raise ValueError(f"matmul: raw holds {raw.shape[0]} bytes, [{N}, {K}] needs {N * row_bytes}")
+    if q3p_levels is None:
+        q3p_levels = _Q3P_DEFAULT
+    if len(q3p_levels) != 8:
+        raise ValueError("matmul: q3p_levels must be 8 bytes")
+    lv = q3p_levels
+    j.fmt = fmt; j.w = <const uint8_t*>_ptr(raw); j.row_bytes = row_bytes; j.N = N; j.K = K
+    j.x = <const float*>_ptr(x); j.T = T; j.ldx = K
+    j.y = <float*>_ptr(y); j.ldy = <size_t>(y.strides[0] // 4)
+    j.q3p_levels = lv; j.q5_lo = q5_lo; j.q5_step = q5_step
+    j.a = NULL
+    if T == 0 or N == 0:
+        return y
+    cdef int kp = _padded(K)
+    cdef char *buf = NULL
+    if fmt < 10:
+        buf = <char*>malloc(<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 64)
+        if buf == NULL:
+            raise MemoryError()
+        a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
+        a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
+        j.a = &a
+        qa.x = j.x; qa.ldx = K; qa.a = &a
+    with nogil:
+        if fmt < 10:
+            if T > 1:
+                mq_pool_run(_qa_task, &qa, T, 1)
+            else:
+                mq_quantize_act_rows(j.x, K, &a, 0, 1)
+        mq_pool_run(_mm_task, &j, N, 16 if T == 1 else 64)
+    free(buf)
+    return y
+
+
+def dequant_rows(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray ids, cnp.ndarray out,
+                 bytes q3p_levels=None, float q5_lo=0.0, float q5_step=0.0):
+    """out[i] = row ids[i] of W dequantized (w = d*L + m in float32). ids int64 1-D; out float32 [len, K]."""
+    cdef mq_mm_job j
+    cdef int G, nb, cb, i, n = ids.shape[0]
+    cdef size_t row_bytes
+    if ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous:
+        raise ValueError("dequant_rows: ids must be contiguous int64")
+    if out.dtype != np.float32 or out.ndim != 2 or out.shape[0] != n or out.shape[1] != K or not out.flags.c_contiguous:
+        raise ValueError("dequant_rows: out must be C-contiguous float32 [len(ids), K]")
+    if fmt >= 10:
+        row_bytes = <size_t>K * (4 if fmt == 10 else 2); j.nc = 0
+    else:
+        G = (32, 32, 32, 64, 64, 128, 32)[fmt]
+        cb = (34, 26, 20, 28, 28, 40, 20)[fmt]
+        nb = (K + G - 1) // G
+        row_bytes = <size_t>nb * cb; j.nc = nb * (G // 32)
+    if <size_t>raw.shape[0] < <size_t>N * row_bytes:
+        raise ValueError("dequant_rows: raw too small")
+    cdef const int64_t *pi = <const int64_t*>_ptr(ids)
+    for i in range(n):
+        if pi[i] < 0 or pi[i] >= N:
+            raise IndexError(f"token id {pi[i]} out of range [0, {N})")
+    if q3p_levels is None:
+        q3p_levels = _Q3P_DEFAULT
+    j.fmt = fmt; j.w = <const uint8_t*>_ptr(raw); j.row_bytes = row_bytes; j.N = N; j.K = K
+    j.q3p_levels = q3p_levels; j.q5_lo = q5_lo; j.q5_step = q5_step
+    cdef float *po = <float*>_ptr(out)
+    with nogil:
+        for i in range(n):
+            mq_dequant_row(&j, <int>pi[i], po + <size_t>i * K)
+    return out
+
+
+# ------------------------------------------------------------------ pool and bandwidth
+def pool_start(int n, cpus=()):
+    """(Re)start the pool with n threads (caller included), pinning thread i to cpus[i % len]."""
+    cdef int nc = len(cpus), i, r
+    cdef int *c = <int*>malloc(sizeof(int) * (nc + 1))
+    for i in range(nc):
+        c[i] = int(cpus[i])
+    with nogil:
+        r = mq_pool_start(n, c, nc)
+    free(c)
+    return r
+
+
+def pool_size():
+    return mq_pool_size()
+
+
+def pool_stop():
+    with nogil:
+        mq_pool_stop()
+
+
+def read_bandwidth(size_t nbytes=1 << 28, int threads=1, int reps=3):
+    """Streaming-read bandwidth in bytes/s: `threads` threads sum a buffer of nbytes `reps` times."""
+    cdef double r
+    with nogil:
+        r = mq_read_bandwidth(nbytes, threads, reps)
+    return r
+
+
+# ------------------------------------------------------------------ float ops
+cdef _f32c(cnp.ndarray a, str name):
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous float32, got {a.dtype}")
+
+
+def rmsnorm(cnp.ndarray x, cnp.ndarray w, float eps, cnp.ndarray out):
+    _f32c(x, "x"); _f32c(w, "weight"); _f32c(out, "out")
+    cdef int D = x.shape[x.ndim - 1]
+    cdef int T = x.size // D if D else 0
+    if w.size != D or out.size != x.size:
+        raise ValueError(f"rmsnorm: weight has {w.size} values for rows of {D}")
+    cdef const float *px = <const float*>_ptr(x)
+    cdef const float *pw = <const float*>_ptr(w)
+    cdef float *po = <float*>_ptr(out)
+    with nogil:
+        mq_rmsnorm(px, pw, po, T, D, eps)
+    return out
+
+
+def rope_(cnp.ndarray x, cnp.ndarray pos, double theta):
+    """In place on x [T, H, Dh]; pos int64 [T]."""
+    _f32c(x, "x")
+    if x.ndim != 3 or pos.dtype != np.int64 or pos.ndim != 1 or pos.shape[0] != x.shape[0] or x.shape[2] % 2 \
+            or x.shape[2] > 1024 or not pos.flags.c_contiguous:
+        raise ValueError("rope: x must be [T, H, Dh] (Dh even, <= 1024) and positions int64 [T]")
+    cdef float *px = <float*>_ptr(x)
+    cdef const int64_t *pp = <const int64_t*>_ptr(pos)
+    cdef int T = x.shape[0], H = x.shape[1], Dh = x.shape[2]
+    with nogil:
+        mq_rope(px, pp, T, H, Dh, theta)
+    return x
+
+
+def silu_mul(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
+    _f32c(g, "gate"); _f32c(u, "up"); _f32c(out, "out")
+    if g.size != u.size or out.size != g.size:
+        raise ValueError("silu_mul: gate, up and out must have the same size")
+    cdef const float *pg = <const float*>_ptr(g)
+    cdef const float *pu = <const float*>_ptr(u)
+    cdef float *po = <float*>_ptr(out)
+    cdef size_t n = g.size
+    with nogil:
+        mq_silu_mul(pg, pu, po, n)
+    return out
+
+
+def softmax_(cnp.ndarray x, bint fast=True):
+    """In place over the last axis."""
+    _f32c(x, "x")
+    cdef int n = x.shape[x.ndim - 1] if x.ndim else 1
+    cdef int rows = x.size // n if n else 0
+    cdef float *px = <float*>_ptr(x)
+    with nogil:
+        mq_softmax_rows(px, rows, n, fast)
+    return x
+
+
+def expf_fast(float v):
+    return mq_expf_fast(v)
+
+
+cdef struct _att_arg:
+    const float *q
+    const void *k
+    const void *v
+    int f16, T, Hq, Hkv, Dh, S, pos0
+    float *out
+
+cdef void _att_task(void *arg, int64_t h0, int64_t h1) noexcept nogil:
+    cdef _att_arg *p = <_att_arg*>arg
+    cdef float *scr = <float*>malloc(sizeof(float) * (p.S + 2 * p.Dh + 16))
+    if scr == NULL:
+        return
+    mq_attention(p.q, p.k, p.v, p.f16, p.out, p.T, p.Hq, p.Hkv, p.Dh, p.S, p.pos0, <int>h0, <int>h1, scr)
+    free(scr)
+
+
+def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray out):
+    """Causal GQA attention; q [T,Hq,Dh] f32, k/v [Hkv,S,Dh] f32 or f16, out [T,Hq,Dh] f32."""
+    _f32c(q, "q"); _f32c(out, "out")
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] \
+            or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2] or q.shape[1] % k.shape[0] \
+            or k.dtype != v.dtype or k.dtype not in (np.float32, np.float16) \
+            or not k.flags.c_contiguous or not v.flags.c_contiguous or out.shape[0] != q.shape[0] \
+            or out.shape[1] != q.shape[1] or out.shape[2] != q.shape[2]:
+        raise ValueError("attention: bad shapes/dtypes: q [T,Hq,Dh], k/v [Hkv,S,Dh] f32|f16 contiguous, Hq % Hkv == 0")
+    if pos0 < 0 or pos0 + q.shape[0] > k.shape[1]:
+        raise ValueError(f"attention: positions {pos0}..{pos0 + q.shape[0] - 1} exceed the cache length {k.shape[1]}")
+    cdef _att_arg a
+    a.q = <const float*>_ptr(q); a.k = _ptr(k); a.v = _ptr(v); a.f16 = k.dtype == np.float16
+    a.T = q.shape[0]; a.Hq = q.shape[1]; a.Hkv = k.shape[0]; a.Dh = q.shape[2]; a.S = k.shape[1]
+    a.pos0 = pos0; a.out = <float*>_ptr(out)
+    with nogil:
+        mq_pool_run(_att_task, &a, a.Hq, 1)
+    return out

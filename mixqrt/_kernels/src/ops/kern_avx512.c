@@ -1,0 +1,319 @@
+/* AVX-512 tier (F/BW/VL/DQ + VNNI + VBMI): every packed format is unpacked two chunks (64 codes)
+ * at a time into one zmm of u8 levels with a broadcast, a per-qword shift and a mask (+ vpshufb for
+ * table levels), then multiplied with the int8 activations by vpdpbusd. Decode (T == 1) runs fused
+ * from the packed bytes; T > 1 unpacks a tile of rows once and reuses it for every token. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "mq_ops.h"
+
+void *mq_scratch(size_t n);
+
+static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline float h2f(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return _cvtsh_ss(v); }
+
+/* ------------------------------------------------------------------ activations */
+void mq_quantize_act_avx512(const float *x, int K, int kp, int8_t *q, float *d, float *s) {
+    const __m512 sgn = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int c = 0; c < kp / 32; c++) {
+        int k0 = c * 32, n = K - k0;
+        if (n <= 0) { memset(q + k0, 0, 32); d[c] = 0.0f; s[c] = 0.0f; continue; }
+        __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+        __mmask16 m1 = n >= 32 ? 0xffff : (n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1));
+        __m512 a = _mm512_maskz_loadu_ps(m0, x + k0), b = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sgn), _mm512_and_ps(b, sgn)));
+        float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512 vid = _mm512_set1_ps(id);
+        __m512i ia = _mm512_cvtps_epi32(_mm512_mul_ps(a, vid)), ib = _mm512_cvtps_epi32(_mm512_mul_ps(b, vid));
+        _mm_storeu_si128((__m128i *)(q + k0), _mm512_cvtsepi32_epi8(ia));
+        _mm_storeu_si128((__m128i *)(q + k0 + 16), _mm512_cvtsepi32_epi8(ib));
+        int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ib));
+        d[c] = dd; s[c] = dd * (float)sum;
+    }
+}
+
+/* ------------------------------------------------------------------ unpack two chunks */
+typedef struct {
+    int fmt, nc;
+    __m512i tab;     /* q3p levels in every 128-bit lane */
+    __m512i p3lo, p3hi, p6lo, p6hi, pw16, bitsel;
+    const uint8_t *end;  /* one past the last byte of the tensor's rows */
+    float q5_lo, q5_step;
+} ctx_t;
+
+/* chunks 2p and 2p+1 of a row -> u8 levels (zmm bytes 0-31 chunk 2p, 32-63 chunk 2p+1), and the
+ * scale vectors dv (dw of chunk A in lanes 0-7, of chunk B in lanes 8-15) and mv (mm = m - off*dw,
+ * same lanes). A missing second chunk (odd nc) gets dw = mm = 0; its activations are zero padding. */
+static inline __m256i h16x2(const uint8_t *a, const uint8_t *b) {
+    uint16_t x, y;
+    memcpy(&x, a, 2); memcpy(&y, b, 2);
+    return _mm256_mask_set1_epi16(_mm256_set1_epi16((short)x), 0xff00, (short)y);
+}
+
+static const uint8_t PERM_Q3P[2][64] = {
+    { 4, 5, 6, 7, 8, 9,10,11,  4, 5, 6, 7, 8, 9,10,11,  4, 5, 6, 7, 8, 9,10,11,  4, 5, 6, 7, 8, 9,10,11,
+     16,17,18,19,20,21,22,23, 16,17,18,19,20,21,22,23, 16,17,18,19,20,21,22,23, 16,17,18,19,20,21,22,23},
+    {12,12,12,12,12,12,12,12, 13,13,13,13,13,13,13,13, 14,14,14,14,14,14,14,14, 15,15,15,15,15,15,15,15,
+     24,24,24,24,24,24,24,24, 25,25,25,25,25,25,25,25, 26,26,26,26,26,26,26,26, 27,27,27,27,27,27,27,27}};
+static const uint8_t PERM_Q6[2][64] = {
+    { 2, 3, 4, 5, 6, 7, 8, 9,10,11,12,13,14,15,16,17,  2, 3, 4, 5, 6, 7, 8, 9,10,11,12,13,14,15,16,17,
+     28,29,30,31,32,33,34,35,36,37,38,39,40,41,42,43, 28,29,30,31,32,33,34,35,36,37,38,39,40,41,42,43},
+    {18,19,20,21,22,23,24,25, 18,19,20,21,22,23,24,25, 18,19,20,21,22,23,24,25, 18,19,20,21,22,23,24,25,
+     44,45,46,47,48,49,50,51, 44,45,46,47,48,49,50,51, 44,45,46,47,48,49,50,51, 44,45,46,47,48,49,50,51}};
+static const uint8_t BITSEL[64] = {
+    1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128,
+    1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128};
+
+static inline __attribute__((always_inline)) __m512i
+unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *dv, __m512 *mv) {
+    const __m512i m3 = _mm512_set1_epi8(3), m15 = _mm512_set1_epi8(15);
+    const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
+    const __m512i sh4 = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    int two = 2 * p + 1 < cx->nc;
+    switch (fmt) {
+    case MQ_Q8: {
+        const uint8_t *A = row + (size_t)(2 * p) * 34, *B = two ? A + 34 : A;
+        __m512 d = _mm512_cvtph_ps(h16x2(A, B));
+        if (!two) d = _mm512_maskz_mov_ps(0x00ff, d);
+        *dv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A + 2))),
+                                       _mm256_loadu_si256((const __m256i *)(B + 2)), 1);
+        return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+    }
+    case MQ_Q6: {
+        const uint8_t *A = row + (size_t)(2 * p) * 26;
+        /* plain loads where 64 bytes stay inside the tensor: masked loads that miss the cache are
+         * slow on AMD (10x measured on 151936 x 896) */
+        __m512i v = A + 64 <= cx->end ? _mm512_loadu_si512((const void *)A)
+                                      : _mm512_maskz_loadu_epi8(two ? 0x000fffffffffffffull : 0x3ffffffull, A);
+        __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(cx->pw16, v)));
+        if (!two) d = _mm512_maskz_mov_ps(0x00ff, d);
+        *dv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));
+        __m512i lo = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi8(cx->p6lo, v), sh4), m15);
+        __m512i hi = _mm512_rolv_epi64(_mm512_permutexvar_epi8(cx->p6hi, v), _mm512_setr_epi64(4, 2, 0, 62, 4, 2, 0, 62));
+        return _mm512_ternarylogic_epi64(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
+    }
+    case MQ_Q4: {
+        const uint8_t *A = row + (size_t)(2 * p) * 20, *B = two ? A + 20 : A;
+        __m512 d = _mm512_cvtph_ps(h16x2(A, B)), m = _mm512_cvtph_ps(h16x2(A + 2, B + 2));
+        if (!two) { d = _mm512_maskz_mov_ps(0x00ff, d); m = _mm512_maskz_mov_ps(0x00ff, m); }
+        *dv = d; *mv = m;
+        __m512i lo = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(A + 4))),
+                                                 0xff00, _mm_loadu_si128((const __m128i *)(B + 4)));
+        return _mm512_and_si512(_mm512_srlv_epi64(lo, sh4), m15);
+    }
+    case MQ_Q5G: {
+        const uint8_t *A = row + (size_t)(2 * p) * 20, *B = two ? A + 20 : A;
+        *dv = two ? _mm512_set1_ps(cx->q5_step) : _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(cx->q5_step));
+        *mv = two ? _mm512_set1_ps(cx->q5_lo) : _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(cx->q5_lo));
+        __m512i lo = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)A)),
+                                                 0xff00, _mm_loadu_si128((const __m128i *)B));
+        lo = _mm512_and_si512(_mm512_srlv_epi64(lo, sh4), m15);
+        __mmask64 k = (__mmask64)rd32(A + 16) | ((__mmask64)rd32(B + 16) << 32);
+        return _mm512_mask_add_epi8(lo, k, lo, _mm512_set1_epi8(16));
+    }
+    case MQ_Q3U:
+    case MQ_Q3P: {
+        const uint8_t *blk = row + (size_t)p * 28;
+        __m512i v = _mm512_castsi256_si512(blk + 32 <= cx->end ? _mm256_loadu_si256((const __m256i *)blk)
+                                                                : _mm256_maskz_loadu_epi8(0x0fffffff, blk));
+        *dv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) & 0xffff)));
+        *mv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) >> 16)));
+        __m512i h = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi8(cx->p3lo, v), sh2), m3);
+        __mmask64 k = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(cx->p3hi, v), cx->bitsel);
+        h = _mm512_mask_add_epi8(h, k, h, _mm512_set1_epi8(4));
+        return fmt == MQ_Q3P ? _mm512_shuffle_epi8(cx->tab, h) : h;
+    }
+    default: { /* MQ_Q2C */
+        const uint8_t *blk = row + (size_t)(p >> 1) * 40, *c = blk + 8 + 16 * (p & 1);
+        *dv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) & 0xffff)));
+        *mv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) >> 16)));
+        __m512i h = _mm512_mask_set1_epi64(_mm512_set1_epi64((long long)rd64(c)), 0xf0, (long long)rd64(c + 8));
+        h = _mm512_and_si512(_mm512_srlv_epi64(h, sh2), m3);
+        return _mm512_shuffle_epi8(_mm512_set1_epi32((int)rd32(blk + 4)), h);
+    }
+    }
+}
+
+static inline __m512 pairvec(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+/* ------------------------------------------------------------------ decode: fused, 2 rows at once */
+/* pv[p]: dx of chunk 2p in lanes 0-7 and of 2p+1 in lanes 8-15, then s of 2p in lane 0 and of
+ * 2p+1 in lane 8 (other lanes 0) */
+static void pair_vectors(const mq_act *a, int np, __m512 *pv) {
+    for (int p = 0; p < np; p++) {
+        pv[2 * p] = pairvec(a->d[2 * p], a->d[2 * p + 1]);
+        pv[2 * p + 1] = _mm512_maskz_mov_ps(0x0101, pairvec(a->s[2 * p], a->s[2 * p + 1]));
+    }
+}
+
+#define NR 2
+#ifndef PF_ROWS
+#define PF_ROWS 8
+#endif
+static inline __attribute__((always_inline)) void
+mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
+    const int8_t *q = j->a->q;
+    int np = (j->nc + 1) / 2;
+    __m512 *pv = (__m512 *)mq_scratch((size_t)np * 128);
+    pair_vectors(j->a, np, pv);
+    int n = n0;
+    for (; n + NR <= n1; n += NR) {
+        const uint8_t *r0 = j->w + (size_t)n * j->row_bytes, *r1 = r0 + j->row_bytes;
+        /* software prefetch PF_ROWS ahead: the hardware prefetcher alone left decode at ~40 % of
+         * the read bandwidth on tensors that miss the LLC */
+        const uint8_t *pf = r0 + PF_ROWS * j->row_bytes;
+        if (pf + NR * j->row_bytes <= cx->end)
+            for (size_t o = 0; o < NR * j->row_bytes; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, am0 = acc0, am1 = acc0;
+        for (int p = 0; p < np; p++) {
+            __m512 d0, m0, d1, m1;
+            __m512i l0 = unpack_pair(cx, fmt, r0, p, &d0, &m0);
+            __m512i l1 = unpack_pair(cx, fmt, r1, p, &d1, &m1);
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            __m512 dx = pv[2 * p], sx = pv[2 * p + 1];
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xq);
+            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, xq);
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx), acc1);
+            am0 = _mm512_fmadd_ps(m0, sx, am0);
+            am1 = _mm512_fmadd_ps(m1, sx, am1);
+        }
+        j->y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, am0));
+        j->y[n + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc1, am1));
+    }
+    for (; n < n1; n++) {
+        const uint8_t *r0 = j->w + (size_t)n * j->row_bytes;
+        __m512 acc0 = _mm512_setzero_ps(), am0 = acc0;
+        for (int p = 0; p < np; p++) {
+            __m512 d0, m0;
+            __m512i l0 = unpack_pair(cx, fmt, r0, p, &d0, &m0);
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xq);
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, pv[2 * p]), acc0);
+            am0 = _mm512_fmadd_ps(m0, pv[2 * p + 1], am0);
+        }
+        j->y[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, am0));
+    }
+}
+
+static float dot_ps(const float *w, const float *x, int K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    }
+    for (; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+/* ------------------------------------------------------------------ prefill: unpacked row tiles */
+#define TR 4
+static inline __attribute__((always_inline)) void
+mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
+    const mq_act *a = j->a;
+    int np = (j->nc + 1) / 2;
+    /* per row of the tile: np zmm of levels, np zmm of dw pairs, np floats x2 of mm */
+    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * np * (64 + 64 + 8));
+    __m512i *lv = (__m512i *)buf;
+    __m512 *dwv = (__m512 *)(buf + (size_t)TR * np * 64);
+    float *mmv = (float *)(buf + (size_t)TR * np * 128);
+    for (int nt = n0; nt < n1; nt += TR) {
+        int nr = n1 - nt < TR ? n1 - nt : TR;
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *row = j->w + (size_t)(nt + r) * j->row_bytes;
+            for (int p = 0; p < np; p++) {
+                __m512 mv;
+                float tmp[16];
+                lv[r * np + p] = unpack_pair(cx, fmt, row, p, &dwv[r * np + p], &mv);
+                _mm512_storeu_ps(tmp, mv);
+                mmv[(size_t)(r * np + p) * 2] = tmp[0];
+                mmv[(size_t)(r * np + p) * 2 + 1] = tmp[8];
+            }
+        }
+        for (int t = 0; t < j->T; t++) {
+            const int8_t *q = a->q + (size_t)t * a->kp;
+            const float *xd = a->d + (size_t)t * a->ncp, *xs = a->s + (size_t)t * a->ncp;
+            float *y = j->y + (size_t)t * j->ldy + nt;
+            if (nr == TR) {
+                __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+                const __m512i *l0 = lv, *l1 = lv + np, *l2 = lv + 2 * np, *l3 = lv + 3 * np;
+                const __m512 *w0 = dwv, *w1 = dwv + np, *w2 = dwv + 2 * np, *w3 = dwv + 3 * np;
+                for (int p = 0; p < np; p++) {
+                    __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+                    __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
+                    const __m512i z = _mm512_setzero_si512();
+                    c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l0[p], xq)), _mm512_mul_ps(w0[p], dx), c0);
+                    c1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l1[p], xq)), _mm512_mul_ps(w1[p], dx), c1);
+                    c2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l2[p], xq)), _mm512_mul_ps(w2[p], dx), c2);
+                    c3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l3[p], xq)), _mm512_mul_ps(w3[p], dx), c3);
+                }
+                __m512 cs[4] = {c0, c1, c2, c3};
+                for (int r = 0; r < TR; r++) y[r] = _mm512_reduce_add_ps(cs[r]) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
+            } else {
+                for (int r = 0; r < nr; r++) {
+                    __m512 c0 = _mm512_setzero_ps();
+                    for (int p = 0; p < np; p++) {
+                        __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+                        __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
+                        c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[r * np + p], xq)),
+                                             _mm512_mul_ps(dwv[r * np + p], dx), c0);
+                    }
+                    y[r] = _mm512_reduce_add_ps(c0) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ float weights */
+static void load_row_f32(const mq_mm_job *j, int n, float *out) {
+    const uint8_t *row = j->w + (size_t)n * j->row_bytes;
+    int k = 0;
+    if (j->fmt == MQ_F16) {
+        for (; k + 16 <= j->K; k += 16) _mm512_storeu_ps(out + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * k))));
+        for (; k < j->K; k++) out[k] = h2f(row + 2 * k);
+    } else {
+        for (; k + 16 <= j->K; k += 16)
+            _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * k))), 16)));
+        for (; k < j->K; k++) { uint16_t v; memcpy(&v, row + 2 * k, 2); out[k] = mq_bf2f(v); }
+    }
+}
+
+static void mm_float(const mq_mm_job *j, int n0, int n1) {
+    float *wf = (float *)mq_scratch((size_t)j->K * 4 + 64);
+    for (int n = n0; n < n1; n++) {
+        const float *wr;
+        if (j->fmt == MQ_F32) wr = (const float *)(j->w + (size_t)n * j->row_bytes);
+        else { load_row_f32(j, n, wf); wr = wf; }
+        for (int t = 0; t < j->T; t++) j->y[(size_t)t * j->ldy + n] = dot_ps(wr, j->x + (size_t)t * j->ldx, j->K);
+    }
+}
+
+#define FMT_CASE(F) case F: if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); else mm_fmt(&cx, F, j, n0, n1); break;
+
+void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
+    if (j->fmt >= MQ_F32) { mm_float(j, n0, n1); return; }
+    ctx_t cx;
+    cx.fmt = j->fmt; cx.nc = j->nc; cx.end = j->w + (size_t)j->N * j->row_bytes; cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
+    uint8_t t16[16] = {0};
+    if (j->q3p_levels) memcpy(t16, j->q3p_levels, 8);
+    cx.tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
+    cx.p3lo = _mm512_loadu_si512(PERM_Q3P[0]); cx.p3hi = _mm512_loadu_si512(PERM_Q3P[1]);
+    cx.p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx.p6hi = _mm512_loadu_si512(PERM_Q6[1]);
+    cx.bitsel = _mm512_loadu_si512(BITSEL);
+    static const uint16_t pw16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 13, 13, 13, 13, 13, 13, 13, 13};
+    cx.pw16 = _mm512_loadu_si512(pw16);
+    switch (j->fmt) {
+        FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
+        FMT_CASE(MQ_Q5G)
+    }
+}

@@ -1,0 +1,50 @@
+/* Generic tier of the float ops (misc_impl.h) and the per-tier dispatch. */
+#define MQ_SFX generic
+#include "misc_impl.h"
+#include "cpu.h"
+
+#define MQ_DECL(ret, name, args) ret name##generic args; ret name##avx2 args; ret name##avx512 args;
+MQ_DECL(float, mq_expf_fast_, (float x))
+MQ_DECL(void, mq_rmsnorm_, (const float *x, const float *w, float *y, int T, int D, float eps))
+MQ_DECL(void, mq_silu_mul_, (const float *g, const float *u, float *y, size_t n))
+MQ_DECL(void, mq_softmax_rows_, (float *x, int rows, int n, int fast))
+MQ_DECL(void, mq_attention_, (const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
+                              int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch))
+
+#if defined(__x86_64__)
+#define MQ_DISPATCH(name, ...) do { int isa_ = mq_isa_get(); \
+    if (isa_ >= MQ_ISA_AVX512) return name##avx512(__VA_ARGS__); \
+    if (isa_ >= MQ_ISA_AVX2) return name##avx2(__VA_ARGS__); \
+    return name##generic(__VA_ARGS__); } while (0)
+#else
+#define MQ_DISPATCH(name, ...) return name##generic(__VA_ARGS__)
+#endif
+
+float mq_expf_fast(float x) { MQ_DISPATCH(mq_expf_fast_, x); }
+void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps) { MQ_DISPATCH(mq_rmsnorm_, x, w, y, T, D, eps); }
+void mq_silu_mul(const float *g, const float *u, float *y, size_t n) { MQ_DISPATCH(mq_silu_mul_, g, u, y, n); }
+void mq_softmax_rows(float *x, int rows, int n, int fast) { MQ_DISPATCH(mq_softmax_rows_, x, rows, n, fast); }
+void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T, int Hq, int Hkv,
+                  int Dh, int S, int pos0, int h0, int h1, float *scratch) {
+    MQ_DISPATCH(mq_attention_, q, k, v, kv_f16, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
+}
+
+void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta) {
+    int half = Dh / 2;
+    float cs[512], sn[512];
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < half && i < 512; i++) {
+            double inv = 1.0 / pow(theta, (double)(2 * i) / Dh);
+            double ang = (double)pos[t] * inv;
+            cs[i] = (float)cos(ang); sn[i] = (float)sin(ang);
+        }
+        for (int h = 0; h < H; h++) {
+            float *r = x + ((size_t)t * H + h) * Dh;
+            for (int i = 0; i < half; i++) {
+                float x1 = r[i], x2 = r[i + half];
+                r[i] = x1 * cs[i] - x2 * sn[i];
+                r[i + half] = x2 * cs[i] + x1 * sn[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,2 @@
+#define MQ_SFX avx2
+#include "misc_impl.h"

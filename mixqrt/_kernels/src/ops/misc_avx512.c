@@ -1,0 +1,2 @@
+#define MQ_SFX avx512
+#include "misc_impl.h"

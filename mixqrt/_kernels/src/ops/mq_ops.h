@@ -1,0 +1,95 @@
+/* Kernels of mixqrt.ops: products straight from packed weights, activation quantization, the
+ * native thread pool and the other ops of a Qwen2 layer. Byte layouts: mixqrt/quant/layout.py.
+ *
+ * Integer path (every packed format). A row is nc chunks of 32 weights; chunk c has u8 levels
+ * U[i] = L[q_i] + off (off = 128 for q8, 32 for q6, else 0), a weight scale dw_c and an additive
+ * term m_c, so w_i = dw_c * (U[i] - off) + m_c. The activation x is quantized per chunk of 32 to
+ * int8 a_i with scale dx_c (x ~ dx_c * a_i); s_c = dx_c * sum(a_i). Then
+ *     y = sum_c  (dw_c * dx_c) * isum_c  +  (m_c - off * dw_c) * s_c,   isum_c = sum_i U[i] a_i
+ * isum_c is exact in every tier (vpdpbusd / vpmaddubsw / scalar); only the float combination
+ * order differs between tiers. */
+#ifndef MIXQRT_MQ_OPS_H
+#define MIXQRT_MQ_OPS_H
+#include <stddef.h>
+#include <stdint.h>
+
+enum mq_fmt {
+    MQ_Q8 = 0, MQ_Q6 = 1, MQ_Q4 = 2, MQ_Q3U = 3, MQ_Q3P = 4, MQ_Q2C = 5, MQ_Q5G = 6,
+    MQ_F32 = 10, MQ_F16 = 11, MQ_BF16 = 12,
+};
+
+typedef struct {
+    int group, header, chunk_bytes, bits, off;
+} mq_fmtinfo;
+
+const mq_fmtinfo *mq_fmt_info(int fmt); /* NULL for float formats / unknown */
+
+/* Quantized activations of T rows. Row t: q + t*kp (int8, kp a multiple of 128, zero padded),
+ * d + t*ncp and s + t*ncp (ncp = kp / 32). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    float *s;
+    int T, K, kp, ncp;
+} mq_act;
+
+/* One product y[t, n] = sum_k W[n, k] x[t, k] over rows [n0, n1) of W. */
+typedef struct {
+    int fmt;
+    const uint8_t *w;       /* packed bytes (or plain f32/f16/bf16 values) */
+    size_t row_bytes;
+    int N, K, nc;           /* nc: chunks per row including block padding */
+    const mq_act *a;        /* packed formats */
+    const float *x;         /* float formats: [T, K] row-major, row stride ldx */
+    int T;
+    size_t ldx;
+    float *y;               /* [T, N] row stride ldy */
+    size_t ldy;
+    const uint8_t *q3p_levels; /* 8 bytes */
+    float q5_lo, q5_step;      /* q5g trailer, decoded */
+} mq_mm_job;
+
+/* tiers: all have identical semantics */
+void mq_quantize_act_rows(const float *x, size_t ldx, mq_act *a, int t0, int t1);
+void mq_quantize_act_generic(const float *x, int K, int kp, int8_t *q, float *d, float *s);
+void mq_quantize_act_avx2(const float *x, int K, int kp, int8_t *q, float *d, float *s);
+void mq_quantize_act_avx512(const float *x, int K, int kp, int8_t *q, float *d, float *s);
+
+void mq_mm_rows(const mq_mm_job *j, int n0, int n1);            /* dispatch by mq_isa_get() */
+void mq_mm_rows_generic(const mq_mm_job *j, int n0, int n1);
+void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1);
+void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1);
+
+/* Unpack one packed row to u8 levels lv[nc*32], dw[nc], mm[nc] (mm = m - off*dw). Portable. */
+void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, float *dw, float *mm);
+/* Dequantize one row to float32 out[K] (w = d*L + m in float32, as layout.py). */
+void mq_dequant_row(const mq_mm_job *j, int n, float *out);
+
+float mq_h2f(uint16_t h);
+static inline float mq_bf2f(uint16_t b) {
+    union { uint32_t u; float f; } v; v.u = (uint32_t)b << 16; return v.f;
+}
+
+/* ---------------------------------------------------------------- thread pool (pool.c) */
+typedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1);
+/* Start (or restart with) n threads including the caller; cpus: affinity list for pinning
+ * (ncpus entries, may be 0 to skip pinning). Returns the thread count. */
+int mq_pool_start(int n, const int *cpus, int ncpus);
+int mq_pool_size(void);
+void mq_pool_stop(void);
+/* Split [0, n) in ranges aligned to `align` over the pool; the caller runs part 0. Blocks until
+ * all parts are done. GIL must be released by the caller. */
+void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align);
+
+/* ---------------------------------------------------------------- bandwidth probe (bw.c) */
+double mq_read_bandwidth(size_t nbytes, int threads, int reps);
+
+/* ---------------------------------------------------------------- other ops (misc.c) */
+void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps);
+void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta);
+void mq_silu_mul(const float *g, const float *u, float *y, size_t n);
+void mq_softmax_rows(float *x, int rows, int n, int fast);
+float mq_expf_fast(float x);   /* valid on [-87, 88]; see misc.c */
+void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
+                  int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch);
+#endif

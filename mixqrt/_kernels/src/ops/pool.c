@@ -1,0 +1,141 @@
+/* Native thread pool: threads started once and pinned, no GIL while working; between jobs a worker
+ * spins for MIXQRT_SPIN_US (default 100 us) and then sleeps on a futex, so an idle pool costs no CPU.
+ * The caller thread is part 0 of every job. */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "mq_ops.h"
+
+#define MQ_MAXT 256
+
+static struct {
+    int n;
+    pthread_t th[MQ_MAXT];
+    int cpu[MQ_MAXT];
+    _Atomic uint32_t gen;       /* bumped once per job; workers futex-wait on it */
+    _Atomic uint32_t pending;   /* parts not yet finished; the caller futex-waits on it */
+    _Atomic int sleepers;       /* workers asleep on gen */
+    _Atomic int caller_sleeps;
+    _Atomic int stop;
+    mq_task_fn fn;
+    void *arg;
+    int64_t total, align;
+    long spin_ns;
+    uint32_t start_gen;
+} P = {.n = 1};
+
+static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void fwait(_Atomic uint32_t *a, uint32_t v) { syscall(SYS_futex, (uint32_t *)a, FUTEX_WAIT_PRIVATE, v, NULL, NULL, 0); }
+static void fwake(_Atomic uint32_t *a) { syscall(SYS_futex, (uint32_t *)a, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+static long now_ns(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1000000000L + ts.tv_nsec; }
+
+static void part_range(int part, int nparts, int64_t *i0, int64_t *i1) {
+    int64_t units = (P.total + P.align - 1) / P.align;
+    int64_t u0 = units * part / nparts, u1 = units * (part + 1) / nparts;
+    *i0 = u0 * P.align < P.total ? u0 * P.align : P.total;
+    *i1 = u1 * P.align < P.total ? u1 * P.align : P.total;
+}
+
+static void *worker(void *argp) {
+    int idx = (int)(intptr_t)argp;
+    if (P.cpu[idx] >= 0) {
+        cpu_set_t cs; CPU_ZERO(&cs); CPU_SET(P.cpu[idx], &cs);
+        pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
+    }
+    uint32_t seen = P.start_gen;   /* not a fresh load: a job may already have been posted */
+    for (;;) {
+        uint32_t g;
+        long t0 = 0;
+        int it = 0;
+        while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+            relax();
+            if ((++it & 255) == 0) {
+                long t = now_ns();
+                if (!t0) t0 = t;
+                else if (t - t0 > P.spin_ns) {
+                    atomic_fetch_add(&P.sleepers, 1);
+                    if (atomic_load(&P.gen) == seen) fwait(&P.gen, seen);
+                    atomic_fetch_sub(&P.sleepers, 1);
+                    t0 = 0;
+                }
+            }
+        }
+        seen = g;
+        if (atomic_load(&P.stop)) return NULL;
+        int64_t i0, i1;
+        part_range(idx, P.n, &i0, &i1);
+        if (i1 > i0) P.fn(P.arg, i0, i1);
+        if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeps)) fwake(&P.pending);
+    }
+}
+
+void mq_pool_stop(void) {
+    if (P.n <= 1) { P.n = 1; return; }
+    atomic_store(&P.stop, 1);
+    atomic_fetch_add(&P.gen, 1);
+    fwake(&P.gen);
+    for (int i = 1; i < P.n; i++) pthread_join(P.th[i], NULL);
+    atomic_store(&P.stop, 0);
+    P.n = 1;
+}
+
+int mq_pool_start(int n, const int *cpus, int ncpus) {
+    pthread_mutex_lock(&start_lock);
+    mq_pool_stop();
+    if (n < 1) n = 1;
+    if (n > MQ_MAXT) n = MQ_MAXT;
+    const char *s = getenv("MIXQRT_SPIN_US");
+    P.spin_ns = (s ? atol(s) : 100) * 1000L;
+    for (int i = 0; i < n; i++) P.cpu[i] = (ncpus > 0) ? cpus[i % ncpus] : -1;
+    P.n = 1;
+    P.start_gen = atomic_load(&P.gen);
+    for (int i = 1; i < n; i++) {
+        if (pthread_create(&P.th[i], NULL, worker, (void *)(intptr_t)i) != 0) break;
+        P.n = i + 1;
+    }
+    pthread_mutex_unlock(&start_lock);
+    return P.n;
+}
+
+int mq_pool_size(void) { return P.n; }
+
+void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align) {
+    if (align < 1) align = 1;
+    if (P.n <= 1 || n <= align) { if (n > 0) fn(arg, 0, n); return; }
+    P.fn = fn; P.arg = arg; P.total = n; P.align = align;
+    atomic_store(&P.pending, (uint32_t)(P.n - 1));
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    if (atomic_load(&P.sleepers) > 0) fwake(&P.gen);
+    int64_t i0, i1;
+    part_range(0, P.n, &i0, &i1);
+    if (i1 > i0) fn(arg, i0, i1);
+    long t0 = 0;
+    int it = 0;
+    uint32_t p;
+    while ((p = atomic_load_explicit(&P.pending, memory_order_acquire)) != 0) {
+        relax();
+        if ((++it & 255) == 0) {
+            long t = now_ns();
+            if (!t0) t0 = t;
+            else if (t - t0 > P.spin_ns) {
+                atomic_store(&P.caller_sleeps, 1);
+                if ((p = atomic_load(&P.pending)) != 0) fwait(&P.pending, p);
+                atomic_store(&P.caller_sleeps, 0);
+            }
+        }
+    }
+}

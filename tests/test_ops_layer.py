@@ -1,0 +1,138 @@
+"""The float ops of a Qwen2 layer on every ISA tier against mixqrt.ops_ref (float64 inside), and
+the native pool: thread counts, results independent of the thread count, the bandwidth probe."""
+import os
+
+import numpy as np
+import pytest
+
+import mixqrt.isa as isa
+from mixqrt import ops, ops_ref
+from mixqrt._kernels import _ops
+
+EPS = 2.0 ** -24
+
+
+@pytest.fixture(params=isa.available())
+def tier(request):
+    before = isa.current()
+    yield isa.set_isa(request.param)
+    isa.set_isa(before)
+
+
+@pytest.mark.parametrize("d", [1, 31, 33, 896, 3584])
+def test_rmsnorm(tier, d):
+    rng = np.random.default_rng(d)
+    x = rng.standard_normal((3, d)).astype(np.float32) * 4
+    w = rng.standard_normal(d).astype(np.float32)
+    y = ops.rmsnorm(x, w, 1e-6)
+    ref = ops_ref.rmsnorm(x, w, 1e-6)
+    np.testing.assert_allclose(y, ref, rtol=8 * EPS, atol=8 * EPS * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("theta", [1e4, 1e6])
+@pytest.mark.parametrize("dh", [64, 128])
+def test_rope(tier, theta, dh):
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 3, dh)).astype(np.float32)
+    pos = np.array([0, 1, 77, 4095, 32767])
+    y = ops.rope(x, pos, theta)
+    np.testing.assert_allclose(y, ops_ref.rope(x, pos, theta), rtol=0, atol=4 * EPS * 8)
+    assert not np.shares_memory(y, x)
+
+
+@pytest.mark.parametrize("n", [1, 31, 33, 4864, 18944])
+def test_silu_mul(tier, n):
+    rng = np.random.default_rng(n)
+    g = (rng.standard_normal(n) * 8).astype(np.float32)
+    g[:3] = [-200.0, 100.0, 0.0][: min(3, n)]
+    u = rng.standard_normal(n).astype(np.float32)
+    ref = ops_ref.silu_mul(g, u).astype(np.float64)
+    y = ops.silu_mul(g, u)
+    assert np.isfinite(y).all()
+    assert (np.abs(y - ref) <= 8 * EPS * np.abs(ref) + 1e-37).all()
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("n", [1, 17, 1000, 32768])
+def test_softmax(tier, fast, n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((3, n)) * 30).astype(np.float32)
+    x[0, 0] = -1e30 if n > 1 else x[0, 0]       # far outside the fast range: exact fallback
+    x[1, : n // 2] = -np.inf
+    ref = ops_ref.softmax(x).astype(np.float64)
+    y = ops.softmax(x, fast=fast)
+    # per-element relative error: exp (2 ulp) + the float32 rounding of x - max, amplified by
+    # |x - max|, + normalisation (sum of n terms); plus the denormal spacing
+    arg = np.abs(x.astype(np.float64) - x.max(axis=-1, keepdims=True))
+    arg[~np.isfinite(arg)] = 0
+    bound = (8 + 2 * np.log2(n + 1) + arg) * EPS * ref + 1e-44
+    assert (np.abs(y - ref) <= bound).all(), np.max(np.abs(y - ref) / (ref + 1e-38))
+
+
+def test_fast_exp_range():
+    xs = np.concatenate([np.linspace(-87, 88, 20001), [-200.0, -87.5, 88.5, 100.0]]).astype(np.float32)
+    got = np.array([_ops.expf_fast(float(v)) for v in xs], np.float64)
+    ref = np.exp(xs.astype(np.float64))
+    inr = (xs >= -87) & (xs <= 88)
+    assert np.max(np.abs(got[inr] - ref[inr]) / ref[inr]) < 4 * EPS
+    assert got[-1] == np.inf and got[-4] == np.float32(np.exp(np.float32(-200.0)))
+
+
+@pytest.mark.parametrize("t,pos0", [(1, 0), (1, 40), (3, 10), (17, 0), (12, 5)])
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+def test_attention(tier, t, pos0, kv):
+    rng = np.random.default_rng(t * 100 + pos0)
+    hq, hkv, dh, s = 14, 2, 64, 64
+    q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+    k = rng.standard_normal((hkv, s, dh)).astype(kv)
+    v = rng.standard_normal((hkv, s, dh)).astype(kv)
+    y = ops.attention(q, k, v, pos0)
+    ref = ops_ref.attention(q, k.astype(np.float32), v.astype(np.float32), pos0)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
+
+
+def test_attention_bad_args():
+    q = np.zeros((2, 4, 8), np.float32)
+    with pytest.raises(ValueError):
+        ops.attention(q, np.zeros((3, 8, 8), np.float32), np.zeros((3, 8, 8), np.float32), 0)
+    with pytest.raises(ValueError):
+        ops.attention(q, np.zeros((2, 8, 8), np.float32), np.zeros((2, 8, 8), np.float32), 7)
+
+
+# ----------------------------------------------------------------------------- pool
+def test_threads_give_same_results():
+    from test_kernels_ref import random_qtensor
+    rng = np.random.default_rng(9)
+    w = random_qtensor("q3p", 1000, 896, rng)
+    x = rng.standard_normal((3, 896)).astype(np.float32)
+    n0 = ops.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            assert ops.set_num_threads(n) == n and ops.get_num_threads() == n
+            outs.append(ops.matmul(w, x))
+            outs.append(ops.matmul(w, x[0]))
+        for a, b in zip(outs[::2], outs[2::2]):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        ops.set_num_threads(n0)
+
+
+def test_default_threads(monkeypatch):
+    monkeypatch.setenv("MIXQRT_NUM_THREADS", "3")
+    assert ops.default_num_threads() == 3
+    monkeypatch.delenv("MIXQRT_NUM_THREADS")
+    n = ops.default_num_threads()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+    monkeypatch.setattr(ops, "_cgroup_cpus", lambda: 0.5)
+    assert ops.default_num_threads() == 1
+    monkeypatch.setenv("MIXQRT_NUM_THREADS", "zero")
+    with pytest.raises(ValueError):
+        ops.default_num_threads()
+    with pytest.raises(ValueError):
+        ops.set_num_threads(0)
+
+
+def test_read_bandwidth():
+    bw = ops.read_bandwidth(1 << 24, 2, 1)
+    assert 1e8 < bw < 1e13
