@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -103,11 +104,26 @@ class SafetensorsFile:
         count = (end - begin) // DTYPES[dtype][0]
         if count == 0:
             return np.zeros(shape, np.float32)
-        a = np.frombuffer(self._map, dtype=np_dtype, count=count, offset=self.data_start + begin)
-        if dtype == "BF16":
-            out = (a.astype(np.uint32) << 16).view(np.float32)
-        else:
-            out = a.astype(np.float32)              # always a fresh array: the map may close
+        # pread in slices instead of touching the mmap: mapped file pages would count in RSS and
+        # stay there, so quantizing a 15 GB checkpoint would look (and be accounted) like 15 GB.
+        out = np.empty(count, dtype=np.float32)
+        step = max(1, (64 << 20) // DTYPES[dtype][0])
+        buf = np.empty(min(count, step), dtype=np_dtype)
+        fd = self._file.fileno()
+        for i in range(0, count, step):
+            n = min(step, count - i)
+            chunk = buf[:n]
+            want = n * DTYPES[dtype][0]
+            got = os.preadv(fd, [memoryview(chunk).cast("B")], self.data_start + begin + i * DTYPES[dtype][0])
+            if got != want:
+                raise FormatError(f"{self.path}: tensor {name!r} is truncated ({got} of {want} bytes read)")
+            if dtype == "BF16":
+                # bf16 is the high half of a float32: write it there, zero the low half
+                halves = out[i:i + n].view(np.uint16)
+                halves[0::2] = 0
+                halves[1::2] = chunk
+            else:
+                out[i:i + n] = chunk
         return out.reshape(shape)
 
     def close(self):
