@@ -218,10 +218,16 @@ def build_meta(source, recipe: Recipe) -> dict:
         "recipe": recipe.spec(),
         "source": str(getattr(source, "description", "") or getattr(source, "path", "")),
         "fused": {k: list(v) for k, v in FUSE.items()},
+        "q3p_levels": [int(v) for v in _q3p_levels()],   # so a future table change cannot misread old files
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     meta.update(source.tokenizer.to_meta())   # tokenizer.json, chat_template, tokenizer_info
     return meta
+
+
+def _q3p_levels():
+    from mixqrt.quant.layout import Q3P_LEVELS
+    return Q3P_LEVELS
 
 
 def describe(report: QuantReport) -> str:

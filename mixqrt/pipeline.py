@@ -40,8 +40,18 @@ class LoadedModel:
         self.tokenizer = Tokenizer.from_meta(meta)
         self.generation_config = dict(meta.get("generation_config") or {})
         cls = get_model_class(meta["arch"])
-        self.model = cls(cls.args_class.from_dict(meta["config"]) if hasattr(cls, "args_class") else meta["config"],
-                         dict(self.file.tensors), generation_config=self.generation_config)
+        tensors = dict(self.file.tensors)
+        levels = meta.get("q3p_levels")
+        if levels is not None:
+            from mixqrt.quant.layout import Q3P_LEVELS
+            if len(levels) != 8 or not all(isinstance(v, int) and 0 <= v <= 255 for v in levels):
+                raise ModelError(f"{path}: bad q3p_levels {levels!r} in the header")
+            if list(levels) != [int(v) for v in Q3P_LEVELS]:   # written with another table: decode with it
+                table = np.asarray(levels, dtype=np.uint8)
+                for qt in tensors.values():
+                    if qt.fmt == "q3p":
+                        qt.meta["q3p_levels"] = table
+        self.model = cls(cls.args_class.from_dict(meta["config"]), tensors, generation_config=self.generation_config)
         if threads is not None:
             from mixqrt import ops
             if hasattr(ops, "set_num_threads"):

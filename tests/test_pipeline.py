@@ -196,3 +196,22 @@ def test_demo_model_assembly_verifies_checksum(tmp_path, monkeypatch):
     with pytest.raises(ModelError, match="checksum"):
         R.demo_model_path(progress=False)
     assert not p.exists() and not list(p.parent.glob("*.part"))
+
+
+def test_q3p_table_is_recorded_and_honoured(tiny, tmp_path, monkeypatch):
+    import mixqrt.quant.layout as L
+    from mixqrt.io.mxq import MxqFile
+    out = tmp_path / "m.mxq"
+    quantize_model(str(tiny), "2356", out, progress=False)
+    with MxqFile(out) as f:
+        assert list(f.meta["q3p_levels"]) == [int(v) for v in L.Q3P_LEVELS]
+    m = mixqrt.load(out)
+    ids = m.tokenizer.encode("hello world")
+    want = m.logits(ids)
+    # a later release with another table must still read this file with the table it was written with
+    fake = np.arange(8, dtype=np.uint8) * 9
+    monkeypatch.setattr(L, "Q3P_LEVELS", fake)
+    import mixqrt.ops as ops
+    if hasattr(ops, "_Q3P_DEFAULT"):
+        monkeypatch.setattr(ops, "_Q3P_DEFAULT", bytes(fake.tobytes()))
+    np.testing.assert_array_equal(mixqrt.load(out).logits(ids), want)
