@@ -318,7 +318,21 @@ class GGUFSource(Source):
             w = unpermute_qk(w, self.config["num_attention_heads"])
         elif self.arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_qk(w, self.config["num_key_value_heads"])
-        return np.ascontiguousarray(w, dtype=np.float32)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        del raw
+        self._release(start, nbytes)
+        return w
+
+    def _release(self, start: int, nbytes: int) -> None:
+        """Unmap this tensor's file pages from our RSS (they stay in the page cache): streaming a
+        model through the quantizer must not accumulate the whole file in the process's RSS."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        lo = start - start % mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, start + nbytes - lo)
+        except (OSError, ValueError):
+            pass
 
     def close(self) -> None:
         m, f = getattr(self, "_map", None), getattr(self, "_file", None)
