@@ -112,9 +112,50 @@ def get_num_threads() -> int:
     return _ops.pool_size() if _ops is not None else 1
 
 
+class hot:
+    """Hot mode of the pool: idle workers spin instead of futex-sleeping between jobs, so the ~100
+    products of a decode step pay no wake-up each. ``ops.hot(True)`` switches it on (``False`` off);
+    also a context manager (``with ops.hot():``) restoring the previous state. It burns the pool's
+    cores while on: use it around a generation loop, not for an idle process."""
+
+    def __init__(self, on: bool = True):
+        self._before = is_hot()
+        if _ops is not None:
+            _ops.set_hot(bool(on))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if _ops is not None:
+            _ops.set_hot(self._before)
+        return False
+
+
+def is_hot() -> bool:
+    return bool(_ops.get_hot()) if _ops is not None else False
+
+
 # ----------------------------------------------------------------------------- products
+_ARGS_CACHE: dict = {}
+
+
 def _weight_args(w):
-    """-> (fmt id, raw uint8, N, K, q3p levels, q5 lo, q5 step)."""
+    """-> (fmt id, raw uint8, N, K, q3p levels, q5 lo, q5 step); cached per QTensor (keyed by id,
+    validated by the identity of its raw buffer, format and shape)."""
+    if isinstance(w, np.ndarray):
+        return _weight_args_uncached(w)
+    hit = _ARGS_CACHE.get(id(w))
+    if hit is not None and hit[0] is w.raw and hit[1] == w.fmt and hit[2] == w.shape:
+        return hit[3]
+    args = _weight_args_uncached(w)
+    if len(_ARGS_CACHE) > 4096:
+        _ARGS_CACHE.clear()
+    _ARGS_CACHE[id(w)] = (w.raw, w.fmt, w.shape, args)
+    return args
+
+
+def _weight_args_uncached(w):
     if isinstance(w, np.ndarray):
         if w.ndim != 2:
             raise KernelError(f"matmul: weight must be [N, K], got shape {w.shape}")
@@ -145,8 +186,11 @@ def _weight_args(w):
     return fid, raw, n, k, lv, lo, step
 
 
-def matmul(w, x, out=None):
-    """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32."""
+def matmul(w, x, out=None, threads: int | None = None):
+    """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
+
+    threads: None = the whole pool; 1 = on the calling thread only, without touching the pool (the
+    GIL is released, so several Python threads can run products at once); n = at most n pool parts."""
     if _ops is None:
         return ops_ref.matmul(w, x)
     fid, raw, n, k, lv, lo, step = _weight_args(w)
@@ -161,16 +205,25 @@ def matmul(w, x, out=None):
         y = np.empty((x2.shape[0], n), dtype=np.float32)
     else:
         y = out.reshape(1, n) if vec else out
-    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step)
+    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _threads(threads))
     return y.reshape(n) if vec else y
 
 
-def matmul_many(ws, x):
+def _threads(threads) -> int:
+    if threads is None:
+        return 0
+    threads = int(threads)
+    if threads < 1:
+        raise KernelError(f"threads must be >= 1 (or None for the whole pool), got {threads}")
+    return threads
+
+
+def matmul_many(ws, x, threads: int | None = None):
     """[matmul(w, x) for w in ws] (fused QKV / gate-up): x is quantized once per weight."""
-    return [matmul(w, x) for w in ws]
+    return [matmul(w, x, threads=threads) for w in ws]
 
 
-def embed(w, ids) -> np.ndarray:
+def embed(w, ids, threads: int | None = None) -> np.ndarray:
     """Rows `ids` of the table w ([V, D]) as float32 [T, D]."""
     ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
     if _ops is None:
@@ -183,7 +236,8 @@ def embed(w, ids) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- float ops
-def rmsnorm(x, weight, eps: float, out=None) -> np.ndarray:
+# The float ops below run on the calling thread; their `threads` keyword exists for a uniform API.
+def rmsnorm(x, weight, eps: float, out=None, threads: int | None = None) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if out is None:
@@ -191,20 +245,20 @@ def rmsnorm(x, weight, eps: float, out=None) -> np.ndarray:
     return _ops.rmsnorm(x, weight, float(eps), out)
 
 
-def rope(x, positions, theta: float) -> np.ndarray:
+def rope(x, positions, theta: float, threads: int | None = None) -> np.ndarray:
     """Rotate-half RoPE on x [T, H, Dh] at `positions` [T]; returns a new array."""
     y = np.array(x, dtype=np.float32, order="C", copy=True)
     pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
     return _ops.rope_(y, pos, float(theta))
 
 
-def rope_(x, positions, theta: float) -> np.ndarray:
+def rope_(x, positions, theta: float, threads: int | None = None) -> np.ndarray:
     """In-place rope on a C-contiguous float32 x [T, H, Dh]."""
     pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
     return _ops.rope_(x, pos, float(theta))
 
 
-def silu_mul(gate, up, out=None) -> np.ndarray:
+def silu_mul(gate, up, out=None, threads: int | None = None) -> np.ndarray:
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     if gate.shape != up.shape:
@@ -214,7 +268,7 @@ def silu_mul(gate, up, out=None) -> np.ndarray:
     return _ops.silu_mul(gate, up, out)
 
 
-def softmax(x, axis: int = -1, fast: bool = True) -> np.ndarray:
+def softmax(x, axis: int = -1, fast: bool = True, threads: int | None = None) -> np.ndarray:
     """Softmax; fast=True is the hybrid-precision path (fast exp in range, libm exp outside)."""
     x = np.asarray(x, dtype=np.float32)
     if axis not in (-1, x.ndim - 1):
@@ -223,7 +277,7 @@ def softmax(x, axis: int = -1, fast: bool = True) -> np.ndarray:
     return _ops.softmax_(y, fast)
 
 
-def _attention_blas(q, k_cache, v_cache, pos0):
+def _attention_blas(q, k_cache, v_cache, pos0, threads=0):
     t, hq, dh = q.shape
     hkv = k_cache.shape[0]
     g = hq // hkv
@@ -233,16 +287,12 @@ def _attention_blas(q, k_cache, v_cache, pos0):
     qh = q.reshape(t, hkv, g, dh).transpose(1, 2, 0, 3).reshape(hkv, g * t, dh)
     s = np.matmul(qh, k.transpose(0, 2, 1))                                  # [Hkv, g*T, n]
     s *= np.float32(1.0 / math.sqrt(dh))
-    s = s.reshape(hkv, g, t, n)
-    mask = np.arange(n)[None, :] > (pos0 + np.arange(t))[:, None]
-    s[:, :, mask] = -np.inf
-    s = s.reshape(-1, n)
-    _ops.softmax_(s, True)
+    _ops.softmax_causal_(s, t, pos0, threads)     # rows (kv head, group, query): causal mask in C
     o = np.matmul(s.reshape(hkv, g * t, n), v)                              # [Hkv, g*T, Dh]
     return np.ascontiguousarray(o.reshape(hkv, g, t, dh).transpose(2, 0, 1, 3).reshape(t, hq, dh))
 
 
-def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
+def attention(q, k_cache, v_cache, pos0: int, out=None, threads: int | None = None) -> np.ndarray:
     """Causal GQA attention; q [T,Hq,Dh]; caches [Hkv,S,Dh] float32 or float16 -> [T,Hq,Dh]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     if q.ndim != 3 or k_cache.ndim != 3 or q.shape[1] % k_cache.shape[0]:
@@ -250,7 +300,7 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
     if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
         raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")
     if q.shape[0] > ATTN_C_MAX_T:
-        o = _attention_blas(q, k_cache, v_cache, pos0)
+        o = _attention_blas(q, k_cache, v_cache, pos0, _threads(threads))
         if out is not None:
             out[...] = o
             return out
@@ -261,7 +311,7 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
         v_cache = np.ascontiguousarray(v_cache, dtype=k_cache.dtype)
     if out is None:
         out = np.empty_like(q)
-    return _ops.attention(q, k_cache, v_cache, int(pos0), out)
+    return _ops.attention(q, k_cache, v_cache, int(pos0), out, _threads(threads))
 
 
 def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> float:

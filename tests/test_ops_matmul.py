@@ -155,3 +155,79 @@ def test_bad_arguments():
         ops.embed(w, [4])
     with pytest.raises(ValueError):
         ops.matmul(FakeQT("q7", (4, 64), w.raw), np.zeros(64, np.float32))
+
+
+@pytest.mark.parametrize("fmt", PACKED_FMTS)
+@pytest.mark.parametrize("t", [1, 3])
+def test_extreme_levels_no_saturation(tier, fmt, t):
+    """Largest levels times |a| = 127 of the same sign in every pair: the AVX2 vpmaddubsw path must
+    not saturate int16 (q8 sign trick, q2c table levels up to 255 split in two halves)."""
+    from test_kernels_ref import layout as lay_mod
+    n, k = 9, 256
+    rng = np.random.default_rng(7)
+    lay = lay_mod.PACKED[fmt]
+    nb, g = lay.blocks_per_row(k), lay.group
+    sign = rng.choice([-1, 1], size=(t, k))
+    if fmt == "q8":
+        codes = np.where(rng.random((n, nb, g)) < 0.5, -128, 127).astype(np.int8)
+        codes[0] = -127
+        codes[1] = 127
+    else:
+        codes = np.full((n, nb, g), (1 << lay.bits) - 1, np.uint8)
+        codes[1::2] = rng.integers(0, 1 << lay.bits, size=codes[1::2].shape)
+    p = lay_mod.Parts(codes=codes, d=np.full((n, nb), 0.25, np.float16))
+    if fmt in ("q4", "q3u", "q3p", "q2c"):
+        p.m = np.full((n, nb), -0.125, np.float16)
+    if fmt == "q2c":
+        p.lut = np.tile(np.array([0, 128, 254, 255], np.uint8), (n, nb, 1))
+        p.lut[1::3] = np.array([127, 128, 200, 255], np.uint8)
+    if fmt == "q5g":
+        p.lo_hi = (-0.5, -0.5 + 31 * 2.0 ** -5)
+    raw = np.frombuffer(lay_mod.assemble(fmt, (n, k), p), dtype=np.uint8).copy()
+    w = FakeQT(fmt, (n, k), raw)
+    x = np.ascontiguousarray((127 * 2.0 ** -4 * sign).astype(np.float32))
+    x[-1, :32] = -127 * 2.0 ** -4  # one block with every activation at -127
+    y = guarded_matmul(w, x)
+    ye, _ = emulate_matmul(fmt, (n, k), w.raw, x)
+    np.testing.assert_array_equal(y, ye.astype(np.float32))
+
+
+def test_threads_keyword_and_concurrent_callers(tier):
+    """threads=1 runs on the calling thread (pool untouched) with the same bits as the pool; several
+    Python threads may run products at once (the kernels release the GIL; a busy pool runs the
+    job inline); hot mode changes nothing in the results."""
+    import threading
+    rng = np.random.default_rng(3)
+    w = random_qtensor("q3p", 300, 896, rng)
+    x1 = rng.standard_normal(896).astype(np.float32)
+    x5 = rng.standard_normal((5, 896)).astype(np.float32)
+    ref1, ref5 = ops.matmul(w, x1), ops.matmul(w, x5)
+    np.testing.assert_array_equal(ops.matmul(w, x1, threads=1), ref1)
+    np.testing.assert_array_equal(ops.matmul(w, x5, threads=1), ref5)
+    np.testing.assert_array_equal(ops.matmul(w, x5, threads=2), ref5)
+    with pytest.raises(Exception):
+        ops.matmul(w, x1, threads=0)
+    q = rng.standard_normal((12, 4, 16)).astype(np.float32)
+    kc = rng.standard_normal((2, 20, 16)).astype(np.float32)
+    a_ref = ops.attention(q, kc, kc, 3)
+    np.testing.assert_allclose(ops.attention(q, kc, kc, 3, threads=1), a_ref, rtol=1e-6, atol=1e-7)
+    errs = []
+
+    def work(tid):
+        try:
+            for _ in range(20):
+                xx = x5 if tid % 2 else x1
+                got = ops.matmul(w, xx, threads=None if tid == 0 else 1)
+                np.testing.assert_array_equal(got, ref5 if tid % 2 else ref1)
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+    ths = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    with ops.hot():
+        assert ops.is_hot()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        np.testing.assert_array_equal(ops.matmul(w, x1), ref1)
+    assert not ops.is_hot()
+    assert not errs, errs

@@ -66,11 +66,12 @@ cdef bytes _Q3P_DEFAULT = bytes([0, 8, 13, 16, 19, 22, 27, 35])
 
 
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
-           bytes q3p_levels=None, float q5_lo=0.0, float q5_step=0.0):
+           bytes q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0):
     """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
 
     x: float32 [T, K] C-contiguous; y: float32 [T, N] (rows may be strided, columns contiguous).
-    raw: uint8 1-D with at least N * row_bytes bytes. Runs on the native pool without the GIL."""
+    raw: uint8 1-D with at least N * row_bytes bytes. Runs on the native pool without the GIL;
+    threads: 0 = the whole pool, 1 = on the calling thread only (pool untouched), n = at most n parts."""
     cdef mq_mm_job j
     cdef mq_act a
     cdef _qa_arg qa
@@ -122,11 +123,14 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         qa.x = j.x; qa.ldx = K; qa.a = &a
     with nogil:
         if fmt < 10:
-            if T > 1:
-                mq_pool_run(_qa_task, &qa, T, 1)
+            if T > 1 and threads != 1:
+                mq_pool_run_n(_qa_task, &qa, T, 1, threads)
             else:
-                mq_quantize_act_rows(j.x, K, &a, 0, 1)
-        mq_pool_run(_mm_task, &j, N, 16 if T == 1 else 64)
+                mq_quantize_act_rows(j.x, K, &a, 0, T)
+        if threads == 1:
+            mq_mm_rows(&j, 0, N)
+        else:
+            mq_pool_run_n(_mm_task, &j, N, 16 if T == 1 else 64, threads)
     free(buf)
     return y
 
@@ -180,6 +184,15 @@ def pool_start(int n, cpus=()):
 
 def pool_size():
     return mq_pool_size()
+
+
+def set_hot(bint hot):
+    """Hot mode: idle pool workers spin instead of sleeping (no futex wake-up per job)."""
+    mq_pool_set_hot(hot)
+
+
+def get_hot():
+    return bool(mq_pool_get_hot())
 
 
 def pool_stop():
@@ -242,6 +255,29 @@ def silu_mul(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
     return out
 
 
+cdef struct _smc_arg:
+    float *x
+    int n, T, pos0
+
+cdef void _smc_task(void *arg, int64_t r0, int64_t r1) noexcept nogil:
+    cdef _smc_arg *p = <_smc_arg*>arg
+    mq_softmax_causal(p.x, p.n, p.T, p.pos0, <int>r0, <int>r1)
+
+
+def softmax_causal_(cnp.ndarray x, int T, int pos0, int threads=0):
+    """In place on scores x [..., n] (rows = x.size / n): row r is query r % T at position pos0 + r % T;
+    softmax over its first min(n, pos0 + r % T + 1) entries, zeros after. Rows run on the pool."""
+    _f32c(x, "x")
+    if x.ndim < 1 or T < 1 or pos0 < 0:
+        raise ValueError("softmax_causal_: bad arguments")
+    cdef _smc_arg a
+    a.x = <float*>_ptr(x); a.n = x.shape[x.ndim - 1]; a.T = T; a.pos0 = pos0
+    cdef int64_t rows = x.size // a.n if a.n else 0
+    with nogil:
+        mq_pool_run_n(_smc_task, &a, rows, 8, threads)
+    return x
+
+
 def softmax_(cnp.ndarray x, bint fast=True):
     """In place over the last axis."""
     _f32c(x, "x")
@@ -266,14 +302,13 @@ cdef struct _att_arg:
 
 cdef void _att_task(void *arg, int64_t h0, int64_t h1) noexcept nogil:
     cdef _att_arg *p = <_att_arg*>arg
-    cdef float *scr = <float*>malloc(sizeof(float) * (p.S + 2 * p.Dh + 16))
+    cdef float *scr = <float*>mq_scratch(sizeof(float) * (p.S + 2 * p.Dh + 16))
     if scr == NULL:
         return
     mq_attention(p.q, p.k, p.v, p.f16, p.out, p.T, p.Hq, p.Hkv, p.Dh, p.S, p.pos0, <int>h0, <int>h1, scr)
-    free(scr)
 
 
-def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray out):
+def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray out, int threads=0):
     """Causal GQA attention; q [T,Hq,Dh] f32, k/v [Hkv,S,Dh] f32 or f16, out [T,Hq,Dh] f32."""
     _f32c(q, "q"); _f32c(out, "out")
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] \
@@ -289,5 +324,5 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray
     a.T = q.shape[0]; a.Hq = q.shape[1]; a.Hkv = k.shape[0]; a.Dh = q.shape[2]; a.S = k.shape[1]
     a.pos0 = pos0; a.out = <float*>_ptr(out)
     with nogil:
-        mq_pool_run(_att_task, &a, a.Hq, 1)
+        mq_pool_run_n(_att_task, &a, a.Hq, 1, threads)
     return out

@@ -1,11 +1,336 @@
-/* AVX2 tier (AVX2 + FMA + F16C + BMI2). */
+/* AVX2 tier (AVX2 + FMA + F16C + BMI2): one chunk (32 codes) per ymm, unpacked with a broadcast,
+ * per-qword shifts (vpsrlvq) and masks, byte-bit expansion (vpshufb + vpcmpeqb) for 3rd/5th bits and
+ * vpshufb for table levels; then u8 x s8 products with vpmaddubsw + vpmaddwd(ones).
+ *
+ * int16 saturation of vpmaddubsw (a pair U0*a0 + U1*a1 must stay within +-32767, |a| <= 127):
+ *   q6/q4/q3u/q3p/q5g: U <= 63, pairs <= 2*63*127 = 16002: safe.
+ *   q8: U = c + 128 would overflow; the product uses the signed code (|c| * sign(a, c), pairs <=
+ *       2*128*127 = 32512) and adds 128 * sum(a) (integer, per chunk) afterwards.
+ *   q2c: per-block table levels up to 255: split U = (U & 0x7f) + (U & 0x80), two vpmaddubsw
+ *       (pairs <= 32258 and <= 32512), summed in int32.
+ * So isum_c = sum_i U_i a_i is exact, identical to the generic tier. Decode (T == 1) is fused, two
+ * rows per iteration sharing the activation loads; T > 1 unpacks a tile of 4 rows once into u8
+ * levels and reuses it for every token. */
 #include <immintrin.h>
 #include <string.h>
 
 #include "mq_ops.h"
 
-void mq_quantize_act_avx2(const float *x, int K, int kp, int8_t *q, float *d, float *s) {
-    mq_quantize_act_generic(x, K, kp, q, d, s);
+void *mq_scratch(size_t n);
+
+static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float h2f(const uint8_t *p) { return _cvtsh_ss(rd16(p)); }
+
+static inline float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
 }
 
-void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) { mq_mm_rows_generic(j, n0, n1); }
+/* ------------------------------------------------------------------ activations */
+void mq_quantize_act_avx2(const float *x, int K, int kp, int8_t *q, float *d, float *s) {
+    const __m256 sgn = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int c = 0; c < kp / 32; c++) {
+        int k0 = c * 32, n = K - k0;
+        if (n <= 0) { memset(q + k0, 0, 32); d[c] = 0.0f; s[c] = 0.0f; continue; }
+        __m256 v[4];
+        if (n >= 32) {
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + k0 + 8 * i);
+        } else {
+            for (int i = 0; i < 4; i++) {
+                int r = n - 8 * i;
+                r = r < 0 ? 0 : (r > 8 ? 8 : r);
+                __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                v[i] = _mm256_maskload_ps(x + k0 + 8 * i, m);
+            }
+        }
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], sgn), _mm256_and_ps(v[1], sgn)),
+                                  _mm256_max_ps(_mm256_and_ps(v[2], sgn), _mm256_and_ps(v[3], sgn)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], vid)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], vid));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], vid)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], vid));
+        __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(q + k0), _mm256_permutevar8x32_epi32(b, perm));
+        __m256i sm = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sm), _mm256_extracti128_si256(sm, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        int sum = _mm_cvtsi128_si32(s4);
+        d[c] = dd; s[c] = dd * (float)sum;
+    }
+}
+
+/* ------------------------------------------------------------------ unpack one chunk */
+typedef struct {
+    __m256i tab;      /* q3p levels in both 128-bit lanes */
+    __m256i bsh, bsel; /* bit expansion: byte i <- byte i/8 of a dword, select bit i%8 */
+    float q5_lo, q5_step;
+} ctx_t;
+
+/* 32 bits -> 32 bytes 0xff / 0x00 */
+static inline __m256i bits32(const ctx_t *cx, uint32_t hb) {
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)hb), cx->bsh);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, cx->bsel), cx->bsel);
+}
+
+/* chunk c of a row -> u8 levels U (q8: the signed codes, see cdot), *dw, *mm (= m - off*dw) */
+static inline __attribute__((always_inline)) __m256i
+unpack_chunk(const ctx_t *cx, const int fmt, const uint8_t *row, int c, float *dw, float *mm) {
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    const __m256i sh2 = _mm256_setr_epi64x(0, 2, 4, 6), sh4 = _mm256_setr_epi64x(0, 0, 4, 4);
+    switch (fmt) {
+    case MQ_Q8: {
+        const uint8_t *A = row + (size_t)c * 34;
+        float d = h2f(A);
+        *dw = d; *mm = -128.0f * d;
+        return _mm256_loadu_si256((const __m256i *)(A + 2));
+    }
+    case MQ_Q6: {
+        const uint8_t *A = row + (size_t)c * 26;
+        float d = h2f(A);
+        *dw = d; *mm = -32.0f * d;
+        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + 2)));
+        lo = _mm256_and_si256(_mm256_srlv_epi64(lo, sh4), m15);
+        __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(A + 18)), sh2), m3);
+        return _mm256_or_si256(lo, _mm256_slli_epi64(hi, 4));
+    }
+    case MQ_Q4: {
+        const uint8_t *A = row + (size_t)c * 20;
+        *dw = h2f(A); *mm = h2f(A + 2);
+        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + 4)));
+        return _mm256_and_si256(_mm256_srlv_epi64(lo, sh4), m15);
+    }
+    case MQ_Q5G: {
+        const uint8_t *A = row + (size_t)c * 20;
+        *dw = cx->q5_step; *mm = cx->q5_lo;
+        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)A));
+        lo = _mm256_and_si256(_mm256_srlv_epi64(lo, sh4), m15);
+        return _mm256_or_si256(lo, _mm256_and_si256(bits32(cx, rd32(A + 16)), _mm256_set1_epi8(16)));
+    }
+    case MQ_Q3U:
+    case MQ_Q3P: {
+        const uint8_t *blk = row + (size_t)(c >> 1) * 28, *p = blk + 4 + 12 * (c & 1);
+        *dw = h2f(blk); *mm = h2f(blk + 2);
+        __m256i h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(p)), sh2), m3);
+        h = _mm256_or_si256(h, _mm256_and_si256(bits32(cx, rd32(p + 8)), _mm256_set1_epi8(4)));
+        return fmt == MQ_Q3P ? _mm256_shuffle_epi8(cx->tab, h) : h;
+    }
+    default: { /* MQ_Q2C */
+        const uint8_t *blk = row + (size_t)(c >> 2) * 40, *p = blk + 8 + 8 * (c & 3);
+        *dw = h2f(blk); *mm = h2f(blk + 2);
+        __m256i h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(p)), sh2), m3);
+        return _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(blk + 4)), h);
+    }
+    }
+}
+
+/* int32 lanes whose sum is sum_i U_i a_i (q8: without the 128 * sum(a) term, added by the caller) */
+static inline __attribute__((always_inline)) __m256i cdot(const int fmt, __m256i u, __m256i a) {
+    const __m256i one = _mm256_set1_epi16(1);
+    if (fmt == MQ_Q8)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(a, u)), one);
+    if (fmt == MQ_Q2C) {
+        const __m256i hb = _mm256_set1_epi8((char)0x80);
+        __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_andnot_si256(hb, u), a), one);
+        __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(hb, u), a), one);
+        return _mm256_add_epi32(lo, hi);
+    }
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), one);
+}
+
+/* per-chunk integer sums of the activations times 128 (q8 offset term), row t */
+static void act_sums128(const mq_act *a, int t, int nc, int32_t *out) {
+    const int8_t *q = a->q + (size_t)t * a->kp;
+    const __m256i ones8 = _mm256_set1_epi8(1), one = _mm256_set1_epi16(1);
+    for (int c = 0; c < nc; c++) {
+        __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)(q + 32 * c))), one);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        out[c] = 128 * _mm_cvtsi128_si32(s4);
+    }
+}
+
+/* ------------------------------------------------------------------ decode: fused, 2 rows at once */
+#ifndef PF_ROWS
+#define PF_ROWS 8
+#endif
+static inline __attribute__((always_inline)) void
+mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
+    const int8_t *q = j->a->q;
+    const float *xd = j->a->d, *xs = j->a->s;
+    const int nc = j->nc;
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
+    int32_t *as = NULL;
+    if (fmt == MQ_Q8) { as = (int32_t *)mq_scratch((size_t)nc * 4); act_sums128(j->a, 0, nc, as); }
+    int n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const uint8_t *r0 = j->w + (size_t)n * j->row_bytes, *r1 = r0 + j->row_bytes;
+        const uint8_t *pf = r0 + PF_ROWS * j->row_bytes;
+        if (pf + 2 * j->row_bytes <= end)
+            for (size_t o = 0; o < 2 * j->row_bytes; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+        float am0 = 0.0f, am1 = 0.0f;
+        for (int c = 0; c < nc; c++) {
+            float d0, m0, d1, m1;
+            __m256i u0 = unpack_chunk(cx, fmt, r0, c, &d0, &m0);
+            __m256i u1 = unpack_chunk(cx, fmt, r1, c, &d1, &m1);
+            __m256i a = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+            __m256i i0 = cdot(fmt, u0, a), i1 = cdot(fmt, u1, a);
+            if (fmt == MQ_Q8) {
+                __m256i o = _mm256_castsi128_si256(_mm_cvtsi32_si128(as[c]));
+                i0 = _mm256_add_epi32(i0, o); i1 = _mm256_add_epi32(i1, o);
+            }
+            float dx = xd[c], sx = xs[c];
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d0 * dx), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d1 * dx), acc1);
+            am0 += m0 * sx; am1 += m1 * sx;
+        }
+        j->y[n] = hsum8(acc0) + am0;
+        j->y[n + 1] = hsum8(acc1) + am1;
+    }
+    for (; n < n1; n++) {
+        const uint8_t *r0 = j->w + (size_t)n * j->row_bytes;
+        __m256 acc0 = _mm256_setzero_ps();
+        float am0 = 0.0f;
+        for (int c = 0; c < nc; c++) {
+            float d0, m0;
+            __m256i u0 = unpack_chunk(cx, fmt, r0, c, &d0, &m0);
+            __m256i i0 = cdot(fmt, u0, _mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+            if (fmt == MQ_Q8) i0 = _mm256_add_epi32(i0, _mm256_castsi128_si256(_mm_cvtsi32_si128(as[c])));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d0 * xd[c]), acc0);
+            am0 += m0 * xs[c];
+        }
+        j->y[n] = hsum8(acc0) + am0;
+    }
+}
+
+/* ------------------------------------------------------------------ prefill: unpacked row tiles */
+#define TR 4
+static inline __attribute__((always_inline)) void
+mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
+    const mq_act *a = j->a;
+    const int nc = j->nc;
+    /* per tile row: nc x 32 levels, nc dw, nc mm; then (q8) the activation sums of every token */
+    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * nc * 40 + (fmt == MQ_Q8 ? (size_t)j->T * nc * 4 : 0) + 64);
+    __m256i *lv = (__m256i *)buf;
+    float *dwv = (float *)(buf + (size_t)TR * nc * 32), *mmv = dwv + (size_t)TR * nc;
+    int32_t *as = (int32_t *)(mmv + (size_t)TR * nc);
+    if (fmt == MQ_Q8)
+        for (int t = 0; t < j->T; t++) act_sums128(a, t, nc, as + (size_t)t * nc);
+    for (int nt = n0; nt < n1; nt += TR) {
+        int nr = n1 - nt < TR ? n1 - nt : TR;
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *row = j->w + (size_t)(nt + r) * j->row_bytes;
+            for (int c = 0; c < nc; c++)
+                lv[r * nc + c] = unpack_chunk(cx, fmt, row, c, &dwv[r * nc + c], &mmv[r * nc + c]);
+        }
+        for (int t = 0; t < j->T; t++) {
+            const int8_t *q = a->q + (size_t)t * a->kp;
+            const float *xd = a->d + (size_t)t * a->ncp, *xs = a->s + (size_t)t * a->ncp;
+            const int32_t *at = as + (size_t)t * nc;
+            float *y = j->y + (size_t)t * j->ldy + nt;
+            if (nr == TR) {
+                __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                const __m256i *l0 = lv, *l1 = lv + nc, *l2 = lv + 2 * nc, *l3 = lv + 3 * nc;
+                const float *w0 = dwv, *w1 = dwv + nc, *w2 = dwv + 2 * nc, *w3 = dwv + 3 * nc;
+                const float *m0 = mmv, *m1 = mmv + nc, *m2 = mmv + 2 * nc, *m3 = mmv + 3 * nc;
+                for (int c = 0; c < nc; c++) {
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+                    __m256i i0 = cdot(fmt, l0[c], xq), i1 = cdot(fmt, l1[c], xq);
+                    __m256i i2 = cdot(fmt, l2[c], xq), i3 = cdot(fmt, l3[c], xq);
+                    if (fmt == MQ_Q8) {
+                        __m256i o = _mm256_castsi128_si256(_mm_cvtsi32_si128(at[c]));
+                        i0 = _mm256_add_epi32(i0, o); i1 = _mm256_add_epi32(i1, o);
+                        i2 = _mm256_add_epi32(i2, o); i3 = _mm256_add_epi32(i3, o);
+                    }
+                    float dx = xd[c], sx = xs[c];
+                    c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(w0[c] * dx), c0);
+                    c1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(w1[c] * dx), c1);
+                    c2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), _mm256_set1_ps(w2[c] * dx), c2);
+                    c3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i3), _mm256_set1_ps(w3[c] * dx), c3);
+                    s0 += m0[c] * sx; s1 += m1[c] * sx; s2 += m2[c] * sx; s3 += m3[c] * sx;
+                }
+                y[0] = hsum8(c0) + s0; y[1] = hsum8(c1) + s1; y[2] = hsum8(c2) + s2; y[3] = hsum8(c3) + s3;
+            } else {
+                for (int r = 0; r < nr; r++) {
+                    __m256 c0 = _mm256_setzero_ps();
+                    float s0 = 0.0f;
+                    for (int c = 0; c < nc; c++) {
+                        __m256i i0 = cdot(fmt, lv[r * nc + c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)));
+                        if (fmt == MQ_Q8) i0 = _mm256_add_epi32(i0, _mm256_castsi128_si256(_mm_cvtsi32_si128(at[c])));
+                        c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(dwv[r * nc + c] * xd[c]), c0);
+                        s0 += mmv[r * nc + c] * xs[c];
+                    }
+                    y[r] = hsum8(c0) + s0;
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ float weights */
+static float dot_ps(const float *w, const float *x, int K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    }
+    for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+    float r = hsum8(_mm256_add_ps(a0, a1));
+    for (; k < K; k++) r += w[k] * x[k];
+    return r;
+}
+
+static void load_row_f32(const mq_mm_job *j, int n, float *out) {
+    const uint8_t *row = j->w + (size_t)n * j->row_bytes;
+    int k = 0;
+    if (j->fmt == MQ_F16) {
+        for (; k + 8 <= j->K; k += 8) _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k))));
+        for (; k < j->K; k++) out[k] = h2f(row + 2 * k);
+    } else {
+        for (; k + 8 <= j->K; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * k))), 16)));
+        for (; k < j->K; k++) out[k] = mq_bf2f(rd16(row + 2 * k));
+    }
+}
+
+static void mm_float(const mq_mm_job *j, int n0, int n1) {
+    float *wf = (float *)mq_scratch((size_t)j->K * 4 + 64);
+    for (int n = n0; n < n1; n++) {
+        const float *wr;
+        if (j->fmt == MQ_F32) wr = (const float *)(j->w + (size_t)n * j->row_bytes);
+        else { load_row_f32(j, n, wf); wr = wf; }
+        for (int t = 0; t < j->T; t++) j->y[(size_t)t * j->ldy + n] = dot_ps(wr, j->x + (size_t)t * j->ldx, j->K);
+    }
+}
+
+#define FMT_CASE(F) case F: if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); else mm_fmt(&cx, F, j, n0, n1); break;
+
+void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
+    if (j->fmt >= MQ_F32) { mm_float(j, n0, n1); return; }
+    ctx_t cx;
+    uint8_t t16[16] = {0};
+    if (j->q3p_levels) memcpy(t16, j->q3p_levels, 8);
+    cx.tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t16));
+    cx.bsh = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    cx.bsel = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
+    switch (j->fmt) {
+        FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
+        FMT_CASE(MQ_Q5G)
+    }
+}

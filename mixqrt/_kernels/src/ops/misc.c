@@ -8,6 +8,7 @@ MQ_DECL(float, mq_expf_fast_, (float x))
 MQ_DECL(void, mq_rmsnorm_, (const float *x, const float *w, float *y, int T, int D, float eps))
 MQ_DECL(void, mq_silu_mul_, (const float *g, const float *u, float *y, size_t n))
 MQ_DECL(void, mq_softmax_rows_, (float *x, int rows, int n, int fast))
+MQ_DECL(void, mq_softmax_causal_, (float *x, int n, int T, int pos0, int r0, int r1))
 MQ_DECL(void, mq_attention_, (const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                               int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch))
 
@@ -24,6 +25,7 @@ float mq_expf_fast(float x) { MQ_DISPATCH(mq_expf_fast_, x); }
 void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps) { MQ_DISPATCH(mq_rmsnorm_, x, w, y, T, D, eps); }
 void mq_silu_mul(const float *g, const float *u, float *y, size_t n) { MQ_DISPATCH(mq_silu_mul_, g, u, y, n); }
 void mq_softmax_rows(float *x, int rows, int n, int fast) { MQ_DISPATCH(mq_softmax_rows_, x, rows, n, fast); }
+void mq_softmax_causal(float *x, int n, int T, int pos0, int r0, int r1) { MQ_DISPATCH(mq_softmax_causal_, x, n, T, pos0, r0, r1); }
 void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T, int Hq, int Hkv,
                   int Dh, int S, int pos0, int h0, int h1, float *scratch) {
     MQ_DISPATCH(mq_attention_, q, k, v, kv_f16, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);

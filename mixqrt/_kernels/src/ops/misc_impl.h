@@ -3,6 +3,9 @@
  * tiers. Include with MQ_SFX defined (function-name suffix). */
 #include <math.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "mq_ops.h"
 
@@ -26,9 +29,31 @@ static inline float MQ_FN(fexp_)(float x) {
     p = p * r + 1.6666665459E-1f;
     p = p * r + 5.0000001201E-1f;
     p = p * (r * r) + r + 1.0f;
-    union { uint32_t u; float f; } s;
-    s.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * s.f;
+    uint32_t su = (uint32_t)((int32_t)n + 127) << 23;
+    float sf;
+    memcpy(&sf, &su, 4);
+    return p * sf;
+}
+
+/* y[i] = hexp_(x[i]) for n values, in two passes that gcc vectorizes: the fast path on the input
+ * clamped to the range, then libm expf for the (rare) inputs outside it. Same values as hexp_. */
+static void MQ_FN(hexp_n_)(const float *x, float *y, size_t n) {   /* y may alias x */
+    float t[256];
+    for (size_t i0 = 0; i0 < n; i0 += 256) {
+        size_t m = n - i0 < 256 ? n - i0 : 256;
+        memcpy(t, x + i0, m * 4);
+        for (size_t i = 0; i < m; i++) {
+            float v = t[i];
+            v = v < MQ_EXP_LO ? MQ_EXP_LO : v;
+            v = v > MQ_EXP_HI ? MQ_EXP_HI : v;
+            y[i0 + i] = MQ_FN(fexp_)(v);
+        }
+        int out = 0;
+        for (size_t i = 0; i < m; i++) out |= ((t[i] >= MQ_EXP_LO) & (t[i] <= MQ_EXP_HI)) ^ 1;
+        if (out)
+            for (size_t i = 0; i < m; i++)
+                if (!(t[i] >= MQ_EXP_LO && t[i] <= MQ_EXP_HI)) y[i0 + i] = expf(t[i]);
+    }
 }
 
 static inline float MQ_FN(hexp_)(float x) {   /* hybrid: fast in range, exact outside */
@@ -52,9 +77,12 @@ void MQ_FN(mq_rmsnorm_)(const float *x, const float *w, float *y, int T, int D, 
 }
 
 void MQ_FN(mq_silu_mul_)(const float *g, const float *u, float *y, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        float e = MQ_FN(hexp_)(-g[i]);
-        y[i] = g[i] / (1.0f + e) * u[i];
+    float ng[256], e[256];
+    for (size_t i0 = 0; i0 < n; i0 += 256) {
+        size_t m = n - i0 < 256 ? n - i0 : 256;
+        for (size_t i = 0; i < m; i++) ng[i] = -g[i0 + i];
+        MQ_FN(hexp_n_)(ng, e, m);
+        for (size_t i = 0; i < m; i++) y[i0 + i] = g[i0 + i] / (1.0f + e[i]) * u[i0 + i];
     }
 }
 
@@ -66,7 +94,8 @@ static void MQ_FN(softmax_row_)(float *x, int n, int fast) {
     float sum[16] = {0};
     int i = 0;
     if (fast) {
-        for (i = 0; i < n; i++) x[i] = MQ_FN(hexp_)(x[i] - mx);
+        for (i = 0; i < n; i++) x[i] = x[i] - mx;
+        MQ_FN(hexp_n_)(x, x, (size_t)n);
     } else {
         for (i = 0; i < n; i++) x[i] = expf(x[i] - mx);
     }
@@ -82,14 +111,63 @@ void MQ_FN(mq_softmax_rows_)(float *x, int rows, int n, int fast) {
     for (int r = 0; r < rows; r++) MQ_FN(softmax_row_)(x + (size_t)r * n, n, fast);
 }
 
-static inline float MQ_FN(dotf_)(const float *a, const float *b, int n) {
-    float acc[16] = {0};
+/* rows [r0, r1) of scores [rows, n]: row r is query t = r % T at position pos0 + t; softmax over
+ * its first min(n, pos0 + t + 1) keys, zeros after (causal mask without -inf). */
+void MQ_FN(mq_softmax_causal_)(float *x, int n, int T, int pos0, int r0, int r1) {
+    for (int r = r0; r < r1; r++) {
+        int v = pos0 + r % T + 1;
+        if (v > n) v = n;
+        float *row = x + (size_t)r * n;
+        MQ_FN(softmax_row_)(row, v, 1);
+        for (int i = v; i < n; i++) row[i] = 0.0f;
+    }
+}
+
+/* 16 lane partial sums (lane l: k = l mod 16, products then adds, no FMA), then a fixed tree
+ * reduction. Written with intrinsics where the tier has them (gcc kept this loop scalar when
+ * inlined in the attention loop), with the same per-lane operations, so every tier gives the
+ * same bits. */
+static inline float MQ_FN(dotf_)(const float *restrict a, const float *restrict b, int n) {
     int i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+    if (i < n) {
+        __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+    }
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+#elif defined(__AVX2__)
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    for (; i + 16 <= n; i += 16) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+    }
+    if (i < n) {
+        float t[16] = {0};
+        for (int l = 0; l < n - i; l++) t[l] = a[i + l] * b[i + l];
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(t));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(t + 8));
+    }
+    __m256 h = _mm256_add_ps(lo, hi);
+#endif
+#if defined(__AVX2__)
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    float r[4];
+    _mm_storeu_ps(r, q);
+    return (r[0] + r[2]) + (r[1] + r[3]);
+#else
+    float acc[16] = {0};
     for (; i + 16 <= n; i += 16) for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
-    for (; i < n; i++) acc[i & 15] += a[i] * b[i];
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    return s;
+    if (i < n) {
+        float t[16] = {0};
+        for (int l = 0; l < n - i; l++) t[l] = a[i + l] * b[i + l];
+        for (int l = 0; l < 16; l++) acc[l] += t[l];
+    }
+    for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
+    for (int l = 0; l < 4; l++) acc[l] += acc[l + 4];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+#endif
 }
 
 /* Heads [h0, h1) of causal GQA attention. q [T,Hq,Dh]; k, v [Hkv,S,Dh] (f32, or f16 if kv_f16);

@@ -66,6 +66,8 @@ void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, 
 void mq_dequant_row(const mq_mm_job *j, int n, float *out);
 
 float mq_h2f(uint16_t h);
+/* per-thread scratch, 64 B aligned, grows, never freed (generic.c) */
+void *mq_scratch(size_t n);
 static inline float mq_bf2f(uint16_t b) {
     union { uint32_t u; float f; } v; v.u = (uint32_t)b << 16; return v.f;
 }
@@ -80,6 +82,12 @@ void mq_pool_stop(void);
 /* Split [0, n) in ranges aligned to `align` over the pool; the caller runs part 0. Blocks until
  * all parts are done. GIL must be released by the caller. */
 void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align);
+/* Same with at most `nthreads` parts (<= 0: the whole pool; 1: inline on the caller, pool untouched).
+ * If another thread is using the pool the job runs inline on the calling thread. */
+void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads);
+/* hot != 0: idle workers (and a waiting caller) spin without sleeping until set back to 0 */
+void mq_pool_set_hot(int hot);
+int mq_pool_get_hot(void);
 
 /* ---------------------------------------------------------------- bandwidth probe (bw.c) */
 double mq_read_bandwidth(size_t nbytes, int threads, int reps);
@@ -89,6 +97,8 @@ void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float ep
 void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta);
 void mq_silu_mul(const float *g, const float *u, float *y, size_t n);
 void mq_softmax_rows(float *x, int rows, int n, int fast);
+/* causal softmax of score rows [r0, r1) of [rows, n]; row r is query r % T at position pos0 + r % T */
+void mq_softmax_causal(float *x, int n, int T, int pos0, int r0, int r1);
 float mq_expf_fast(float x);   /* valid on [-87, 88]; see misc.c */
 void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                   int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch);

@@ -1,6 +1,8 @@
 /* Native thread pool: threads started once and pinned, no GIL while working; between jobs a worker
- * spins for MIXQRT_SPIN_US (default 100 us) and then sleeps on a futex, so an idle pool costs no CPU.
- * The caller thread is part 0 of every job. */
+ * spins for MIXQRT_SPIN_US (default 100 us) and then sleeps on a futex, so an idle pool costs no CPU;
+ * in hot mode (mq_pool_set_hot, ops.hot) workers never sleep: no futex wake-up per job while a model
+ * decodes. The caller thread is part 0 of every job. One job at a time: a caller that finds the pool
+ * busy (another Python thread) runs its job inline. */
 #define _GNU_SOURCE
 #include <limits.h>
 #include <linux/futex.h>
@@ -28,9 +30,13 @@ static struct {
     mq_task_fn fn;
     void *arg;
     int64_t total, align;
+    int nparts;                 /* parts of the current job (<= n); workers >= nparts skip it */
+    _Atomic int hot;            /* spin without sleeping while set (ops.hot) */
     long spin_ns;
     uint32_t start_gen;
-} P = {.n = 1};
+} P = {.n = 1, .nparts = 1};
+
+static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
 
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -66,7 +72,7 @@ static void *worker(void *argp) {
             if ((++it & 255) == 0) {
                 long t = now_ns();
                 if (!t0) t0 = t;
-                else if (t - t0 > P.spin_ns) {
+                else if (t - t0 > P.spin_ns && !atomic_load_explicit(&P.hot, memory_order_relaxed)) {
                     atomic_fetch_add(&P.sleepers, 1);
                     if (atomic_load(&P.gen) == seen) fwait(&P.gen, seen);
                     atomic_fetch_sub(&P.sleepers, 1);
@@ -77,13 +83,15 @@ static void *worker(void *argp) {
         seen = g;
         if (atomic_load(&P.stop)) return NULL;
         int64_t i0, i1;
-        part_range(idx, P.n, &i0, &i1);
-        if (i1 > i0) P.fn(P.arg, i0, i1);
+        if (idx < P.nparts) {
+            part_range(idx, P.nparts, &i0, &i1);
+            if (i1 > i0) P.fn(P.arg, i0, i1);
+        }
         if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeps)) fwake(&P.pending);
     }
 }
 
-void mq_pool_stop(void) {
+static void pool_stop_unlocked(void) {
     if (P.n <= 1) { P.n = 1; return; }
     atomic_store(&P.stop, 1);
     atomic_fetch_add(&P.gen, 1);
@@ -95,7 +103,8 @@ void mq_pool_stop(void) {
 
 int mq_pool_start(int n, const int *cpus, int ncpus) {
     pthread_mutex_lock(&start_lock);
-    mq_pool_stop();
+    pthread_mutex_lock(&run_lock);
+    pool_stop_unlocked();
     if (n < 1) n = 1;
     if (n > MQ_MAXT) n = MQ_MAXT;
     const char *s = getenv("MIXQRT_SPIN_US");
@@ -107,21 +116,37 @@ int mq_pool_start(int n, const int *cpus, int ncpus) {
         if (pthread_create(&P.th[i], NULL, worker, (void *)(intptr_t)i) != 0) break;
         P.n = i + 1;
     }
+    pthread_mutex_unlock(&run_lock);
     pthread_mutex_unlock(&start_lock);
     return P.n;
 }
 
+void mq_pool_stop(void) {
+    pthread_mutex_lock(&run_lock);
+    pool_stop_unlocked();
+    pthread_mutex_unlock(&run_lock);
+}
+
 int mq_pool_size(void) { return P.n; }
 
-void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align) {
+void mq_pool_set_hot(int hot) { atomic_store(&P.hot, hot ? 1 : 0); }
+int mq_pool_get_hot(void) { return atomic_load(&P.hot); }
+
+void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align) { mq_pool_run_n(fn, arg, n, align, 0); }
+
+void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads) {
     if (align < 1) align = 1;
-    if (P.n <= 1 || n <= align) { if (n > 0) fn(arg, 0, n); return; }
-    P.fn = fn; P.arg = arg; P.total = n; P.align = align;
+    int np = (nthreads <= 0 || nthreads > P.n) ? P.n : nthreads;
+    int64_t units = (n + align - 1) / align;
+    if (np > units) np = (int)units;
+    if (np <= 1 || pthread_mutex_trylock(&run_lock) != 0) { if (n > 0) fn(arg, 0, n); return; }
+    if (P.n <= 1) { pthread_mutex_unlock(&run_lock); if (n > 0) fn(arg, 0, n); return; }
+    P.fn = fn; P.arg = arg; P.total = n; P.align = align; P.nparts = np;
     atomic_store(&P.pending, (uint32_t)(P.n - 1));
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
     if (atomic_load(&P.sleepers) > 0) fwake(&P.gen);
     int64_t i0, i1;
-    part_range(0, P.n, &i0, &i1);
+    part_range(0, np, &i0, &i1);
     if (i1 > i0) fn(arg, i0, i1);
     long t0 = 0;
     int it = 0;
@@ -131,11 +156,12 @@ void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align) {
         if ((++it & 255) == 0) {
             long t = now_ns();
             if (!t0) t0 = t;
-            else if (t - t0 > P.spin_ns) {
+            else if (t - t0 > P.spin_ns && !atomic_load_explicit(&P.hot, memory_order_relaxed)) {
                 atomic_store(&P.caller_sleeps, 1);
                 if ((p = atomic_load(&P.pending)) != 0) fwait(&P.pending, p);
                 atomic_store(&P.caller_sleeps, 0);
             }
         }
     }
+    pthread_mutex_unlock(&run_lock);
 }
