@@ -4,7 +4,7 @@ The rings the scheduler uses are driven from C (include ``src/ring/ring.h``); th
 Python face: ``Ring`` for single-threaded or one-producer/one-consumer Python use, and ``stress``,
 which runs a producer and a consumer pthread in C with the GIL released.
 """
-from libc.stdint cimport uint32_t, uint64_t, uintptr_t, UINT64_MAX
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t, UINT64_MAX
 from libc.stdlib cimport free
 from posix.stdlib cimport posix_memalign
 
@@ -30,6 +30,24 @@ cdef extern from "ring.h" nogil:
     uint64_t mq_ring_size(mq_ring *r)
     void mq_ring_stress(uint64_t capacity, uint64_t n, uint64_t skip_seq, mq_ring_stress_result *out)
 
+cdef extern from "ring_wait.h" nogil:
+    ctypedef struct mq_bell:
+        uint64_t wakes
+    void mq_bell_init(mq_bell *b)
+    void mq_bell_notify(mq_bell *b)
+    int mq_ring_pop_any_wait(mq_ring **rs, int n, mq_bell *b, mq_msg *m, int64_t spin_ns, int64_t timeout_ns)
+    uint64_t mq_ring_pushed "mq_ring_pushed_"(mq_ring *r)
+    uint64_t mq_ring_popped "mq_ring_popped_"(mq_ring *r)
+
+cdef extern from *:
+    """
+    static inline uint64_t mq_ring_pushed_(mq_ring *r) { return atomic_load_explicit(&r->tail, memory_order_acquire); }
+    static inline uint64_t mq_ring_popped_(mq_ring *r) { return atomic_load_explicit(&r->head, memory_order_acquire); }
+    """
+
+cdef enum:
+    MAX_WAIT_RINGS = 8
+
 MESSAGE_BYTES = sizeof(mq_msg)
 
 
@@ -38,14 +56,42 @@ cdef _check_capacity(capacity):
         raise KernelError(f"ring capacity must be a power of two in [2, 2**40], got {capacity!r}")
 
 
+cdef class Bell:
+    """Sleep/wake point of one consumer thread fed by one or more rings (``Ring(..., bell=b)``).
+
+    ``pop_any(rings, bell)`` spins briefly, then sleeps on a futex with the GIL released; a push onto
+    any ring carrying this bell wakes it. Only the consumer thread may wait on a bell.
+    """
+    cdef mq_bell *b
+
+    def __cinit__(self):
+        cdef void *p = NULL
+        if posix_memalign(&p, 64, sizeof(mq_bell)) != 0:
+            raise MemoryError("bell")
+        self.b = <mq_bell *>p
+        mq_bell_init(self.b)
+
+    def __dealloc__(self):
+        free(self.b)
+        self.b = NULL
+
+    @property
+    def wakes(self):
+        """Futex wake-ups issued by producers (how often the consumer had gone to sleep)."""
+        return self.b.wakes
+
+
 cdef class Ring:
     """A ring of ``capacity`` (power of two) messages ``(seq, op, aux, ptr, len)``.
 
     One producer thread calls ``push``, one consumer thread calls ``pop``. Both are non-blocking.
+    With ``bell=``, each push also wakes a consumer sleeping in ``pop_any`` / ``pop_wait``.
     """
     cdef mq_ring *r
+    cdef readonly Bell bell
 
-    def __cinit__(self, capacity=1024):
+    def __cinit__(self, capacity=1024, Bell bell=None):
+        self.bell = bell
         _check_capacity(capacity)
         cdef void *p = NULL
         if posix_memalign(&p, 64, sizeof(mq_ring)) != 0:
@@ -82,7 +128,26 @@ cdef class Ring:
         m.aux = aux
         m.ptr = ptr
         m.len = len
-        return mq_ring_push(self.r, &m) == 1
+        if mq_ring_push(self.r, &m) != 1:
+            return False
+        if self.bell is not None:
+            mq_bell_notify(self.bell.b)
+        return True
+
+    @property
+    def pushed(self):
+        """Messages pushed since creation (the producer's free-running index)."""
+        return mq_ring_pushed(self.r)
+
+    @property
+    def popped(self):
+        """Messages popped since creation (the consumer's free-running index)."""
+        return mq_ring_popped(self.r)
+
+    def pop_wait(self, double timeout=1.0, double spin_us=20.0):
+        """Like ``pop`` but blocks (GIL released) up to ``timeout`` seconds; needs a bell."""
+        got = pop_any((self,), self.bell, timeout, spin_us)
+        return None if got is None else got[1]
 
     def pop(self):
         """Oldest message as ``(seq, op, aux, ptr, len)``, or None if the ring is empty."""
@@ -90,6 +155,34 @@ cdef class Ring:
         if mq_ring_pop(self.r, &m) == 0:
             return None
         return (m.seq, m.op, m.aux, m.ptr, m.len)
+
+
+def pop_any(rings, Bell bell, double timeout=1.0, double spin_us=20.0):
+    """Oldest message of the first non-empty ring, as ``(ring_index, (seq, op, aux, ptr, len))``.
+
+    Blocks with the GIL released: spins ``spin_us`` microseconds, then sleeps on ``bell`` (every ring
+    must have been created with this bell and be consumed only by the calling thread). None after
+    ``timeout`` seconds with every ring empty.
+    """
+    if bell is None:
+        raise KernelError("pop_any needs the consumer's Bell (create the rings with bell=...)")
+    cdef int n = len(rings), i, got
+    if n < 1 or n > MAX_WAIT_RINGS:
+        raise KernelError(f"pop_any: between 1 and {MAX_WAIT_RINGS} rings, got {n}")
+    cdef mq_ring *rs[MAX_WAIT_RINGS]
+    cdef Ring rg
+    for i in range(n):
+        rg = rings[i]
+        if rg.bell is not bell:
+            raise KernelError(f"pop_any: ring {i} does not ring this bell")
+        rs[i] = rg.r
+    cdef mq_msg m
+    cdef int64_t spin = <int64_t>(spin_us * 1e3), tmo = <int64_t>(max(timeout, 0.0) * 1e9)
+    with nogil:
+        got = mq_ring_pop_any_wait(rs, n, bell.b, &m, spin, tmo)
+    if got < 0:
+        return None
+    return got, (m.seq, m.op, m.aux, m.ptr, m.len)
 
 
 def stress(uint64_t n_messages=2_000_000, capacity=1024, skip_seq=None):

@@ -1,0 +1,534 @@
+"""Two ways to spend the cores on a Qwen2 graph: plain row-splitting, and core-slicing.
+
+Row-split (``RowSplitRunner``): one thread walks the layers; every kernel splits its output rows over
+the native pool (``ops.set_num_threads(n)``). ``decode_batch`` also batches the matmuls of several
+sequences (one weight sweep serves every sequence), with attention per sequence.
+
+Core-slicing (``CoreSlicingRunner``, the seed's scheduler): the layer is cut into two sub-tasks —
+stage A (attention: norm, qkv, rope, KV write, attention, o_proj, residual; also the final norm +
+lm_head) and stage B (FFN: norm, gate_up, silu, down, residual) — each run by its own thread pinned to
+its own cores, with single-threaded kernels. Work items (sequences, or prompt chunks) flow
+A(0) -> B(0) -> A(1) -> ... -> B(n-1) -> A(head) through SPSC lock-free rings
+(mixqrt._kernels._ring: C11 atomics, cache-line padded indices). A message is 32 bytes
+``(seq, op, layer, slot, rows)``: the slot indexes preallocated activation buffers, activations are
+never copied through the rings. Idle stages sleep on a futex "bell" with the GIL released.
+
+Stages overlap only when several items are in flight: concurrent sequences, or prompt chunks in a
+wavefront (chunk c's attention at layer L waits for chunk c-1's KV at layer L; stage A, the only
+writer of the KV cache, checks that itself). A single decoding sequence is a strict chain A, B, A, ...
+so core-slicing cannot beat one core on it. ``split="balanced"`` moves the gate half of the fused
+gate_up projection into stage A (A: attention + gate, B: up + silu + down), because the FFN holds
+~7x the attention's weights and the plain attention/FFN cut leaves stage A idle.
+
+The sub-steps below mirror ``Model._forward_hidden`` op for op (same kernels, same order), so the
+logits equal the plain model's up to float rounding of kernel tiling.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from mixqrt import ops
+from mixqrt.errors import GenerationError, KernelError
+from mixqrt.quant import layout
+
+__all__ = ["RowSplitRunner", "CoreSlicingRunner", "OP_ATTN", "OP_FFN", "OP_HEAD", "OP_DONE", "OP_STOP"]
+
+OP_ATTN, OP_FFN, OP_HEAD, OP_DONE, OP_STOP, OP_ERROR = 1, 2, 3, 4, 5, 6
+
+
+def _has_threads_kw() -> bool:
+    """True when mixqrt.ops takes ``threads=`` (1 = run on the calling thread, pool untouched)."""
+    import inspect
+    try:
+        return all("threads" in inspect.signature(f).parameters
+                   for f in (ops.matmul, ops.rmsnorm, ops.rope, ops.attention, ops.silu_mul, ops.embed))
+    except (TypeError, ValueError):
+        return False
+
+
+# ============================================================================ sub-steps
+def _row_slice(w, r0: int, r1: int):
+    """Rows [r0, r1) of a weight as the same kind of object, without copying (QTensor or ndarray)."""
+    if isinstance(w, np.ndarray):
+        return w[r0:r1]
+    from mixqrt.quant.qtensor import QTensor
+    n, k = layout.rows_cols(w.shape)
+    rb = layout.expected_nbytes(w.fmt, (2, k)) - layout.expected_nbytes(w.fmt, (1, k))
+    if w.raw.size != n * rb:   # a trailer (q5g) or an unusual layout: no row views
+        raise KernelError(f"cannot take row views of a {w.fmt} tensor")
+    return QTensor(w.fmt, (r1 - r0, k), w.raw[r0 * rb:r1 * rb], dict(getattr(w, "meta", None) or {}))
+
+
+def _proj(ws: list, x: np.ndarray, kw: dict) -> np.ndarray:
+    if len(ws) == 1:
+        return ops.matmul(ws[0], x, **kw)
+    return np.concatenate([ops.matmul(w, x, **kw) for w in ws], axis=-1)
+
+
+class _Steps:
+    """The graph's pieces, on one item of rows x [T, D] (float32, updated in place)."""
+
+    def __init__(self, model, gate_split: bool = False, kw: dict | None = None):
+        self.kw = kw = dict(kw or {})        # {"threads": 1} in core-slicing stages, when ops supports it
+        a = model.args
+        self.m, self.a, self.layers = model, a, model.layers
+        self.nq, self.nkv, self.inter = model.n_q, model.n_kv, a.intermediate_size
+        self.hq, self.hkv, self.dh, self.eps, self.theta = (a.num_attention_heads, a.num_key_value_heads,
+                                                            a.head_dim, a.rms_norm_eps, a.rope_theta)
+        self.gate = self.up = None
+        if gate_split:
+            self.gate, self.up = [], []
+            for L in self.layers:
+                if len(L.gate_up) == 1:
+                    self.gate.append(_row_slice(L.gate_up[0], 0, self.inter))
+                    self.up.append(_row_slice(L.gate_up[0], self.inter, 2 * self.inter))
+                else:
+                    self.gate.append(L.gate_up[0])
+                    self.up.append(L.gate_up[1])
+
+    def embed(self, ids) -> np.ndarray:
+        return ops.embed(self.m.embed_tokens, ids, **self.kw)                              # [T, D]
+
+    def qkv(self, li: int, x: np.ndarray, positions: np.ndarray):
+        """-> q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh] (rope applied to q and k)."""
+        L, t = self.layers[li], x.shape[0]
+        h = ops.rmsnorm(x, L.input_norm, self.eps, **self.kw)
+        qkv = _proj(L.qkv, h, self.kw)                                                   # [T, Nq+2Nkv]
+        if L.qkv_bias is not None:
+            qkv += L.qkv_bias
+        qk = ops.rope(qkv[:, :self.nq + self.nkv].reshape(t, self.hq + self.hkv, self.dh), positions, self.theta, **self.kw)
+        return qk[:, :self.hq], qk[:, self.hq:], qkv[:, self.nq + self.nkv:].reshape(t, self.hkv, self.dh)
+
+    def attn_out(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
+        L = self.layers[li]
+        x += ops.matmul(L.o_proj, att.reshape(x.shape[0], self.nq), **self.kw)
+        if L.o_bias is not None:
+            x += L.o_bias
+
+    def attn(self, li: int, x: np.ndarray, cache, pos0: int, positions: np.ndarray) -> None:
+        q, k, v = self.qkv(li, x, positions)
+        cache.write(li, k, v, pos0)
+        self.attn_out(li, x, ops.attention(q, cache.keys[li], cache.values[li], pos0, **self.kw))
+
+    def ffn(self, li: int, x: np.ndarray) -> None:
+        L, i = self.layers[li], self.inter
+        gu = _proj(L.gate_up, ops.rmsnorm(x, L.post_norm, self.eps, **self.kw), self.kw)             # [T, 2I]
+        x += ops.matmul(L.down, ops.silu_mul(gu[:, :i], gu[:, i:], **self.kw), **self.kw)
+
+    def ffn_gate(self, li: int, x: np.ndarray):
+        """Balanced split, stage A half: -> (h, gate) for ffn_rest."""
+        h = ops.rmsnorm(x, self.layers[li].post_norm, self.eps, **self.kw)
+        return h, ops.matmul(self.gate[li], h, **self.kw)
+
+    def ffn_rest(self, li: int, x: np.ndarray, h: np.ndarray, g: np.ndarray) -> None:
+        x += ops.matmul(self.layers[li].down, ops.silu_mul(g, ops.matmul(self.up[li], h, **self.kw), **self.kw), **self.kw)
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        return ops.matmul(self.m.lm_head, ops.rmsnorm(x, self.m.norm, self.eps, **self.kw), **self.kw)   # [T, V]
+
+
+def _check_ids(model, tokens) -> np.ndarray:
+    ids = np.asarray(tokens)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise GenerationError(f"tokens must be a non-empty 1-D integer array, got shape {ids.shape}")
+    if int(ids.min()) < 0 or int(ids.max()) >= model.args.vocab_size:
+        raise GenerationError(f"token ids must be in [0, {model.args.vocab_size})")
+    return ids.astype(np.int64)
+
+
+def _check_seqs(model, seqs) -> tuple[np.ndarray, list]:
+    """seqs: [(token, KVCache), ...] -> (ids [B], caches); each cache must have room for one more."""
+    if not seqs:
+        raise GenerationError("decode_batch needs at least one (token, cache) pair")
+    toks, caches = [], []
+    for s in seqs:
+        try:
+            tok, cache = s
+        except (TypeError, ValueError):
+            raise GenerationError(f"decode_batch: each sequence is (token, cache), got {s!r}") from None
+        cache.check_room(cache.offset, 1)
+        toks.append(int(tok))
+        caches.append(cache)
+    if len({id(c) for c in caches}) != len(caches):
+        raise GenerationError("decode_batch: two sequences share one KV cache")
+    return _check_ids(model, np.asarray(toks, dtype=np.int64)), caches
+
+
+# ============================================================================ row-split
+class RowSplitRunner:
+    """The plain path: one thread over the layers, each kernel row-split over ``threads`` pool threads.
+
+    ``prefetcher`` (mixqrt.runtime.prefetch.Prefetcher over the layer spans) is advanced per layer.
+    ``threads`` (default: leave the pool as it is) resizes the global pool.
+    """
+
+    def __init__(self, model, threads: int | None = None, *, prefetcher=None, batch: bool = True,
+                 chunk: int = 512):
+        self.model, self.prefetcher, self.batch, self.chunk = model, prefetcher, bool(batch), int(chunk)
+        self.steps = _Steps(model)
+        if threads is not None:
+            ops.set_num_threads(int(threads))
+
+    def _advance(self, li):
+        if self.prefetcher is not None:
+            self.prefetcher.advance(li)
+
+    def prefill(self, tokens, cache=None, pos0: int | None = None, *, last_only: bool = True,
+                chunk: int | None = None) -> np.ndarray:
+        """Like ``model(tokens, cache, pos0, last_only=...)``: logits [V] (last_only) or [T, V]."""
+        m, st = self.model, self.steps
+        ids = _check_ids(m, tokens)
+        t = ids.size
+        if cache is None:
+            cache = m.make_cache(t if pos0 is None else int(pos0) + t)
+        pos0 = cache.offset if pos0 is None else int(pos0)
+        cache.check_room(pos0, t)
+        outs = []
+        chunk = int(chunk or self.chunk)
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            x, positions = st.embed(ids[s:e]), np.arange(pos0 + s, pos0 + e, dtype=np.int64)
+            for li in range(len(st.layers)):
+                self._advance(li)
+                st.attn(li, x, cache, pos0 + s, positions)
+                st.ffn(li, x)
+            if not last_only:
+                outs.append(st.head(x))
+            elif e == t:
+                outs.append(st.head(x[-1:])[0])
+        cache.advance(pos0 + t)
+        return outs[0] if last_only else np.concatenate(outs)
+
+    def decode_batch(self, seqs) -> np.ndarray:
+        """One token for each (token, cache) in ``seqs`` -> logits [B, V]; every cache advances by 1.
+
+        batch=True runs one [B, D] matmul per weight (attention per sequence); batch=False runs the
+        sequences one after another (what calling the model per sequence does).
+        """
+        ids, caches = _check_seqs(self.model, seqs)
+        if not self.batch:
+            return np.stack([self.prefill(ids[b:b + 1], c) for b, c in enumerate(caches)])
+        st = self.steps
+        pos = np.asarray([c.offset for c in caches], dtype=np.int64)             # [B]
+        x = st.embed(ids)                                                        # [B, D]
+        att = np.empty((ids.size, st.hq, st.dh), dtype=np.float32)               # [B, Hq, Dh]
+        for li in range(len(st.layers)):
+            self._advance(li)
+            q, k, v = st.qkv(li, x, pos)
+            for b, c in enumerate(caches):
+                p = int(pos[b])
+                c.write(li, k[b:b + 1], v[b:b + 1], p)
+                att[b:b + 1] = ops.attention(q[b:b + 1], c.keys[li], c.values[li], p)
+            st.attn_out(li, x, att)
+            st.ffn(li, x)
+        for b, c in enumerate(caches):
+            c.advance(int(pos[b]) + 1)
+        return st.head(x)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ============================================================================ core-slicing
+class _Item:
+    """One work item: rows x [T, D] of one sequence (or prompt chunk), its cache and positions."""
+    __slots__ = ("x", "cache", "pos0", "positions", "prev", "attn_done", "h", "g", "want", "logits", "gen")
+
+    def __init__(self):
+        self.x = self.cache = self.positions = self.prev = self.h = self.g = self.logits = None
+        self.pos0 = self.attn_done = self.want = self.gen = 0
+
+
+class CoreSlicingRunner:
+    """Attention and FFN sub-tasks on separate pinned threads, linked by SPSC rings.
+
+    ``cores_a`` / ``cores_b``: CPU sets of stage A (attention, final norm + lm_head) and stage B (FFN).
+    The same set for both (e.g. 1 core) runs both stages on it (time-shared; the n/a case).
+    Stage kernels run on the stage threads with ``threads=1`` (mixqrt.ops leaves the shared pool alone);
+    with an older ops without that keyword the pool is set to 1 thread while the runner is open (the
+    pool is not reentrant). numpy's BLAS is limited to 1 thread; ``close()`` restores both.
+    ``split``: "attn-ffn" (the issue's cut) or "balanced" (gate projection moved to stage A).
+    ``chunk``: prompt rows per wavefront item in ``prefill``.
+    """
+
+    def __init__(self, model, cores_a=(0,), cores_b=(1,), *, split: str = "attn-ffn", chunk: int = 64,
+                 prefetcher=None, ring_capacity: int = 1024, spin_us: float = 50.0):
+        from mixqrt._kernels import _ring
+        if split not in ("attn-ffn", "balanced"):
+            raise KernelError(f"CoreSlicingRunner: split must be 'attn-ffn' or 'balanced', got {split!r}")
+        if not isinstance(chunk, int) or chunk < 1:
+            raise KernelError(f"CoreSlicingRunner: chunk must be a positive int, got {chunk!r}")
+        self.model, self.split, self.chunk, self.prefetcher = model, split, chunk, prefetcher
+        self.cores_a, self.cores_b = tuple(cores_a), tuple(cores_b)
+        # kernels on the stage threads themselves: threads=1 where ops has it, else a 1-thread pool
+        self.threads_kw = _has_threads_kw()
+        self.steps = _Steps(model, gate_split=(split == "balanced"), kw={"threads": 1} if self.threads_kw else None)
+        self.n_layers = len(model.layers)
+        self._spin = float(spin_us)
+        self._ring = _ring
+        self.max_items = ring_capacity // 2
+        # threads: pool -> 1 (restored at close), BLAS -> 1
+        self._old_threads = 1 if self.threads_kw else ops.get_num_threads()
+        if self._old_threads != 1:
+            ops.set_num_threads(1)
+        self._blas = None
+        try:
+            from threadpoolctl import threadpool_limits
+            self._blas = threadpool_limits(limits=1, user_api="blas")
+        except Exception:
+            self._blas = None
+        # rings: every consumer thread has one bell; every ring has one producer and one consumer
+        self._bell_a, self._bell_b, self._bell_m = _ring.Bell(), _ring.Bell(), _ring.Bell()
+        self.rings = {
+            "main->A": _ring.Ring(ring_capacity, bell=self._bell_a),   # new items at layer 0, stop
+            "B->A": _ring.Ring(ring_capacity, bell=self._bell_a),      # next layer / head
+            "A->B": _ring.Ring(ring_capacity, bell=self._bell_b),      # FFN of a layer, stop
+            "A->main": _ring.Ring(ring_capacity, bell=self._bell_m),   # item done / error
+        }
+        self._items: list[_Item] = []
+        self._seq = 0          # item generation: the seq field of every message about that item
+        self._errors: list[BaseException] = []
+        self.busy_s = {"A": 0.0, "B": 0.0}
+        self._closed = False
+        self._ready = threading.Barrier(3)
+        self._ta = threading.Thread(target=self._stage_a, name="mixqrt-stage-A", daemon=True)
+        self._tb = threading.Thread(target=self._stage_b, name="mixqrt-stage-B", daemon=True)
+        self._ta.start()
+        self._tb.start()
+        try:
+            self._ready.wait(10.0)
+        except threading.BrokenBarrierError:
+            self.close()
+            raise KernelError(f"core-slicing stages failed to start: {self._errors}") from None
+        if self._errors:
+            self.close()
+            raise KernelError(f"core-slicing stage failed to start: {self._errors[0]}")
+
+    # ------------------------------------------------------------------ plumbing
+    def _pin(self, cpus, who):
+        try:
+            from mixqrt.runtime.affinity import pin_current_thread
+            pin_current_thread(cpus)
+        except Exception as e:  # noqa: BLE001 — reported by the constructor
+            self._errors.append(KernelError(f"stage {who}: {e}"))
+
+    def _stage_a(self):
+        self._pin(self.cores_a, "A")
+        try:
+            self._ready.wait(10.0)
+        except threading.BrokenBarrierError:
+            return
+        st, items, nl = self.steps, self._items, self.n_layers
+        rings = (self.rings["B->A"], self.rings["main->A"])
+        to_b, bell, spin = self.rings["A->B"], self._bell_a, self._spin
+        pop_any = self._ring.pop_any
+        deferred: deque = deque()
+        last_adv = -1
+        balanced = self.split == "balanced"
+        pf = self.prefetcher
+        clock = time.perf_counter
+        busy_s = self.busy_s
+        try:
+            while True:
+                got = pop_any(rings, bell, 0.5, spin)
+                if got is None:
+                    continue
+                seq, op, li, slot, rows = got[1]
+                if op == OP_STOP:
+                    to_b.push(0, OP_STOP, 0, 0, 0)
+                    return
+                t0 = clock()
+                if op == OP_ERROR:   # stage B failed: report and stop
+                    self.rings["A->main"].push(0, OP_ERROR, 0, 0, 0)
+                    return
+                if op == OP_HEAD:
+                    it = items[slot]
+                    if it.want:
+                        it.logits = st.head(it.x if it.want == 2 else it.x[-1:])
+                    self.rings["A->main"].push(seq, OP_DONE, nl, slot, rows)
+                    busy_s["A"] += clock() - t0
+                    continue
+                deferred.append((seq, li, slot, rows))
+                progress = True
+                while progress and deferred:   # run every item whose KV dependency is met
+                    progress = False
+                    for _ in range(len(deferred)):
+                        seq, li, slot, rows = deferred.popleft()
+                        it = items[slot]
+                        if it.prev is not None and items[it.prev].attn_done <= li:
+                            deferred.append((seq, li, slot, rows))
+                            continue
+                        if pf is not None and li != last_adv:
+                            pf.advance(li)
+                            last_adv = li
+                        st.attn(li, it.x, it.cache, it.pos0, it.positions)
+                        it.attn_done = li + 1
+                        if balanced:
+                            it.h, it.g = st.ffn_gate(li, it.x)
+                        to_b.push(seq, OP_FFN, li, slot, rows)
+                        progress = True
+                busy_s["A"] += clock() - t0
+        except BaseException as e:  # noqa: BLE001 — handed to the caller
+            self._errors.append(e)
+            self.rings["A->main"].push(0, OP_ERROR, 0, 0, 0)
+            to_b.push(0, OP_STOP, 0, 0, 0)
+
+    def _stage_b(self):
+        self._pin(self.cores_b, "B")
+        try:
+            self._ready.wait(10.0)
+        except threading.BrokenBarrierError:
+            return
+        st, items, nl = self.steps, self._items, self.n_layers
+        rings, to_a, bell, spin = (self.rings["A->B"],), self.rings["B->A"], self._bell_b, self._spin
+        pop_any = self._ring.pop_any
+        balanced = self.split == "balanced"
+        clock = time.perf_counter
+        busy_s = self.busy_s
+        try:
+            while True:
+                got = pop_any(rings, bell, 0.5, spin)
+                if got is None:
+                    continue
+                seq, op, li, slot, rows = got[1]
+                if op == OP_STOP:
+                    return
+                t0 = clock()
+                it = items[slot]
+                if balanced:
+                    st.ffn_rest(li, it.x, it.h, it.g)
+                    it.h = it.g = None
+                else:
+                    st.ffn(li, it.x)
+                if li + 1 < nl:
+                    to_a.push(seq, OP_ATTN, li + 1, slot, rows)
+                else:
+                    to_a.push(seq, OP_HEAD, li, slot, rows)
+                busy_s["B"] += clock() - t0
+        except BaseException as e:  # noqa: BLE001
+            self._errors.append(e)
+            self.rings["B->A"].push(0, OP_ERROR, 0, 0, 0)   # A forwards it to the caller
+
+    def _run(self, items: list[_Item]) -> None:
+        """Submit items (layer 0), wait until every one has its logits."""
+        if self._closed:
+            raise KernelError("CoreSlicingRunner is closed")
+        if len(items) > self.max_items:
+            raise KernelError(f"{len(items)} items in flight; the rings hold {self.max_items} (raise ring_capacity)")
+        self._items[:] = items
+        for slot, it in enumerate(items):
+            it.gen = self._seq = self._seq + 1
+            if not self.rings["main->A"].push(it.gen, OP_ATTN, 0, slot, it.x.shape[0]):
+                raise KernelError("main->A ring full")
+        left = len(items)
+        while left:
+            got = self._ring.pop_any((self.rings["A->main"],), self._bell_m, 0.5, self._spin)
+            if got is None:
+                if self._errors or not (self._ta.is_alive() and self._tb.is_alive()):
+                    break
+                continue
+            seq, op, _, slot, _ = got[1]
+            if op == OP_ERROR:
+                break
+            if op != OP_DONE or seq != items[slot].gen:
+                raise KernelError(f"core-slicing: unexpected message {got[1]}")
+            left -= 1
+        if left:
+            err = self._errors[0] if self._errors else KernelError("a core-slicing stage stopped")
+            self.close()
+            raise KernelError(f"core-slicing stage failed: {err!r}") from (err if isinstance(err, BaseException) else None)
+
+    # ------------------------------------------------------------------ API
+    def decode_batch(self, seqs) -> np.ndarray:
+        """One token for each (token, cache) in ``seqs`` -> logits [B, V]; every cache advances by 1."""
+        ids, caches = _check_seqs(self.model, seqs)
+        x = self.steps.embed(ids)                                                # [B, D] (main thread)
+        items = []
+        for b, c in enumerate(caches):
+            it = _Item()
+            it.x, it.cache, it.pos0 = np.ascontiguousarray(x[b:b + 1]), c, c.offset
+            it.positions = np.asarray([c.offset], dtype=np.int64)
+            it.prev, it.want = None, 1
+            items.append(it)
+        self._run(items)
+        for it in items:
+            it.cache.advance(it.pos0 + 1)
+        return np.concatenate([it.logits for it in items])
+
+    def prefill(self, tokens, cache=None, pos0: int | None = None, *, last_only: bool = True) -> np.ndarray:
+        """Prompt in chunks of ``self.chunk`` rows, pipelined as a wavefront; logits [V] or [T, V]."""
+        m = self.model
+        ids = _check_ids(m, tokens)
+        t = ids.size
+        if cache is None:
+            cache = m.make_cache(t if pos0 is None else int(pos0) + t)
+        pos0 = cache.offset if pos0 is None else int(pos0)
+        cache.check_room(pos0, t)
+        x = self.steps.embed(ids)                                                # [T, D]
+        items = []
+        for c, s in enumerate(range(0, t, self.chunk)):
+            e = min(t, s + self.chunk)
+            it = _Item()
+            it.x, it.cache, it.pos0 = x[s:e], cache, pos0 + s                    # views of one buffer
+            it.positions = np.arange(pos0 + s, pos0 + e, dtype=np.int64)
+            it.prev = c - 1 if c else None
+            it.want = 2 if not last_only else (1 if e == t else 0)
+            items.append(it)
+        self._run(items)
+        cache.advance(pos0 + t)
+        if last_only:
+            return items[-1].logits[-1]
+        return np.concatenate([it.logits for it in items])
+
+    @property
+    def stats(self) -> dict:
+        """Ring accounting (pushed / popped per ring), futex wakes per bell, busy seconds per stage."""
+        out = {name: {"pushed": r.pushed, "popped": r.popped} for name, r in self.rings.items()}
+        out["wakes"] = {"A": self._bell_a.wakes, "B": self._bell_b.wakes, "main": self._bell_m.wakes}
+        out["busy_s"] = dict(self.busy_s)
+        return out
+
+    def close(self) -> None:
+        """Stop and join both stage threads; restore the pool and BLAS thread counts. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ta.is_alive():
+            self.rings["main->A"].push(0, OP_STOP, 0, 0, 0)
+        for t in (self._ta, self._tb):
+            if t.is_alive():
+                t.join(10.0)
+        if self._tb.is_alive():   # A died before forwarding the stop
+            self.rings["A->B"].push(0, OP_STOP, 0, 0, 0)
+            self._tb.join(10.0)
+        if self._blas is not None:
+            self._blas.restore_original_limits()
+            self._blas = None
+        if self._old_threads != 1:
+            ops.set_num_threads(self._old_threads)
+
+    @property
+    def alive(self) -> bool:
+        return self._ta.is_alive() or self._tb.is_alive()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
