@@ -231,3 +231,75 @@ def test_threads_keyword_and_concurrent_callers(tier):
         np.testing.assert_array_equal(ops.matmul(w, x1), ref1)
     assert not ops.is_hot()
     assert not errs, errs
+
+
+@pytest.fixture
+def gemm_path():
+    """Forces the AVX-512 prefill GEMM path (row tiles of 16, K slices of 16 chunks, token groups
+    of 8) for every T >= 2; restores the default threshold afterwards."""
+    if "avx512" not in isa.available():
+        pytest.skip("no AVX-512 tier on this CPU")
+    before = isa.current()
+    isa.set_isa("avx512")
+    old = _ops.set_gemm_min_t(2)
+    yield
+    _ops.set_gemm_min_t(old)
+    isa.set_isa(before)
+
+
+# N: tails of the 16-row tile; K: tails of the group, of the 16-chunk K slice (512) and several slices;
+# T: tails of the 8-token group
+GEMM_CASES = [(16, 64, 2), (17, 33, 3), (1, 512, 5), (31, 513, 16), (33, 1000, 33), (48, 96, 8),
+              (15, 1055, 9), (64, 256, 512), (7, 31, 512)]
+
+
+@pytest.mark.parametrize("fmt", PACKED_FMTS)
+@pytest.mark.parametrize("n,k,t", GEMM_CASES)
+def test_gemm_path_exact(gemm_path, fmt, n, k, t):
+    rng = np.random.default_rng(n * 1000 + k + t)
+    w = random_qtensor(fmt, n, k, rng, exact=True)
+    x = exact_activations(t, k, rng)
+    y = guarded_matmul(w, x)
+    ye, _ = emulate_matmul(fmt, (n, k), w.raw, x)
+    np.testing.assert_array_equal(y, ye.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", PACKED_FMTS)
+@pytest.mark.parametrize("n,k,t", GEMM_CASES)
+def test_gemm_path_random(gemm_path, fmt, n, k, t):
+    rng = np.random.default_rng(n * 1000 + k + t + 1)
+    w = random_qtensor(fmt, n, k, rng)
+    x = (rng.standard_normal((t, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+    y = guarded_matmul(w, x)
+    ye, bound = emulate_matmul(fmt, (n, k), w.raw, x)
+    assert (np.abs(y - ye) <= bound).all(), np.max(np.abs(y - ye) - bound)
+
+
+@pytest.mark.parametrize("fmt", PACKED_FMTS)
+def test_gemm_path_extreme_levels_and_threads(gemm_path, fmt):
+    """Largest levels (q2c table up to 255, q8 -128/127) against |a| = 127, on the pool with
+    several row ranges; and the same result as the 4-row tile path (T below the threshold)."""
+    rng = np.random.default_rng(3)
+    n, k, t = 200, 256, 21
+    lay = layout.PACKED[fmt]
+    nb, g = lay.blocks_per_row(k), lay.group
+    if fmt == "q8":
+        codes = np.where(rng.random((n, nb, g)) < 0.5, -128, 127).astype(np.int8)
+    else:
+        codes = np.full((n, nb, g), (1 << lay.bits) - 1, np.uint8)
+        codes[1::2] = rng.integers(0, 1 << lay.bits, size=codes[1::2].shape)
+    p = layout.Parts(codes=codes, d=np.full((n, nb), 0.25, np.float16))
+    if fmt in ("q4", "q3u", "q3p", "q2c"):
+        p.m = np.full((n, nb), -0.125, np.float16)
+    if fmt == "q2c":
+        p.lut = np.tile(np.array([0, 128, 254, 255], np.uint8), (n, nb, 1))
+    if fmt == "q5g":
+        p.lo_hi = (-0.5, -0.5 + 31 * 2.0 ** -5)
+    raw = np.frombuffer(layout.assemble(fmt, (n, k), p), dtype=np.uint8).copy()
+    w = FakeQT(fmt, (n, k), raw)
+    x = np.ascontiguousarray((127 * 2.0 ** -4 * rng.choice([-1, 1], size=(t, k))).astype(np.float32))
+    ye, _ = emulate_matmul(fmt, (n, k), w.raw, x)
+    np.testing.assert_array_equal(guarded_matmul(w, x), ye.astype(np.float32))
+    np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))
+    _ops.set_gemm_min_t(0)
+    np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))

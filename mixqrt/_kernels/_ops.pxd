@@ -23,6 +23,7 @@ cdef extern from "mq_ops.h" nogil:
     ctypedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1) noexcept nogil
     void mq_quantize_act_rows(const float *x, size_t ldx, mq_act *a, int t0, int t1)
     void mq_mm_rows(const mq_mm_job *j, int n0, int n1)
+    void mq_set_gemm_min_t(int t)
     void mq_dequant_row(const mq_mm_job *j, int n, float *out)
     int mq_pool_start(int n, const int *cpus, int ncpus)
     int mq_pool_size()

@@ -62,6 +62,18 @@ def quantize_act(cnp.ndarray x):
     return q, d, s
 
 
+_gemm_min_t = 8
+
+
+def set_gemm_min_t(int t):
+    """AVX-512 prefill GEMM path for matmuls with T >= t rows of x (t <= 0: off). Returns the old value."""
+    global _gemm_min_t
+    old = _gemm_min_t
+    _gemm_min_t = t
+    mq_set_gemm_min_t(t)
+    return old
+
+
 cdef bytes _Q3P_DEFAULT = bytes([0, 8, 13, 16, 19, 22, 27, 35])
 
 
@@ -252,6 +264,25 @@ def silu_mul(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
     cdef size_t n = g.size
     with nogil:
         mq_silu_mul(pg, pu, po, n)
+    return out
+
+
+def silu_mul_rows(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
+    """silu_mul on 2-D float32 [T, n] arrays whose rows are contiguous but may be strided (the two
+    halves of a fused gate-up buffer): no copies."""
+    if g.ndim != 2 or u.ndim != 2 or out.ndim != 2 or g.dtype != np.float32 or u.dtype != np.float32 \
+            or out.dtype != np.float32 or g.shape[0] != u.shape[0] or g.shape[0] != out.shape[0] \
+            or g.shape[1] != u.shape[1] or g.shape[1] != out.shape[1] or not out.flags.writeable \
+            or (g.shape[1] > 1 and (g.strides[1] != 4 or u.strides[1] != 4 or out.strides[1] != 4)):
+        raise ValueError("silu_mul_rows: gate, up, out must be float32 [T, n] with contiguous rows")
+    cdef const char *pg = <const char*>cnp.PyArray_DATA(g)
+    cdef const char *pu = <const char*>cnp.PyArray_DATA(u)
+    cdef char *po = <char*>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t sg = g.strides[0], su = u.strides[0], so = out.strides[0], t, T = g.shape[0]
+    cdef size_t n = g.shape[1]
+    with nogil:
+        for t in range(T):
+            mq_silu_mul(<const float*>(pg + t * sg), <const float*>(pu + t * su), <float*>(po + t * so), n)
     return out
 
 

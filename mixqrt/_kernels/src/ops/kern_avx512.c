@@ -1,7 +1,8 @@
 /* AVX-512 tier (F/BW/VL/DQ + VNNI + VBMI): every packed format is unpacked two chunks (64 codes)
  * at a time into one zmm of u8 levels with a broadcast, a per-qword shift and a mask (+ vpshufb for
  * table levels), then multiplied with the int8 activations by vpdpbusd. Decode (T == 1) runs fused
- * from the packed bytes; T > 1 unpacks a tile of rows once and reuses it for every token. */
+ * from the packed bytes; 1 < T < mq_gemm_min_t unpacks a 4-row tile once and reuses it for every token;
+ * T >= mq_gemm_min_t (default 8) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md). */
 #include <immintrin.h>
 #include <string.h>
 
@@ -273,6 +274,111 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* ------------------------------------------------------------------ prefill GEMM (T >= mq_gemm_min_t)
+ * For a tile of GR = 16 weight rows and a K slice of GKS chunks, the levels are unpacked once into
+ * a VNNI-interleaved tile: for every k4 step (4 consecutive k) one zmm holds 16 rows x 4 bytes.
+ * The activations of a group of GTT tokens are interleaved the same way (per k4 step, GTT u32), so
+ * the micro-kernel is, per k4 step, one weight load and GTT vpdpbusd with an embedded {1to16}
+ * broadcast of the token's 4 activation bytes; per chunk the int32 sums of the 16 rows are folded
+ * into float accumulators: acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the generic
+ * tier's order). Tokens are padded to a multiple of GTT with zero activations (no stores). */
+#define GR 16
+#define GKS 16
+#define GTT 8
+int mq_gemm_min_t = 8;
+void mq_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
+
+static inline __attribute__((always_inline)) void
+gemm_kernel(const uint32_t *lvT, const float *dwT, const float *mmT, int nch,
+            const uint32_t *qb, const float *db, const float *sb, float *accb, int first) {
+    __m512 acc[GTT];
+    for (int i = 0; i < GTT; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
+    for (int c = 0; c < nch; c++) {
+        const __m512i *w = (const __m512i *)(lvT + (size_t)c * 128);
+        const uint32_t *qc = qb + (size_t)c * 8 * GTT;
+        __m512i is[GTT];
+        __m512i w0 = _mm512_load_si512(w);
+        for (int i = 0; i < GTT; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
+        for (int s = 1; s < 8; s++) {
+            __m512i ws = _mm512_load_si512(w + s);
+            for (int i = 0; i < GTT; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * GTT + i]));
+        }
+        __m512 dw = _mm512_load_ps(dwT + 16 * c), mm = _mm512_load_ps(mmT + 16 * c);
+        for (int i = 0; i < GTT; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * GTT + i])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * GTT + i]), acc[i]);
+        }
+    }
+    for (int i = 0; i < GTT; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
+}
+
+static inline __attribute__((always_inline)) void
+gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
+    const mq_act *a = j->a;
+    const int nc = j->nc, T = j->T, ng = (T + GTT - 1) / GTT, k4 = a->kp / 4, ncp = a->ncp;
+    size_t qbytes = (size_t)ng * k4 * GTT * 4, dbytes = (size_t)ng * ncp * GTT * 4;
+    size_t tile = (size_t)GKS * 32 * GR, abytes = (size_t)ng * GTT * 64;
+    uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 2 * dbytes + tile + 2 * (size_t)GKS * GR * 4 + abytes + 256);
+    uint32_t *qp = (uint32_t *)buf;
+    float *dxp = (float *)(buf + qbytes), *sxp = (float *)(buf + qbytes + dbytes);
+    uint32_t *lvT = (uint32_t *)(buf + qbytes + 2 * dbytes);
+    float *dwT = (float *)((uint8_t *)lvT + tile), *mmT = dwT + GKS * GR;
+    float *accb = (float *)(((uintptr_t)(mmT + GKS * GR) + 63) & ~(uintptr_t)63);
+    /* interleave the activations: group g, k4 step kk, token i */
+    for (int g = 0; g < ng; g++) {
+        uint32_t *o = qp + (size_t)g * k4 * GTT;
+        float *od = dxp + (size_t)g * ncp * GTT, *os = sxp + (size_t)g * ncp * GTT;
+        for (int i = 0; i < GTT; i++) {
+            int t = g * GTT + i;
+            if (t < T) {
+                const uint32_t *q = (const uint32_t *)(a->q + (size_t)t * a->kp);
+                const float *xd = a->d + (size_t)t * ncp, *xs = a->s + (size_t)t * ncp;
+                for (int kk = 0; kk < k4; kk++) o[(size_t)kk * GTT + i] = q[kk];
+                for (int c = 0; c < ncp; c++) { od[c * GTT + i] = xd[c]; os[c * GTT + i] = xs[c]; }
+            } else {
+                for (int kk = 0; kk < k4; kk++) o[(size_t)kk * GTT + i] = 0;
+                for (int c = 0; c < ncp; c++) { od[c * GTT + i] = 0.0f; os[c * GTT + i] = 0.0f; }
+            }
+        }
+    }
+    for (int nt = n0; nt < n1; nt += GR) {
+        int nr = n1 - nt < GR ? n1 - nt : GR;
+        __mmask16 smask = (__mmask16)((1u << nr) - 1);
+        for (int c0 = 0; c0 < nc; c0 += GKS) {
+            int nch = nc - c0 < GKS ? nc - c0 : GKS;
+            if (nr < GR) {
+                memset(lvT, 0, tile);
+                memset(dwT, 0, (size_t)GKS * GR * 4); memset(mmT, 0, (size_t)GKS * GR * 4);
+            }
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *row = j->w + (size_t)(nt + r) * j->row_bytes;
+                for (int p = c0 / 2; 2 * p < c0 + nch; p++) {
+                    __m512 dv, mv;
+                    uint32_t lt[16] __attribute__((aligned(64)));
+                    float dt[16] __attribute__((aligned(64))), mt[16] __attribute__((aligned(64)));
+                    _mm512_store_si512(lt, unpack_pair(cx, fmt, row, p, &dv, &mv));
+                    _mm512_store_ps(dt, dv); _mm512_store_ps(mt, mv);
+                    for (int h = 0; h < 2; h++) {
+                        int c = 2 * p + h - c0;
+                        if (c >= nch) break;
+                        dwT[c * GR + r] = dt[8 * h]; mmT[c * GR + r] = mt[8 * h];
+                        for (int d = 0; d < 8; d++) lvT[((size_t)c * 8 + d) * GR + r] = lt[8 * h + d];
+                    }
+                }
+            }
+            int first = c0 == 0, last = c0 + nch >= nc;
+            for (int g = 0; g < ng; g++) {
+                float *ab = accb + (size_t)g * GTT * 16;
+                gemm_kernel(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * GTT,
+                            dxp + ((size_t)g * ncp + c0) * GTT, sxp + ((size_t)g * ncp + c0) * GTT, ab, first);
+                if (last)
+                    for (int i = 0; i < GTT && g * GTT + i < T; i++)
+                        _mm512_mask_storeu_ps(j->y + (size_t)(g * GTT + i) * j->ldy + nt, smask, _mm512_load_ps(ab + 16 * i));
+            }
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ float weights */
 static void load_row_f32(const mq_mm_job *j, int n, float *out) {
     const uint8_t *row = j->w + (size_t)n * j->row_bytes;
@@ -298,7 +404,11 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
-#define FMT_CASE(F) case F: if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); else mm_fmt(&cx, F, j, n0, n1); break;
+#define FMT_CASE(F) case F: \
+    if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
+    else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1); \
+    else mm_fmt(&cx, F, j, n0, n1); \
+    break;
 
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     if (j->fmt >= MQ_F32) { mm_float(j, n0, n1); return; }
