@@ -5,7 +5,9 @@
  * int16 saturation of vpmaddubsw (a pair U0*a0 + U1*a1 must stay within +-32767, |a| <= 127):
  *   q6/q4/q3u/q3p/q5g: U <= 63, pairs <= 2*63*127 = 16002: safe.
  *   q8: U = c + 128 would overflow; the product uses the signed code (|c| * sign(a, c), pairs <=
- *       2*128*127 = 32512) and adds 128 * sum(a) (integer, per chunk) afterwards.
+ *       2*128*127 = 32512), which is sum(c * a) directly: no zero-point term at all, so no large
+ *       offset products cancel in float (the generic tier's 128-offset form rounds differently
+ *       once the partial sums pass 2^24 units; this form is the exact one).
  *   q2c: per-block table levels up to 255: split U = (U & 0x7f) + (U & 0x80), two vpmaddubsw
  *       (pairs <= 32258 and <= 32512), summed in int32.
  * So isum_c = sum_i U_i a_i is exact, identical to the generic tier. Decode (T == 1) is fused, two
@@ -91,7 +93,7 @@ unpack_chunk(const ctx_t *cx, const int fmt, const uint8_t *row, int c, float *d
     case MQ_Q8: {
         const uint8_t *A = row + (size_t)c * 34;
         float d = h2f(A);
-        *dw = d; *mm = -128.0f * d;
+        *dw = d; *mm = 0.0f;   /* cdot already gives sum(c * a) for signed codes: no offset */
         return _mm256_loadu_si256((const __m256i *)(A + 2));
     }
     case MQ_Q6: {
@@ -133,7 +135,7 @@ unpack_chunk(const ctx_t *cx, const int fmt, const uint8_t *row, int c, float *d
     }
 }
 
-/* int32 lanes whose sum is sum_i U_i a_i (q8: without the 128 * sum(a) term, added by the caller) */
+/* int32 lanes whose sum is sum_i U_i a_i (q8: sum_i c_i a_i with the signed codes) */
 static inline __attribute__((always_inline)) __m256i cdot(const int fmt, __m256i u, __m256i a) {
     const __m256i one = _mm256_set1_epi16(1);
     if (fmt == MQ_Q8)
@@ -147,19 +149,6 @@ static inline __attribute__((always_inline)) __m256i cdot(const int fmt, __m256i
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), one);
 }
 
-/* per-chunk integer sums of the activations times 128 (q8 offset term), row t */
-static void act_sums128(const mq_act *a, int t, int nc, int32_t *out) {
-    const int8_t *q = a->q + (size_t)t * a->kp;
-    const __m256i ones8 = _mm256_set1_epi8(1), one = _mm256_set1_epi16(1);
-    for (int c = 0; c < nc; c++) {
-        __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)(q + 32 * c))), one);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        out[c] = 128 * _mm_cvtsi128_si32(s4);
-    }
-}
-
 /* ------------------------------------------------------------------ decode: fused, 2 rows at once */
 #ifndef PF_ROWS
 #define PF_ROWS 8
@@ -170,8 +159,6 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const float *xd = j->a->d, *xs = j->a->s;
     const int nc = j->nc;
     const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
-    int32_t *as = NULL;
-    if (fmt == MQ_Q8) { as = (int32_t *)mq_scratch((size_t)nc * 4); act_sums128(j->a, 0, nc, as); }
     int n = n0;
     for (; n + 2 <= n1; n += 2) {
         const uint8_t *r0 = j->w + (size_t)n * j->row_bytes, *r1 = r0 + j->row_bytes;
@@ -186,10 +173,6 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             __m256i u1 = unpack_chunk(cx, fmt, r1, c, &d1, &m1);
             __m256i a = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
             __m256i i0 = cdot(fmt, u0, a), i1 = cdot(fmt, u1, a);
-            if (fmt == MQ_Q8) {
-                __m256i o = _mm256_castsi128_si256(_mm_cvtsi32_si128(as[c]));
-                i0 = _mm256_add_epi32(i0, o); i1 = _mm256_add_epi32(i1, o);
-            }
             float dx = xd[c], sx = xs[c];
             acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d0 * dx), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(d1 * dx), acc1);
@@ -206,7 +189,6 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             float d0, m0;
             __m256i u0 = unpack_chunk(cx, fmt, r0, c, &d0, &m0);
             __m256i i0 = cdot(fmt, u0, _mm256_loadu_si256((const __m256i *)(q + 32 * c)));
-            if (fmt == MQ_Q8) i0 = _mm256_add_epi32(i0, _mm256_castsi128_si256(_mm_cvtsi32_si128(as[c])));
             acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(d0 * xd[c]), acc0);
             am0 += m0 * xs[c];
         }
@@ -220,13 +202,10 @@ static inline __attribute__((always_inline)) void
 mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const mq_act *a = j->a;
     const int nc = j->nc;
-    /* per tile row: nc x 32 levels, nc dw, nc mm; then (q8) the activation sums of every token */
-    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * nc * 40 + (fmt == MQ_Q8 ? (size_t)j->T * nc * 4 : 0) + 64);
+    /* per tile row: nc x 32 levels, nc dw, nc mm */
+    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * nc * 40 + 64);
     __m256i *lv = (__m256i *)buf;
     float *dwv = (float *)(buf + (size_t)TR * nc * 32), *mmv = dwv + (size_t)TR * nc;
-    int32_t *as = (int32_t *)(mmv + (size_t)TR * nc);
-    if (fmt == MQ_Q8)
-        for (int t = 0; t < j->T; t++) act_sums128(a, t, nc, as + (size_t)t * nc);
     for (int nt = n0; nt < n1; nt += TR) {
         int nr = n1 - nt < TR ? n1 - nt : TR;
         for (int r = 0; r < nr; r++) {
@@ -237,7 +216,6 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
         for (int t = 0; t < j->T; t++) {
             const int8_t *q = a->q + (size_t)t * a->kp;
             const float *xd = a->d + (size_t)t * a->ncp, *xs = a->s + (size_t)t * a->ncp;
-            const int32_t *at = as + (size_t)t * nc;
             float *y = j->y + (size_t)t * j->ldy + nt;
             if (nr == TR) {
                 __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
@@ -249,11 +227,6 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
                     __m256i xq = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
                     __m256i i0 = cdot(fmt, l0[c], xq), i1 = cdot(fmt, l1[c], xq);
                     __m256i i2 = cdot(fmt, l2[c], xq), i3 = cdot(fmt, l3[c], xq);
-                    if (fmt == MQ_Q8) {
-                        __m256i o = _mm256_castsi128_si256(_mm_cvtsi32_si128(at[c]));
-                        i0 = _mm256_add_epi32(i0, o); i1 = _mm256_add_epi32(i1, o);
-                        i2 = _mm256_add_epi32(i2, o); i3 = _mm256_add_epi32(i3, o);
-                    }
                     float dx = xd[c], sx = xs[c];
                     c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(w0[c] * dx), c0);
                     c1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_set1_ps(w1[c] * dx), c1);
@@ -268,7 +241,6 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
                     float s0 = 0.0f;
                     for (int c = 0; c < nc; c++) {
                         __m256i i0 = cdot(fmt, lv[r * nc + c], _mm256_loadu_si256((const __m256i *)(q + 32 * c)));
-                        if (fmt == MQ_Q8) i0 = _mm256_add_epi32(i0, _mm256_castsi128_si256(_mm_cvtsi32_si128(at[c])));
                         c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_set1_ps(dwv[r * nc + c] * xd[c]), c0);
                         s0 += mmv[r * nc + c] * xs[c];
                     }
