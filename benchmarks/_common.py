@@ -1,0 +1,104 @@
+"""Helpers shared by the benchmark scripts: the machine, the code version, resource usage."""
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_commit() -> str:
+    """'abc1234' or 'abc1234+dirty' (uncommitted changes under mixqrt/ or benchmarks/)."""
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "mixqrt", "benchmarks", "setup.py")
+    return head + ("+dirty" if dirty else "")
+
+
+def tree_hash(*rel_dirs: str, suffixes=(".py", ".pyx", ".pxd", ".c", ".h", ".so")) -> str:
+    """Content hash of the source (and built extension) files under the given folders: a change
+    anywhere in them changes the hash, committed or not."""
+    h = hashlib.sha256()
+    for rel in rel_dirs:
+        base = ROOT / rel
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file() and p.suffix in suffixes)
+        for p in files:
+            if "__pycache__" in p.parts:
+                continue
+            h.update(str(p.relative_to(ROOT)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def file_id(path) -> str:
+    """Cheap identity of a large file: name, size and mtime (hashing GBs each run is not cheap)."""
+    st = os.stat(path)
+    return f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def ram_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def machine_info() -> dict:
+    """CPU model, cores, RAM, ISA tier (mixqrt.doctor.report()), load average, date, commit."""
+    info = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "git_commit": git_commit(),
+            "ram_bytes": ram_bytes(), "loadavg": os.getloadavg()}
+    try:
+        from mixqrt.doctor import report
+        rep = report()
+        info.update(cpu_model=rep.get("cpu_model"), cpu_vendor=rep.get("cpu_vendor"), isa=rep.get("isa"),
+                    usable_cpus=rep.get("usable_cpus"), logical_cpus=rep.get("logical_cpus"))
+    except Exception as e:  # informative only
+        info.update(cpu_model=f"unknown ({e})", usable_cpus=len(os.sched_getaffinity(0)), logical_cpus=os.cpu_count())
+    try:
+        import llama_cpp
+        info["llama_cpp_python"] = llama_cpp.__version__
+    except ImportError:
+        info["llama_cpp_python"] = None
+    return info
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class CpuMeter:
+    """Process CPU time / wall time / threads over a with-block (1.0 = every thread busy throughout)."""
+
+    def __init__(self, threads: int):
+        self.threads = max(1, int(threads))
+        self.utilisation = self.wall = self.cpu = None
+
+    def __enter__(self):
+        self._t = time.perf_counter()
+        self._c = self._cpu()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self._t
+        self.cpu = self._cpu() - self._c
+        self.utilisation = self.cpu / self.wall / self.threads if self.wall > 0 else None
+        return False
+
+    @staticmethod
+    def _cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
