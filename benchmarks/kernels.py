@@ -237,16 +237,16 @@ one masked load of the block, vpermb places the 2-bit plane / nibbles / high-bit
 per-qword shifts (vpsrlvq / vprolvq) and masks, vptestmb + masked add for the 3rd bit, vpternlog to merge
 q6's planes, vpshufb for levels; then one vpdpbusd, one vcvtdq2ps and one FMA with the (dw × dx) lane
 vector; the offset term is a second FMA with a precomputed `s` lane vector. Decode runs fused from the
-packed bytes, two rows per iteration sharing the activation loads. Prefill (T > 1) unpacks a tile of 4
-rows once into L1-resident u8 levels + scale vectors and reuses it for every token (4 accumulators).
+packed bytes, two rows per iteration sharing the activation loads. Prefill with T < 8 unpacks a tile of
+4 rows once into L1-resident u8 levels and reuses it for every token; T >= 8 uses the VNNI GEMM below.
 
 **Generic tier** (`src/ops/generic.c`): unpack a row to u8 levels, scalar integer dot per chunk, the same
 float combination; it is the readable spec and is what the numpy emulation in `tests/test_kernels_ref.py`
 mirrors. **AVX2 tier** (`src/ops/kern_avx2.c`): one chunk (32 codes) per ymm, unpacked with a broadcast,
 per-qword shifts (vpsrlvq) and masks, bit expansion (vpshufb + vpcmpeqb) for the 3rd/5th bits, vpshufb for
 q3p/q2c levels; products with vpmaddubsw + vpmaddwd(ones). int16 saturation: levels <= 63 (q6/q4/q3*/q5g)
-give pairs <= 2·63·127; q8 multiplies |c| by sign(a, c) (pairs <= 2·128·127) and adds `128·Σa` per chunk
-in int32; q2c's table levels (up to 255) are split into `U & 0x7f` and `U & 0x80`, two vpmaddubsw summed
+give pairs <= 2·63·127; q8 multiplies |c| by sign(a, c) (pairs <= 2·128·127), which is Σ c·a directly, so
+AVX2 uses no q8 zero point at all (off = 0, mm = 0: no large offset products to cancel in float); q2c's table levels (up to 255) are split into `U & 0x7f` and `U & 0x80`, two vpmaddubsw summed
 in int32. isum is therefore bit-identical to the generic tier (`test_extreme_levels_no_saturation` puts the
 largest levels against |a| = 127 of one sign on every tier). Decode fused (2 rows, prefetch 8 rows ahead),
 prefill with a 4-row unpacked tile, as in AVX-512.
@@ -317,6 +317,61 @@ above and not a regression signal; the end-to-end before/after must be re-measur
 need ~21 GB/s effective for 75 tok/s; the idle-machine matvec table above (lm_head 3.5 ms at 2 threads in
 a quiet moment = 31 GB/s, per-layer products ~23-38 GB/s) says that is within reach once the non-matmul
 ~3.8 ms/token (now ~1.5 ms) is gone.
+
+## Prefill GEMM (AVX-512, T >= 8) and prefill attention (measured by hand)
+
+Measured by hand before the tables below were regenerated (prose kept in `benchmarks/kernels.py`).
+
+**Matmul.** `gemm_fmt` in `src/ops/kern_avx512.c`, used for `T >= mq_gemm_min_t` (default 8;
+`_ops.set_gemm_min_t(t)`, `t <= 0` turns it off; smaller T keep the 4-row tile path). Per call each
+thread first interleaves the int8 activations of groups of 8 tokens (`[group][k4][token]` u32, zero
+tokens pad the last group; dx and s as `[group][chunk][token]`). Then for a tile of 16 weight rows
+and a K slice of 16 chunks (512 k) the packed codes are unpacked once (the same `unpack_pair` as
+decode) into a VNNI tile: per k4 step one 64-byte zmm = 16 rows x 4 consecutive levels, plus per
+chunk a 16-lane dw and mm vector. Micro-kernel, per chunk: 8 k4 steps x (one weight load, 8
+`vpdpbusd` with a 4-byte activation broadcast per token) into 8 int32 accumulators (16 rows each),
+then per token `acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc)` (the generic tier's
+order, chunk by chunk); accumulators go through a 64-B-aligned scratch between K slices and are
+written with a 16-lane masked store (N tails; no masked loads anywhere: rows past the tile end get
+zero levels and zero dw/mm in the scratch tile). isum stays exact (u8 x s8, q8 as code ^ 0x80 with
+mm = -128 dw, q2c levels up to 255). Threads split N as before (64-row units).
+
+Single-thread matmul, T = 512, GOP/s = 2NKT / *thread CPU time* (`time.thread_time`, `threads=1`;
+wall time on the shared box was 2-3x noisier), old 4-row tile vs new, interleaved runs, medians of 5:
+
+| shape N x K | q3p old | q3p new | q6 old | q6 new | q8 old | q8 new | q2c old | q2c new |
+|---|---|---|---|---|---|---|---|---|
+| 896 x 896 | 162 | 444 | 160 | 446 | 106 | 347 | 160 | 429 |
+| 1152 x 896 | 168 | 462 | 161 | 456 | 156 | 414 | 162 | 453 |
+| 9728 x 896 | 154 | 535 | 161 | 520 | 137 | 482 | 154 | 509 |
+| 896 x 4864 | 162 | 423 | 140 | 366 | 114 | 370 | 144 | 396 |
+
+**Prefill attention** (`ops._attention_blas`, ops.py): blocked causally over 128-query blocks (block
+[i0, i1) only scores keys [0, pos0 + i1): ~5/8 of the products and softmax work at pos0 = 0), 2-D
+`np.dot` per kv head (always sgemm; the stacked `np.matmul` with a transposed operand was slower).
+T = 512, 14/2 heads, BLAS on 1 thread: ~50 -> ~27 ms per layer (medians, loaded box; 9 ms in a quiet
+moment). Running the kv heads on Python threads was tried and not measurably faster here (removed).
+`silu_mul` of the two halves of the fused gate-up buffer runs row by row in C (`_ops.silu_mul_rows`)
+instead of copying both halves (0.5 s of `ascontiguousarray` per pp512 at 1 thread).
+
+**End to end pp512** (Qwen2.5-Coder-0.5B `2356`, 512-token prompt, `last_only=True`, one process,
+old/new alternated, load average 6-8 from other jobs on the 2-core box, so absolute numbers are
+low and noisy):
+
+| pool threads | before (4-row tile, old attention/SiLU) | after | matmul share after |
+|---|---|---|---|
+| 1 (`OPENBLAS_NUM_THREADS=1`) | 90 tok/s (runs 90, 95, 77) | **227 tok/s** (248, 227, 166) | 1.67 s of 2.47 s: ~220 GOP/s wall |
+| 2 | 74 tok/s (75, 75, 58, 73) | **193 tok/s** (190, 241, 196, 152) | 2.38 s of 3.72 s (profile run) |
+
+GOP/s here = 2 x 358 M matmul MACs x 512 (the 0.5B model without its embedding; lm_head runs for one
+token) / time. The 2-thread row is slower than the 1-thread one because both cores were shared with
+other jobs (load average ~8): the per-thread CPU-time numbers above (~450-530 GOP/s) put the
+matmuls at ~0.4 s per pp512 on two idle cores, so the >= 450 tok/s target needs a quiet re-measure
+(`python /tmp`-style A/B: alternate `_ops.set_gemm_min_t(0)` / `(8)` in one process).
+
+Caveat: at `set_num_threads(1)` numpy's BLAS is not limited (by design of `_limit_blas`), and on the
+loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of attention per pp512 vs
+0.56 s with `OPENBLAS_NUM_THREADS=1`): the 1-thread row is measured with `OPENBLAS_NUM_THREADS=1`.
 
 ## Open items
 
