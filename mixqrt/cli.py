@@ -56,7 +56,8 @@ def cmd_doctor(a):
 def cmd_quantize(a):
     from mixqrt.convert import describe, dumps_report, quantize_model
     rep = quantize_model(a.src, a.recipe or "2356", a.output, overrides=a.tensor_type,
-                         progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None)
+                         progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
+                         imatrix=a.imatrix, budget_bytes=a.budget_bytes)
     if a.json:
         print(dumps_report(rep))
         return
@@ -64,6 +65,17 @@ def cmd_quantize(a):
     if not a.dry_run:
         print(f"wrote {a.output}: {rep.total_bytes:,d} bytes of tensors, {rep.bits_per_weight:.3f} bits/weight, "
               f"{rep.seconds:.1f} s, peak RSS {rep.peak_rss_bytes / 2**20:.0f} MiB")
+
+
+def cmd_imatrix(a):
+    from mixqrt.quant.imatrix import collect, save
+    with open(a.text, encoding="utf-8") as f:
+        text = f.read()
+    doc = collect(a.model, text, recipe=a.recipe, chunks=a.chunks, ctx=a.ctx, progress=not a.quiet,
+                  source_label=os.path.basename(a.text))
+    save(doc, a.output)
+    print(f"wrote {a.output}: {len(doc['tensors'])} tensors, {doc['tokens']} tokens in {doc['chunks']} chunks "
+          f"of {doc['ctx']} from {a.text}")
 
 
 def cmd_inspect(a):
@@ -166,15 +178,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("quantize", help="quantize a model with a recipe into a .mxq file")
     s.add_argument("src", help="a .gguf, a Hugging Face folder or a hub id")
-    s.add_argument("--recipe", default="2356", help="2356 (default), f32, f16, q8, q4, or an ablation")
+    s.add_argument("--recipe", default="2356", help="2356 (default), 2356+, auto (needs --budget-bytes), f32, f16, "
+                   "q8, q4, or an ablation (2356-minmax, 2356-q3u, ...)")
     s.add_argument("--tensor-type", action="append", default=None, metavar="PATTERN=FMT",
                    help="override a tensor's format (regex on the HF name, or a role like ffn_down); repeatable")
     s.add_argument("-o", "--output", default=None, help="output .mxq path")
     s.add_argument("--dry-run", action="store_true", help="plan and size only; write nothing")
+    s.add_argument("--imatrix", default=None, metavar="FILE",
+                   help="importance matrix from `mixqrt imatrix`: activation-weighted quantization")
+    s.add_argument("--budget-bytes", type=int, default=None, metavar="N",
+                   help="with --recipe auto: total tensor bytes to fit (formats picked by measured sensitivity)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true")
     s.add_argument("--offline", action="store_true")
     s.set_defaults(fn=cmd_quantize)
+
+    s = sub.add_parser("imatrix", help="collect per-column mean squared activations (llama.cpp's imatrix)")
+    s.add_argument("model", help="a .mxq, .gguf, HF folder or hub id (sources are run with --recipe, default q8)")
+    s.add_argument("--text", required=True, help="calibration text (UTF-8); not the evaluation text")
+    s.add_argument("--recipe", default="q8", help="recipe to run a source model with (default q8)")
+    s.add_argument("--chunks", type=int, default=8)
+    s.add_argument("--ctx", type=int, default=512)
+    s.add_argument("-o", "--output", required=True, help="output .json")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(fn=cmd_imatrix)
 
     s = sub.add_parser("inspect", help="per-tensor format, bits/weight, bytes, layout and placement")
     s.add_argument("model")
@@ -233,6 +260,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "quantize" and not args.dry_run and not args.output:
         build_parser().error("quantize needs -o OUTPUT (or --dry-run)")
+    if args.cmd == "quantize" and (args.recipe == "auto") != (args.budget_bytes is not None):
+        build_parser().error("--recipe auto needs --budget-bytes N (and --budget-bytes needs --recipe auto)")
     try:
         args.fn(args)
     except MixqrtError as e:

@@ -125,10 +125,13 @@ def tensor_plan(source, recipe: Recipe) -> list[tuple[str, str, str, tuple]]:
 
 
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
-                   offline=None) -> QuantReport:
+                   offline=None, imatrix=None, budget_bytes=None) -> QuantReport:
     """Quantize a model source (path, hub id or an open Source) with a recipe into an .mxq file.
 
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
+    imatrix: a file from `mixqrt imatrix` (or its {name: [K] array} dict): per-column weights for the
+    error-minimising quantizer of every linear weight it covers (q6/q4/q3u/q3p).
+    recipe="auto" needs budget_bytes: formats per tensor from the measured sensitivity (quant/auto.py).
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
@@ -136,9 +139,19 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     from mixqrt.quant.formats import bind_range
     from mixqrt.quant.qtensor import QTensor
 
+    from mixqrt.quant.formats import SEARCH_FORMATS
+    from mixqrt.quant.imatrix import importance_for, load_imatrix
+
     t0 = time.perf_counter()
-    rec = get_recipe(recipe, overrides)
     source = src if hasattr(src, "tensor_names") else open_source(src, offline=offline, progress=progress)
+    if (recipe == "auto") != (budget_bytes is not None) and not isinstance(recipe, Recipe):
+        raise QuantError("recipe 'auto' and budget_bytes go together: pass both or neither")
+    if recipe == "auto":
+        from mixqrt.quant.auto import auto_recipe
+        rec = auto_recipe(source, int(budget_bytes), overrides=overrides)
+    else:
+        rec = get_recipe(recipe, overrides)
+    imat = load_imatrix(imatrix) if imatrix is not None else None
     plan = tensor_plan(source, rec)
     report = QuantReport(str(out_path) if out_path else None, rec.spec())
     if dry_run:
@@ -156,6 +169,16 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     tied = "lm_head.weight" not in source.tensor_names()
     from tqdm.auto import tqdm
 
+    # layers whose q/k/v weights cannot be fused (formats differ): their biases stay separate too,
+    # since the graph pairs a fused bias with a fused weight only
+    fmt_of = {n: f for n, _, f, _ in plan}
+    split_qkv = set()
+    for n, f in fmt_of.items():
+        m = _LAYER.match(n)
+        if m and n.endswith("self_attn.q_proj.weight"):
+            p = n[: m.end()]
+            if len({fmt_of.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"}) != 1 or f == "q5g":
+                split_qkv.add(p)
     pending: dict[str, QTensor] = {}
     with MxqWriter(out_path, meta) as w:
         for name, role, fmt, shape in tqdm(plan, desc="quantizing", unit="tensor", disable=not progress):
@@ -164,12 +187,18 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
             if tuple(arr.shape) != tuple(shape):
                 raise ModelError(f"tensor {name}: source says shape {shape} but holds {arr.shape}")
             opts = {"lo": q5_range[0], "hi": q5_range[1]} if (fmt == "q5g" and q5_range) else {}
+            imp = importance_for(imat, name, arr.shape[1]) if (imat and arr.ndim == 2) else None
+            if fmt in SEARCH_FORMATS and arr.ndim == 2 and (rec.search or imp is not None):
+                opts["search"] = True
+                opts["importance"] = imp
             qt = quantize(arr, fmt, **opts)
             del arr
             report.tensors.append(TensorReport(name, role, fmt, shape, qt.nbytes))
             m = _LAYER.match(name)
             layer = int(m.group(1)) if m else None
             fused = _fuse_target(name)
+            if fused is not None and fused[0].endswith(".bias") and name[: m.end()] in split_qkv:
+                fused = None
             if fused is None:
                 w.add(name, qt, layer=layer)
                 continue

@@ -18,6 +18,8 @@ cdef extern from "quant.h" nogil:
     int mq_dequantize_rows(int fmt, const uint8_t *raw, int64_t k, const int64_t *ids, int64_t nids,
                            float *out, const uint8_t *levels, float lo, float hi)
     int64_t mq_row_bytes(int fmt, int64_t k)
+    int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out,
+                           const uint8_t *levels, const float *imp)
     unsigned short mq_f32_to_f16(float f)
     float mq_f16_to_f32(unsigned short h)
 
@@ -53,6 +55,33 @@ def quantize(int fmt, const float[:, ::1] x not None, uint8_t[::1] out not None,
         rc = mq_quantize(fmt, &x[0, 0], n, k, &out[0], &levels[0], lo, hi)
     if rc:
         raise KernelError(f"quantize failed for format id {fmt}")
+
+
+SEARCH_IDS = (1, 2, 3, 4)        # q6, q4, q3u, q3p
+
+
+def quantize_search(int fmt, const float[:, ::1] x not None, uint8_t[::1] out not None,
+                    const uint8_t[::1] levels not None, imp=None):
+    """Error-minimising quantize+pack (src/quant/search.c); imp: float32 [k] column weights or None."""
+    if fmt not in SEARCH_IDS:
+        raise KernelError(f"format id {fmt} has no search quantizer")
+    _check_levels(levels)
+    cdef int64_t n = x.shape[0], k = x.shape[1]
+    cdef int64_t need = n * mq_row_bytes(fmt, k)
+    if out.shape[0] != need:
+        raise KernelError(f"output buffer holds {out.shape[0]} bytes; format {fmt} [{n}, {k}] needs {need}")
+    cdef const float[::1] iv
+    cdef const float *ip = NULL
+    if imp is not None:
+        iv = np.ascontiguousarray(imp, dtype=np.float32)
+        if iv.shape[0] != k:
+            raise KernelError(f"importance has {iv.shape[0]} entries, rows have {k} columns")
+        ip = &iv[0]
+    cdef int rc
+    with nogil:
+        rc = mq_quantize_search(fmt, &x[0, 0], n, k, &out[0], &levels[0], ip)
+    if rc:
+        raise KernelError(f"search quantize failed for format id {fmt}")
 
 
 def dequantize_rows(int fmt, const uint8_t[::1] raw not None, int64_t k, ids, float[:, ::1] out not None,

@@ -11,6 +11,15 @@ Rounding rules shared by both paths (why: re-quantizing a dequantized tensor mus
   next one is kept. A dequantized block then re-quantizes to the same d and m.
 - q6 is symmetric with the sign trick: d = x_ext / -32 where x_ext is the element of largest
   magnitude, so x_ext takes code 0 (level -32) and all 64 codes are usable.
+
+``search=True`` (q6, q4, q3u, q3p; the other formats ignore it) keeps the same byte layout but picks
+each block's header by minimising the (optionally importance-weighted) squared error, like
+llama.cpp's make_qkx2_quants: candidate scales around the min/max one, a least-squares refit of d
+and m for each candidate's codes, fp16 rounding, re-assignment, refinement, then a de-shrink of the
+chosen header (d, m stretched by 1/beta about the block mean: an LS fit shrinks weights by ~3 % at
+3 bits, which cost perplexity; docs/quality.md). _search_parts is the spec of src/quant/search.c.
+The min/max header is candidate 0 and a block it reproduces exactly is left exactly as is;
+``importance`` ([K] per-column weights, e.g. an imatrix's mean squared activations) implies search.
 """
 from __future__ import annotations
 
@@ -189,6 +198,176 @@ def bind_range(arrays) -> tuple[float, float]:
     return float(F32(lo)), float(F32(hi))
 
 
+# ----------------------------------------------------------------------------- search (spec of search.c)
+SEARCH_FORMATS = ("q6", "q4", "q3u", "q3p")
+_NCAND, _NNEG, _FSTEP, _REFINE = 11, 5, F32(0.04), 2
+F64 = np.float64
+
+
+def _cs(a):
+    """Sum over the last axis, left to right in float64 (np.cumsum is sequential, like the C loop)."""
+    return np.cumsum(a, axis=-1)[..., -1]
+
+
+def _is_bad16(h):
+    return (h.view(np.uint16) & np.uint16(0x7C00)) == np.uint16(0x7C00)
+
+
+def _search_parts(x: np.ndarray, fmt: str, imp) -> layout.Parts:
+    lay = layout.PACKED[fmt]
+    X3, nv = _blocks(x, lay.group)
+    n, nb, G = X3.shape
+    valid3 = np.broadcast_to(np.arange(G)[None, :] < nv[:, None], X3.shape)
+    colw = np.zeros(nb * G, dtype=F32)
+    colw[: x.shape[1]] = 1.0 if imp is None else imp
+    W3 = np.where(valid3, np.broadcast_to(colw.reshape(nb, G), X3.shape), F32(0))
+    X, W, valid = X3.reshape(-1, G), W3.reshape(-1, G).astype(F64), valid3.reshape(-1, G)
+    B = X.shape[0]
+    sym = fmt == "q6"
+    if sym:
+        Lf = None
+        T = F32(32)
+    else:
+        Lf = (layout.Q3P_LEVELS.astype(F32) if fmt == "q3p" else np.arange(2 ** lay.bits, dtype=F32))
+        T = Lf[-1]
+        mids = (Lf[:-1] + Lf[1:]) * F32(0.5)
+
+    def near(t):
+        if fmt == "q3p":
+            return (t[..., None] > mids).sum(axis=-1)
+        return np.rint(np.clip(t, F32(0), T)).astype(np.int64)
+
+    def sse(d, m):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            if sym:
+                t = X / np.where(d != 0, d, F32(1))[:, None]
+                q = np.where(d[:, None] != 0, np.rint(np.clip(t, F32(-32), F32(31))), F32(0)).astype(np.int64) + 32
+                r = d[:, None] * (q - 32).astype(F32)
+            else:
+                t = (X - m[:, None]) / np.where(d > 0, d, F32(1))[:, None]
+                q = np.where(d[:, None] > 0, near(t), 0)
+                r = d[:, None] * Lf[q] + m[:, None]
+        e = X.astype(F64) - r.astype(F64)
+        return q, _cs(W * e * e)
+
+    sxx = _cs(W * X.astype(F64) * X.astype(F64))
+
+    def ls(q):
+        l = (q - 32 if sym else Lf[q]).astype(F64)
+        x64 = X.astype(F64)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            sll, slx = _cs((W * l) * l), _cs((W * l) * x64)
+            if sym:
+                ok = sll > 0
+                d = slx / sll
+                return ok, d, np.zeros_like(d), d * d * sll - 2.0 * d * slx + sxx
+            sw, sl, sx = _cs(W), _cs(W * l), _cs(W * x64)
+            D = sw * sll - sl * sl
+            ok = D > 0
+            d = (sw * slx - sl * sx) / D
+            m = (sll * sx - sl * slx) / D
+            return ok, d, m, d * d * sll + 2.0 * d * m * sl + m * m * sw - 2.0 * d * slx - 2.0 * m * sx + sxx
+
+    # candidate 0: the plain header
+    if sym:
+        ax = np.where(valid, np.abs(X), -1)
+        ext = np.take_along_axis(X, np.argmax(ax, axis=-1)[:, None], -1)[:, 0]
+        dh = h_rtz(ext / F32(-32))
+        mh = np.zeros(B, dtype=np.float16)
+        searchable0 = dh.astype(F32) != 0
+    else:
+        mn = np.where(valid, X, np.inf).min(axis=-1) + F32(0)          # as _ref_minmax
+        mx = np.where(valid, X, -np.inf).max(axis=-1)
+        mh = h_rne(mn)
+        raw = (mx - mh.astype(F32)) / T
+        dh = snap(h_rtz(np.where(raw > 0, raw, F32(0))), mh.astype(F32), float(T), mx)
+        searchable0 = (dh.astype(F32) > 0) & (mx > mn)
+    bd, bm = dh.astype(F32), mh.astype(F32)
+    _, best = sse(bd, bm)
+    active = searchable0 & (best > 0)
+    have = np.zeros(B, dtype=bool)
+    cbest, cd, cm = np.zeros(B), np.zeros(B), np.zeros(B)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for a in ((0,) if sym else (0, 1)):
+            for j in range(_NCAND):
+                f = F32(1) + F32(j - _NNEG) * _FSTEP
+                if sym:
+                    isc = np.where(active, (F32(-32) * f) / ext, F32(0))
+                    q = np.rint(np.clip(X * isc[:, None], F32(-32), F32(31))).astype(np.int64) + 32
+                else:
+                    isc = (T * f) / (mx - mn)
+                    t = (X - mn[:, None]) * isc[:, None] if a == 0 else T - (mx[:, None] - X) * isc[:, None]
+                    t = np.where(active[:, None], t, F32(0))        # blocks C never searches
+                    q = near(t)
+                ok, d, m, e = ls(q)
+                if not sym:
+                    ok = ok & (d > 0)
+                upd = active & ok & (~have | (e < cbest))
+                have |= upd
+                cbest, cd, cm = np.where(upd, e, cbest), np.where(upd, d, cd), np.where(upd, m, cm)
+        run = active & have
+        for _ in range(_REFINE + 1):
+            dh1 = cd.astype(F32).astype(np.float16)
+            mh1 = cm.astype(F32).astype(np.float16)
+            d1, m1 = dh1.astype(F32), mh1.astype(F32)
+            ok = run & ~_is_bad16(dh1) & (d1 != 0 if sym else (~_is_bad16(mh1) & (d1 > 0)))
+            q, e1 = sse(np.where(ok, d1, bd), np.where(ok, m1, bm))
+            better = ok & (e1 < best)
+            best = np.where(better, e1, best)
+            bd, bm = np.where(better, d1, bd), np.where(better, m1, bm)
+            dh, mh = np.where(better, dh1, dh), np.where(better, mh1, mh)
+            lok, d, m, _ = ls(q)
+            lok = lok & (True if sym else d > 0)
+            cd, cm = np.where(better, d, cd), np.where(better, m, cm)
+            run = better & lok
+    q, final = sse(bd, bm)
+    # step 4, de-shrink: stretch d (and m about mean(y)) by 1/beta with the codes kept
+    nvf = valid.sum(axis=1).astype(F64)
+    Lc = (q - 32).astype(F32) if sym else Lf[q]
+    mcur = np.zeros(B, F32) if sym else bm
+    Y = (bd[:, None] * Lc + mcur[:, None]).astype(F64)
+    x64 = X.astype(F64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        my = _cs(np.where(valid, Y, 0.0)) / nvf
+        mxx = _cs(np.where(valid, x64, 0.0)) / nvf
+        if sym:                                   # q6 has no offset: it can only scale about 0
+            my, mxx = np.zeros_like(my), np.zeros_like(mxx)
+        yc, xc = Y - my[:, None], x64 - mxx[:, None]
+        syx, sxx2 = _cs(np.where(valid, yc * xc, 0.0)), _cs(np.where(valid, xc * xc, 0.0))
+        beta = syx / sxx2
+        go = (final > 0) & ((bd != 0) if sym else (bd > 0)) & (sxx2 > 0) & (beta > 0.5) & (beta < 1.5)
+        dh2 = (bd.astype(F64) / beta).astype(F32).astype(np.float16)
+        ok2 = go & ~_is_bad16(dh2) & (dh2.astype(F32) != 0 if sym else dh2.astype(F32) > 0)
+        if not sym:
+            mh2 = (my + (bm.astype(F64) - my) / beta).astype(F32).astype(np.float16)
+            ok2 &= ~_is_bad16(mh2)
+            mh = np.where(ok2, mh2, mh)
+        dh = np.where(ok2, dh2, dh)
+    codes = np.where(valid, q, 0).astype(np.uint8).reshape(n, nb, G)
+    return layout.Parts(codes=codes, d=dh.reshape(n, nb), m=None if sym else mh.reshape(n, nb))
+
+
+def _search_pack(x2: np.ndarray, fmt: str, imp) -> bytes:
+    n, k = x2.shape
+    step = max(1, (1 << 16) // k)
+    return b"".join(layout.assemble(fmt, x2[r:r + step].shape, _search_parts(x2[r:r + step], fmt, imp))
+                    for r in range(0, n, step))
+
+
+def _check_importance(imp, k: int, fmt: str):
+    if imp is None:
+        return None
+    a = np.asarray(imp)
+    if a.dtype.kind not in "fiu":
+        raise QuantError(f"importance for {fmt} must be numeric, got dtype {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=F32).reshape(-1)
+    if a.size != k:
+        raise QuantError(f"importance has {a.size} entries but the rows have {k} columns")
+    if not np.isfinite(a).all() or (a < 0).any():
+        raise QuantError("importance weights must be finite and >= 0")
+    return a
+
+
 # ----------------------------------------------------------------------------- plain formats
 def _to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bits (uint16), round to nearest even; no ml_dtypes needed."""
@@ -208,10 +387,13 @@ def _plain_raw(x: np.ndarray, fmt: str) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- public API
-def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None) -> QTensor:
+def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool = False,
+             importance=None) -> QTensor:
     """Quantize a float array to `fmt`; impl="ref" runs the numpy reference (the spec).
 
     q5g: lo/hi give the bound range (see bind_range); without them the tensor's own min/max is used.
+    search / importance: error-minimising headers for q6/q4/q3u/q3p (module docstring); importance is
+    [K] per-column weights (an imatrix row) and implies search. Ignored by the other formats.
     """
     x = _as_f32(w, fmt)
     shape = x.shape
@@ -225,6 +407,14 @@ def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None) -> QTensor:
     if fmt == "q5g":
         lo, hi = _q5g_range(x2, lo, hi)
         meta["lo_hi"] = (float(lo), float(hi))
+    imp = _check_importance(importance, k, fmt)
+    if (search or imp is not None) and fmt in SEARCH_FORMATS:
+        if impl == "ref" or _fast is None:
+            raw = np.frombuffer(_search_pack(x2, fmt, imp), dtype=np.uint8)
+        else:
+            raw = np.empty(layout.expected_nbytes(fmt, shape), dtype=np.uint8)
+            _fast.quantize_search(_FAST_IDS[fmt], x2, raw, layout.Q3P_LEVELS, imp)
+        return QTensor(fmt, shape, raw, meta)
     if impl == "ref" or _fast is None:
         if fmt in layout.PLAIN:
             raw = _plain_raw(x2, fmt)

@@ -20,6 +20,12 @@ int mq_dequantize_rows(int fmt, const uint8_t *raw, int64_t k, const int64_t *id
 
 int64_t mq_row_bytes(int fmt, int64_t k);
 
+/* Error-minimising (d, m) search for q6/q4/q3u/q3p, same layouts (search.c; spec: formats.py
+ * _search_parts). imp: k per-column weights (imatrix) or NULL for plain squared error.
+ * Returns 0, or -1 for a format without a search. */
+int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, const uint8_t *levels,
+                       const float *imp);
+
 /* q2c: one block of nv (<= 128) values -> 40 packed bytes; scratch >= 4 * 128 doubles */
 void mq_q2c_block(const float *x, int nv, uint8_t *dst);
 
