@@ -30,8 +30,11 @@ def test_doctor(capsys):
 
 
 def test_doctor_honours_mixqrt_isa():
+    import os
+    import mixqrt  # run where the imported package lives (the source tree in development, site-packages in CI)
     out = subprocess.run([sys.executable, "-m", "mixqrt", "doctor", "--json"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "MIXQRT_ISA": "generic"}, check=True).stdout
+                         env={**os.environ, "MIXQRT_ISA": "generic"}, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(mixqrt.__file__)))).stdout
     assert json.loads(out)["isa"] == "generic"
 
 

@@ -371,8 +371,9 @@ def test_mixqrt_isa_env_is_honoured():
     code = ("import mixqrt.isa, mixqrt.quant; from mixqrt._kernels import _quant; "
             "print(mixqrt.isa.current(), _quant.get_isa())")
     env = dict(os.environ, MIXQRT_ISA="generic")
+    import mixqrt  # run where the imported package lives (the source tree in development, site-packages in CI)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(mixqrt.__file__))))
     assert out.stdout.split() == ["generic", "0"]
 
 
