@@ -225,16 +225,6 @@ def step_pipeline(work: Path, recipe: str, res: dict, a, log) -> None:
 
 # -- llama.cpp on the same weights (stretch) ---------------------------------------------------
 
-_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
-_GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-
-
 def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc.DEFAULT_GGUF) -> None:
     """The checkpoint as llama.cpp's converter writes it (F16 or Q8_0 matrices, F32 vectors), streamed: the
     header and tensor table first, then one tensor at a time; the tokenizer metadata comes from a Qwen GGUF."""
@@ -242,7 +232,7 @@ def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc
     import numpy as np
 
     from mixqrt.io import open_source
-    from mixqrt.io.gguf import GGUFSource
+    from mixqrt.io.gguf import GGUFSource, hf_to_gguf_name
 
     tsrc = GGUFSource(tok_gguf)
     meta = tsrc.metadata
@@ -277,11 +267,7 @@ def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc
     w.add_chat_template(sc.QWEN2_CHATML)
     plan = []
     for name, shape, _ in sc.tensor_specs(cfg):
-        if name in _GGUF_NAMES:
-            g = _GGUF_NAMES[name]
-        else:
-            _, _, i, rest = name.split(".", 3)
-            g = f"blk.{i}.{_GGUF_LAYER[rest]}"
+        g = hf_to_gguf_name(name)
         if len(shape) == 1:
             kind = "F32"
             w.add_tensor_info(g, shape, np.dtype(np.float32), 4 * shape[0])

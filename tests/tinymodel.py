@@ -198,7 +198,7 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
     """
     import gguf
 
-    from mixqrt.io.gguf import permute_qk
+    from mixqrt.io.gguf import hf_to_gguf_name, permute_qk
 
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -244,21 +244,9 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     for name, a in weights.items():
-        if name in names:
-            gname = names[name]
-        else:
-            _, _, i, rest = name.split(".", 3)
-            gname = f"blk.{i}.{layer[rest]}"
+        gname = hf_to_gguf_name(name)
         if arch == "llama" and ".self_attn.q_proj." in name:
             a = permute_qk(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in name:

@@ -58,6 +58,21 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
+_GLOBAL_TO_GGUF = {v: k for k, v in _GLOBAL_NAMES.items()}
+_LAYER_TO_GGUF = {v: k for k, v in _LAYER_NAMES.items()}
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """GGUF tensor name for an HF name (inverse of gguf_to_hf_name), as llama.cpp's converter writes it."""
+    if name in _GLOBAL_TO_GGUF:
+        return _GLOBAL_TO_GGUF[name]
+    m = _HF_LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_TO_GGUF:
+        return f"blk.{int(m.group(1))}.{_LAYER_TO_GGUF[m.group(2)]}"
+    raise ModelError(f"tensor {name!r} has no GGUF name")
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp convert_hf_to_gguf's permute(): per head, interleaved pairs -> halves."""
     rows = w.shape[0]
