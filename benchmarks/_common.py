@@ -102,3 +102,13 @@ class CpuMeter:
     def _cpu() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
+
+
+def provenance(command: str) -> str:
+    """Markdown lines: the command, the machine, the date and commit (for the docs/ tables)."""
+    m = machine_info()
+    ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
+    return (f"- command: `{command}`\n"
+            f"- machine: {m.get('cpu_vendor', '')} {m['cpu_model']}, {m['usable_cpus']} usable cores, {ram}, "
+            f"ISA tier {m.get('isa')}\n"
+            f"- date: {m['date_utc']}, commit {m['git_commit']}\n")
