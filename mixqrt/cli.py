@@ -87,6 +87,8 @@ def cmd_generate(a):
     pipe = _pipeline(a)
     prompt = a.prompt if a.prompt is not None else sys.stdin.read()
     last = None
+    if not a.chat:
+        sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
     for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a)):
         sys.stdout.write(r.text)
         sys.stdout.flush()
