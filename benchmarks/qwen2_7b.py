@@ -232,7 +232,7 @@ def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc
     import numpy as np
 
     from mixqrt.io import open_source
-    from mixqrt.io.gguf import GGUFSource, hf_to_gguf_name
+    from mixqrt.io.gguf import GGUFSource, add_config_to_gguf, hf_to_gguf_name
 
     tsrc = GGUFSource(tok_gguf)
     meta = tsrc.metadata
@@ -242,14 +242,7 @@ def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc
     w = gguf.GGUFWriter(str(tmp), "qwen2")
     w.add_name("Qwen2-7B-synthetic")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if qtype == "F16" else gguf.LlamaFileType.MOSTLY_Q8_0)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    add_config_to_gguf(w, cfg)
     tokens = [str(t) for t in meta["tokenizer.ggml.tokens"]]
     types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
     for i in range(len(tokens), cfg["vocab_size"]):          # padding rows, as the converter adds

@@ -198,7 +198,7 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
     """
     import gguf
 
-    from mixqrt.io.gguf import hf_to_gguf_name, permute_qk
+    from mixqrt.io.gguf import add_config_to_gguf, hf_to_gguf_name, permute_qk
 
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -213,14 +213,7 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
         edit(weights)
 
     w = gguf.GGUFWriter(str(path), arch if arch_override is None else arch_override)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    add_config_to_gguf(w, cfg)
     # vocabulary padded to the embedding rows with unused [PAD] tokens, as the converter does
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok["added_tokens"]}

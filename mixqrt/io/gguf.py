@@ -73,6 +73,19 @@ def hf_to_gguf_name(name: str) -> str:
     raise ModelError(f"tensor {name!r} has no GGUF name")
 
 
+def add_config_to_gguf(writer, cfg: dict) -> None:
+    """Write an HF config's hyperparameters as llama.cpp's converter does (inverse of
+    config_from_metadata), onto a gguf.GGUFWriter."""
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp convert_hf_to_gguf's permute(): per head, interleaved pairs -> halves."""
     rows = w.shape[0]
