@@ -10,16 +10,40 @@ import numpy as np
 from mixqrt.convert import peak_rss_bytes
 
 
-def measure_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
-    """Read bandwidth in bytes/s: a streaming read over a buffer much larger than the LLC."""
+def measure_bandwidth(threads: int, nbytes: int = 1 << 30, probes: int = 3) -> float:
+    """Read bandwidth in bytes/s: a streaming read over a buffer much larger than the LLC, the best
+    of `probes` probes (on a shared machine a probe can only under-read the bandwidth; the best one
+    gives the tightest, i.e. the most honest, bound)."""
     from mixqrt import ops
     if hasattr(ops, "read_bandwidth"):
-        return float(ops.read_bandwidth(nbytes, threads))
+        return max(float(ops.read_bandwidth(nbytes, threads, 2)) for _ in range(max(1, probes)))
     buf = np.ones(nbytes // 8, dtype=np.float64)
     buf.sum()
     t = time.perf_counter()
     buf.sum()
     return nbytes / (time.perf_counter() - t)
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS mark (VmHWM) to its current RSS (Linux /proc/self/clear_refs);
+    False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def decode_bytes_per_token(model, ctx_tokens: int) -> int:
@@ -62,6 +86,8 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         if hasattr(ops, "set_num_threads"):
             ops.set_num_threads(int(nt))
         bw = measure_bandwidth(int(nt))
+        # the probe's 1 GB buffer is freed again: peak RSS counts from here (where Linux lets us reset it)
+        hwm_reset = _reset_peak_rss()
         cache = model.make_cache(n_prompt + n_gen + 8)
         model(prompt[:32], cache, 0, last_only=True)        # warm-up: page in weights, JIT nothing
         pp, tg, ttft = [], [], []
@@ -86,10 +112,12 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                     logits = model(np.array([tok]), cache, None, last_only=True)
                     tok = int(np.argmax(logits))
             tg.append(n_gen / (time.perf_counter() - t))
+        peak = (_vm_hwm_bytes() if hwm_reset else None) or peak_rss_bytes()
+        bw = max(bw, measure_bandwidth(int(nt)))        # probed before and after the timed runs
         tg_med = statistics.median(tg)
         bpt = decode_bytes_per_token(model, ttft_prompt + n_gen // 2)
         row = {"threads": int(nt), "pp_tok_s": statistics.median(pp), "tg_tok_s": tg_med,
-               "ttft_s": statistics.median(ttft), "peak_rss_bytes": peak_rss_bytes(),
+               "ttft_s": statistics.median(ttft), "peak_rss_bytes": peak,
                "model_bytes": loaded.nbytes, "decode_bytes_per_token": bpt,
                "read_bandwidth_bytes_s": bw,
                # achieved decode bandwidth / measured bandwidth; 1.0 = at the memory limit

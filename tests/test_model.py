@@ -130,6 +130,42 @@ def test_incremental_decode_equals_full_recompute(arch, tied, hq, hkv):
         np.testing.assert_allclose(got_last, full[-1], rtol=0, atol=1e-5 * np.abs(full).max())
 
 
+def test_decode_steps_run_hot_and_restore(monkeypatch):
+    """Decode-sized forward calls switch the pool to hot mode for the step and restore it after;
+    long prompts do not; an error inside the step still restores it."""
+    from mixqrt import ops
+    from mixqrt.models import qwen2
+    cfg = tiny_config()
+    model = build_model(cfg, tiny_weights(cfg))
+    seen = []
+    real = qwen2.ops.matmul
+
+    def spy(w, x, *a, **k):
+        seen.append(ops.is_hot())
+        return real(w, x, *a, **k)
+
+    monkeypatch.setattr(qwen2.ops, "matmul", spy)
+    assert not ops.is_hot()
+    cache = model.make_cache(64)
+    model(np.arange(1, 1 + qwen2.HOT_MAX_T + 1), cache, last_only=True)     # prefill: cold
+    assert seen and not any(seen) and not ops.is_hot()
+    seen.clear()
+    model(np.array([3]), cache, last_only=True)                             # decode: hot
+    assert seen and all(seen) and not ops.is_hot()
+    with ops.hot():                                                          # caller's hot mode kept
+        model(np.array([4]), cache, last_only=True)
+        assert ops.is_hot()
+    assert not ops.is_hot()
+
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(qwen2.ops, "matmul", boom)
+    with pytest.raises(RuntimeError):
+        model(np.array([5]), cache, last_only=True)
+    assert not ops.is_hot()
+
+
 def test_cache_trim_and_overflow():
     cfg = tiny_config()
     model = build_model(cfg, tiny_weights(cfg))

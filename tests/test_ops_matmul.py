@@ -303,3 +303,27 @@ def test_gemm_path_extreme_levels_and_threads(gemm_path, fmt):
     np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))
     _ops.set_gemm_min_t(0)
     np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6"])
+@pytest.mark.parametrize("lean", [True, False])
+@settings(max_examples=10, deadline=None)
+@given(n=st.sampled_from([1, 3, 4, 5, 31, 33, 257]), k=st.sampled_from([1, 31, 33, 64, 255, 257, 896, 4864]),
+       seed=st.integers(0, 2**31))
+def test_avx512_decode_paths(fmt, lean, n, k, seed):
+    """Both AVX-512 decode paths (the lean fused one, default, and the generic unpack one) give
+    the emulation's exact result on exact inputs, for row counts around the 4-row tile."""
+    if "avx512" not in isa.available():
+        pytest.skip("no AVX-512 tier on this CPU")
+    before, old = isa.current(), _ops.set_lean_mv(lean)
+    isa.set_isa("avx512")
+    try:
+        assert _ops.set_lean_mv(lean) == lean
+        rng = np.random.default_rng(seed)
+        w = random_qtensor(fmt, n, k, rng, exact=True)
+        x = exact_activations(1, k, rng)
+        ye, _ = emulate_matmul(fmt, (n, k), w.raw, x)
+        np.testing.assert_array_equal(guarded_matmul(w, x), ye.astype(np.float32))
+    finally:
+        _ops.set_lean_mv(old)
+        isa.set_isa(before)

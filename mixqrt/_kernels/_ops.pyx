@@ -74,6 +74,14 @@ def set_gemm_min_t(int t):
     return old
 
 
+def set_lean_mv(on=None):
+    """AVX-512 decode (T == 1) of q3p / q3u / q6 through the lean fused path (on, the default; the
+    environment variable MIXQRT_LEAN_MV=0 starts a process with it off) or the generic unpack path.
+    Same integer sums either way; the float accumulation order differs. on=None only queries.
+    Returns the previous state."""
+    return bool(mq_set_lean_mv(-1 if on is None else (1 if on else 0)))
+
+
 cdef bytes _Q3P_DEFAULT = bytes([0, 8, 13, 16, 19, 22, 27, 35])
 
 
