@@ -112,3 +112,13 @@ def provenance(command: str) -> str:
             f"- machine: {m.get('cpu_vendor', '')} {m['cpu_model']}, {m['usable_cpus']} usable cores, {ram}, "
             f"ISA tier {m.get('isa')}\n"
             f"- date: {m['date_utc']}, commit {m['git_commit']}\n")
+
+
+def gguf_decode_bytes(path) -> int | None:
+    """Bytes of every tensor of a GGUF except token_embd (what one decode step reads: one embedding
+    row is gathered), or None when the file is missing."""
+    if not Path(path).exists():
+        return None
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    return int(sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight"))

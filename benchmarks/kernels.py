@@ -88,6 +88,68 @@ def blas(shapes, t, threads):
     return json.loads(r.stdout)
 
 
+AB_SHAPES = [(4864, 896), (896, 4864), (3584, 3584), (18944, 3584), (3584, 18944), (151936, 896)]
+AB_FMTS = ["q3p", "q6"]
+TIER_SHAPES = [(4864, 896), (896, 4864), (3584, 3584)]
+TIER_FMTS = ["q3p", "q6", "q8", "q4", "q2c"]
+
+
+def lean_ab(rng, threads, rounds=7):
+    """AVX-512 decode: the lean fused path vs the generic unpack path, interleaved in one process
+    (best of `rounds` per variant: noise on a shared box only slows a run down)."""
+    from mixqrt._kernels import _ops
+    if "avx512" not in isa.available():
+        return {}
+    before = isa.current()
+    isa.set_isa("avx512")
+    old = _ops.set_lean_mv(True)
+    out = {}
+    for (n, k) in AB_SHAPES:
+        for fmt in AB_FMTS:
+            w = packed(fmt, n, k, rng)
+            x = rng.standard_normal(k).astype(np.float32)
+            for th in threads:
+                ops.set_num_threads(th)
+                best = {True: 1e9, False: 1e9}
+                with ops.hot():
+                    for _ in range(rounds):
+                        for lean in (False, True):
+                            _ops.set_lean_mv(lean)
+                            _, b = timeit(lambda: ops.matmul(w, x), 0.05, 20)
+                            best[lean] = min(best[lean], b)
+                out[(fmt, n, k, th)] = (best[False], best[True], w.raw.size)
+                print(f"decode A/B {fmt} {n}x{k} t{th}: unpack {w.raw.size / best[False] / 1e9:.1f} GB/s, "
+                      f"lean {w.raw.size / best[True] / 1e9:.1f} GB/s", flush=True)
+            del w
+    _ops.set_lean_mv(old)
+    isa.set_isa(before)
+    ops.set_num_threads(ops.default_num_threads())
+    return out
+
+
+def tier_speeds(rng, T=64):
+    """Every ISA tier on the same weights, one thread: decode (T = 1) GB/s and prefill (T rows) GOP/s."""
+    before = isa.current()
+    ops.set_num_threads(1)
+    out = {}
+    for (n, k) in TIER_SHAPES:
+        for fmt in TIER_FMTS:
+            w = packed(fmt, n, k, rng)
+            x1 = rng.standard_normal(k).astype(np.float32)
+            xt = rng.standard_normal((T, k)).astype(np.float32)
+            for tier in isa.available():
+                isa.set_isa(tier)
+                _, b1 = timeit(lambda: ops.matmul(w, x1), 0.2)
+                _, bt = timeit(lambda: ops.matmul(w, xt), 0.2, 20)
+                out[(fmt, n, k, tier)] = (w.raw.size / b1 / 1e9, 2 * n * k * T / bt / 1e9)
+                print(f"tier {tier} {fmt} {n}x{k}: decode {out[(fmt, n, k, tier)][0]:.1f} GB/s, "
+                      f"T={T} {out[(fmt, n, k, tier)][1]:.0f} GOP/s", flush=True)
+            del w
+    isa.set_isa(before)
+    ops.set_num_threads(ops.default_num_threads())
+    return out
+
+
 def softmax_study(rng):
     from mixqrt._kernels import _ops
     rows = []
@@ -157,12 +219,14 @@ def main():
     bl = blas(mm_shapes, T, threads)
     print("blas:", bl["info"], flush=True)
     sm, exp_err = softmax_study(rng)
+    ab = lean_ab(rng, threads)
+    tiers = tier_speeds(rng)
     elapsed = time.time() - t_start
-    write_md(args.out, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, threads, T, elapsed)
+    write_md(args.out, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, threads, T, elapsed, ab, tiers)
     print(f"wrote {args.out} in {elapsed:.0f} s")
 
 
-def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, threads, T, elapsed):
+def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, threads, T, elapsed, ab=None, tiers=None):
     from mixqrt._kernels import _cpu
     L = []
     L.append("# Kernels: design and measurements\n")
@@ -206,6 +270,38 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
         cells += [f"{g / bl['t'][f'{n}x{k}@{th}']:.0f}" for th in threads]
         L.append(f"| {n} x {k} | " + " | ".join(cells) + " |")
     L.append("")
+    if ab:
+        L.append("## AVX-512 decode: lean path vs unpack path\n")
+        L.append("Same random packed weights, the two decode paths alternated in one process "
+                 "(`_ops.set_lean_mv(True/False)`, pool in hot mode), best of 7 rounds each; GB/s = packed "
+                 "bytes / time. The lean path is the default; `MIXQRT_LEAN_MV=0` (or `_ops.set_lean_mv(False)`) "
+                 "selects the unpack path. q6 with an odd number of 32-chunks per row always takes the "
+                 "unpack path.\n")
+        L.append("| shape N x K | fmt | " + " | ".join(f"{th}t unpack GB/s | {th}t lean GB/s | {th}t speed-up"
+                                                     for th in threads) + " |")
+        L.append("|" + "---|" * (2 + 3 * len(threads)))
+        for (n, k) in AB_SHAPES:
+            for fmt in AB_FMTS:
+                cells = []
+                for th in threads:
+                    old_t, new_t, nb = ab[(fmt, n, k, th)]
+                    cells += [f"{nb / old_t / 1e9:.1f}", f"{nb / new_t / 1e9:.1f}", f"{old_t / new_t:.2f}x"]
+                L.append(f"| {n} x {k} | {fmt} | " + " | ".join(cells) + " |")
+        L.append("")
+    if tiers:
+        tl = sorted({key[3] for key in tiers}, key=["generic", "avx2", "avx512"].index)
+        L.append("## ISA tiers side by side (1 thread)\n")
+        L.append("Every tier on the same weights (`isa.set_isa`), one thread, best time: decode GB/s "
+                 "(packed bytes / time, T = 1) and prefill GOP/s at T = 64 rows. The AVX2 tier is what a "
+                 "CPU without AVX-512 (or with `MIXQRT_ISA=avx2`) runs.\n")
+        L.append("| shape N x K | fmt | " + " | ".join(f"{t} decode GB/s" for t in tl) + " | "
+                 + " | ".join(f"{t} T=64 GOP/s" for t in tl) + " |")
+        L.append("|" + "---|" * (2 + 2 * len(tl)))
+        for (n, k) in TIER_SHAPES:
+            for fmt in TIER_FMTS:
+                L.append(f"| {n} x {k} | {fmt} | " + " | ".join(f"{tiers[(fmt, n, k, t)][0]:.1f}" for t in tl)
+                         + " | " + " | ".join(f"{tiers[(fmt, n, k, t)][1]:.0f}" for t in tl) + " |")
+        L.append("")
     L.append("## Hybrid-precision softmax\n")
     L.append(f"Fast exp (range [-87, 88], Cody-Waite + degree-6 polynomial): max relative error {exp_err:.2e} "
              f"({exp_err / 2 ** -24:.1f} float32 ulp-ish units of 2^-24) over the range. Softmax of rows of "
@@ -239,6 +335,16 @@ q6's planes, vpshufb for levels; then one vpdpbusd, one vcvtdq2ps and one FMA wi
 vector; the offset term is a second FMA with a precomputed `s` lane vector. Decode runs fused from the
 packed bytes, two rows per iteration sharing the activation loads. Prefill with T < 8 unpacks a tile of
 4 rows once into L1-resident u8 levels and reuses it for every token; T >= 8 uses the VNNI GEMM below.
+
+**AVX-512 lean decode** (`mv_lean`, default for q3p, q3u and q6, i.e. ~95 % of the 2356 decode bytes):
+the same integer sums with fewer instructions and less L1. The bit planes are broadcast qwords / 128-bit
+lanes merged with one vinserti64x4 (no vpermb); q3's high bits are loaded straight into a mask register
+(kmovq) for the masked add; a pair's two fp16 scales are converted once as an xmm; the activation side
+keeps 4 floats per 64 weights (dx of both chunks, and the offset term's s pre-multiplied) instead of
+two zmm, and the offset term accumulates in an xmm lane. Four rows per iteration share the activation
+loads. Each row stream is prefetched 1.5 KB ahead inside the loop, continuing into the same row of the
+next 4-row tile past the row's end. The unpack path above stays as an option (`MIXQRT_LEAN_MV=0`,
+`_ops.set_lean_mv`); the A/B table below is measured in every run.
 
 **Generic tier** (`src/ops/generic.c`): unpack a row to u8 levels, scalar integer dot per chunk, the same
 float combination; it is the readable spec and is what the numpy emulation in `tests/test_kernels_ref.py`
@@ -288,7 +394,13 @@ results are exact. `softmax(x, fast=False)` is the all-libm variant for comparis
 on this AMD part: plain loads are used wherever 64 bytes stay inside the tensor, masked only at the
 very end. (2) Software prefetch 8 rows ahead took decode of LLC-missing tensors (q8 151936 x 896) from
 ~6 to ~24 GB/s single-threaded. (3) In prefill the scalar `Σ mm·s` loop was a serial FMA chain that
-cost more than the vector work; it is now a vector dot.
+cost more than the vector work; it is now a vector dot. (4) That whole-rows-ahead prefetch overflowed
+L1 on long rows: for ffn_down (3584 x 18944, 4.1 KB per q3p row) 8 rows ahead is 33 KB of prefetched
+weights next to 38 KB of activation vectors in a 48 KB L1, and ffn_down ran at ~0.6x gate_up's speed
+per byte (10 vs 16 GB/s at 1 thread). Prefetching a fixed 1.5 KB ahead per row stream and shrinking
+the activation side (lean path) brought it level with gate_up; a sweep of the distance (0.5-32 KB,
+interleaved, 7B shapes) put 1.5-2 KB best for long rows and the next tile's rows best for short ones,
+which the "same row, next tile" rule gives both.
 
 ## Decode / prefill end to end (Qwen2.5-Coder-0.5B, `2356` mix, measured by hand)
 
@@ -375,16 +487,11 @@ loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of 
 
 ## Open items
 
-- Prefill attention: the BLAS products compute the full T x T score matrix (half masked) on one
-  thread; block the queries causally (or a C flash-style kernel on the pool).
-- Prefill matmul is far from the ~450 tok/s pp512 target (see "Decode / prefill end to end"): a
-  2-token x 4-row register tile, dw·dx folded once per (row, chunk, token) pair.
-- SiLU·up of the fused gate-up buffer copies both halves (`np.ascontiguousarray`) in prefill: a strided
-  C variant would avoid it.
-- Prefill with long K (3584 x 18944): the 4-row tile (K/64 x 128 B per row) no longer fits L1; block
-  over K (or 2 tokens x 4 rows register tile) to keep beating BLAS there.
-- 2-thread numbers on the shared 2-core CI box are noisy (the other core is busy), so the >= 70 % of
-  read bandwidth target at 2 threads has to be re-measured on an idle machine.
+- Prefill attention runs BLAS products per kv head on one thread (causally blocked); a C flash-style
+  kernel on the pool would use both cores.
+- The lean decode path exists for AVX-512 only; the AVX2 tier keeps one chunk per ymm with the
+  whole-rows-ahead prefetch (see the tier table for what that costs on a CPU without AVX-512).
+- q8, q4 and q2c decode still use the unpack path (they carry under 5 % of 2356's decode bytes).
 - T-MAC lookup for q2c/q3p was not tried.
 """
 

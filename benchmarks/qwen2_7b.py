@@ -28,6 +28,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks")]
 
 import synthetic_checkpoint as sc  # noqa: E402
+from _common import gguf_decode_bytes  # noqa: E402
 
 RECIPES = ("2356", "q8", "q4")
 SEED_ROWS = {   # the seed's section-4 table (Xeon Silver 4310, 64 GB DDR4-2666)
@@ -450,8 +451,9 @@ def render_doc(res: dict, a) -> str:
     w(f"Bench: `mixqrt bench MODEL -t T -p {st.get('n_prompt', '?')} -n {st.get('n_gen', '?')} "
       f"-r {st.get('reps', '?')}` in its own process per thread count. TTFT = prefill of a "
       f"{min(128, st.get('n_prompt', 128))}-token prompt + first argmax (the seed does not say its prompt length). "
-      "Decode tokens/s over the n generated tokens. Peak RSS = the bench process's maximum resident set "
-      "(mapped .mxq pages included). CPU = process CPU time / wall time / threads, whole process "
+      "Decode tokens/s over the n generated tokens. Peak RSS = the bench process's peak resident set "
+      "(mapped .mxq pages included) from the end of the first bandwidth probe, whose 1 GiB buffer is freed "
+      "before the model runs (`mixqrt bench` resets the kernel's VmHWM mark there). CPU = process CPU time / wall time / threads, whole process "
       "(load and bandwidth probe included). Values are `1 thread / 2 threads`.")
     w("")
     w("| scheme | size (seed) | size (measured .mxq) | bits/weight | TTFT ms (seed) | TTFT ms (measured) | "
@@ -473,7 +475,10 @@ def render_doc(res: dict, a) -> str:
         rss = []
         for t in (1, 2):
             b = res.get("bench", {}).get(rec, {}).get(str(t), {})
-            rss.append(_f(b["max_rss_bytes"] / 1e9, "{:.2f}") if b.get("ok") else "-")
+            # the bench row's peak (VmHWM reset after the bandwidth probe's 1 GiB buffer is freed);
+            # wait4's ru_maxrss would count that buffer too
+            peak = (b.get("row") or {}).get("peak_rss_bytes") or b.get("max_rss_bytes")
+            rss.append(_f(peak / 1e9, "{:.2f}") if b.get("ok") else "-")
         w(f"| {sd['label']} (`{rec}`) | {sd['size']} | {size} | {bpw} | {sd['ttft']} | "
           f"{_pair(res, rec, 'ttft_s', '{:.0f}', scale=1000)} | {_pair(res, rec, 'tg_tok_s', '{:.2f}')} | "
           f"{' / '.join(rss)} | {sd['cpu']} | {' / '.join(cpu)} | {sd['ppl']} | n/a (synthetic) | {sd['temp']} |")
@@ -483,8 +488,10 @@ def render_doc(res: dict, a) -> str:
     w("## Decode against the memory-bandwidth bound")
     w("")
     w("Bytes per token = every packed weight except the embedding table (one row is gathered) plus the KV "
-      "rows attended; read bandwidth is measured by the same bench run (`ops.read_bandwidth`, T threads). "
-      "Bound = bandwidth / bytes per token. Acceptance asks for decode >= 0.6 x bound.")
+      "rows attended; read bandwidth is measured by the same bench process (`ops.read_bandwidth`, T threads, "
+      "1 GiB buffer): the best of three probes before and three after the timed runs, so a probe slowed by "
+      "other jobs cannot loosen the bound. Bound = bandwidth / bytes per token. Acceptance asks for decode "
+      ">= 0.6 x bound.")
     w("")
     w("| scheme | threads | bytes/token | read bandwidth | bound tok/s | measured tok/s | ratio | >= 0.6? | "
       "prefill tok/s | CPU % | load avg start/end | started | kernels built |")
@@ -566,9 +573,13 @@ def render_doc(res: dict, a) -> str:
             w(f"{f.get('type')} GGUF: {_gb(f.get('file_bytes'))}, written in {f.get('wall_s', 0):.0f} s, peak RSS "
               f"{f.get('max_rss_bytes', 0) / 1e9:.2f} GB (anonymous {f.get('peak_anon_bytes', 0) / 1e9:.2f} GB).")
             w("")
-        w("| llama.cpp type | file | quantize s | quantize peak RSS GB | TTFT ms (1t / 2t) | decode tok/s (1t / 2t) | "
-          "bench peak RSS GB |")
-        w("|---|---|---|---|---|---|---|")
+        w("Bytes per token for llama.cpp = every tensor of the GGUF except token_embd (one row is gathered), "
+          "the same rule as mixqrt's; ratio = decode tok/s x bytes per token / the read bandwidth that mixqrt's "
+          "bench measured at the same thread count (the `2356` rows above).")
+        w("")
+        w("| llama.cpp type | file | bytes/token | quantize s | quantize peak RSS GB | TTFT ms (1t / 2t) | "
+          "decode tok/s (1t / 2t) | bandwidth ratio (1t / 2t) | bench peak RSS GB |")
+        w("|---|---|---|---|---|---|---|---|---|")
         for ft in ("Q3_K_M", "Q2_K"):
             e = lr.get(ft)
             if not e:
@@ -580,8 +591,15 @@ def render_doc(res: dict, a) -> str:
                             for t in (1, 2))
             rss = " / ".join(f"{bench[str(t)]['max_rss_bytes'] / 1e9:.2f}" if bench.get(str(t), {}).get("ok") else "-"
                              for t in (1, 2))
-            w(f"| {ft} | {_gb(e.get('file_bytes'))} | {e.get('wall_s', 0):.0f} | "
-              f"{e.get('max_rss_bytes', 0) / 1e9:.2f} | {ttft} | {tg} | {rss} |")
+            bpt = e.get("decode_bytes")
+            ratio = []
+            for t in (1, 2):
+                mine = _row(res, "2356", t)
+                b = bench.get(str(t), {})
+                ratio.append(f"{b['row']['tg_tok_s'] * bpt / mine['read_bandwidth_bytes_s']:.2f}"
+                             if bpt and mine and b.get("ok") else "-")
+            w(f"| {ft} | {_gb(e.get('file_bytes'))} | {_gb(bpt) if bpt else '-'} | {e.get('wall_s', 0):.0f} | "
+              f"{e.get('max_rss_bytes', 0) / 1e9:.2f} | {ttft} | {tg} | {' / '.join(ratio)} | {rss} |")
         w("")
     w("## f32 (and f16)")
     w("")
@@ -606,6 +624,11 @@ def render_doc(res: dict, a) -> str:
     w("python benchmarks/qwen2_7b.py      # all of the above + this page")
     w("```")
     w("")
+    if st.get("command"):
+        w(f"This page's numbers come from one run of `{st['command']}` ({st.get('date', '?')}); steps whose "
+          "results were already in results.json and not named by `--redo` (the checkpoint and the quantize rows) "
+          "are from the earlier runs whose start times the tables give.")
+        w("")
     if ck.get("wall_s"):
         w(f"Writing the checkpoint took {ck['wall_s']:.0f} s with a peak RSS of {ck['max_rss_bytes'] / 2**20:.0f} MiB "
           "(streamed: one 16M-value chunk in memory at a time).")
@@ -694,8 +717,13 @@ def main(argv=None) -> int:
             step_llamacpp(ck, work, res, a, threads, redo, log)
             save()
         res["settings"] = {"n_prompt": a.n_prompt, "n_gen": a.n_gen, "reps": a.reps, "pipe_tokens": a.pipe_tokens,
-                           "date": time.strftime("%Y-%m-%d %H:%M")}
+                           "date": time.strftime("%Y-%m-%d %H:%M"),
+                           "command": " ".join(["python", "benchmarks/qwen2_7b.py"] + list(sys.argv[1:] if argv is None else argv))}
         save()
+    for ft, e in res.get("llamacpp", {}).items():      # bytes per decode step of each llama.cpp file
+        if isinstance(e, dict) and ft != "base" and not e.get("decode_bytes"):
+            e["decode_bytes"] = gguf_decode_bytes(work / f"qwen2-7b-synthetic-{ft}.gguf")
+    save()
     Path(a.doc).write_text(render_doc(res, a))
     log(f"wrote {a.doc}")
     if a.delete_checkpoint:

@@ -153,21 +153,36 @@ static inline __attribute__((always_inline)) __m256i cdot(const int fmt, __m256i
 #ifndef PF_ROWS
 #define PF_ROWS 8
 #endif
+#ifndef PF_BYTES
+#define PF_BYTES 1536
+#endif
+#ifndef PF_SHORT_ROW
+#define PF_SHORT_ROW 2048   /* rows up to this many bytes keep the whole-rows-ahead prefetch */
+#endif
 static inline __attribute__((always_inline)) void
 mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
     const float *xd = j->a->d, *xs = j->a->s;
     const int nc = j->nc;
     const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
+    const size_t rb = j->row_bytes, pd = rb < PF_BYTES ? rb : PF_BYTES;
     int n = n0;
     for (; n + 2 <= n1; n += 2) {
-        const uint8_t *r0 = j->w + (size_t)n * j->row_bytes, *r1 = r0 + j->row_bytes;
-        const uint8_t *pf = r0 + PF_ROWS * j->row_bytes;
-        if (pf + 2 * j->row_bytes <= end)
-            for (size_t o = 0; o < 2 * j->row_bytes; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+        const uint8_t *r0 = j->w + (size_t)n * rb, *r1 = r0 + rb;
+        /* short rows: PF_ROWS rows ahead; long rows: each row stream pd bytes ahead inside the chunk
+         * loop, past the row's end into the same row of the next pair (rows ahead would overflow L1
+         * next to the activations: see docs/kernels.md, "Lessons measured") */
+        if (rb <= PF_SHORT_ROW && r0 + PF_ROWS * rb + 2 * rb <= end)
+            for (size_t o = 0; o < 2 * rb; o += 64) _mm_prefetch((const char *)r0 + PF_ROWS * rb + o, _MM_HINT_T0);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         float am0 = 0.0f, am1 = 0.0f;
-        for (int c = 0; c < nc; c++) {
+        size_t po = pd, pstep = rb / (size_t)nc;
+        for (int c = 0; c < nc; c++, po += pstep) {
+            if (rb > PF_SHORT_ROW && (pstep >= 32 || (c & 1) == 0)) {
+                size_t o = po < rb ? po : po - rb + 2 * rb;
+                _mm_prefetch((const char *)r0 + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)r1 + o, _MM_HINT_T0);
+            }
             float d0, m0, d1, m1;
             __m256i u0 = unpack_chunk(cx, fmt, r0, c, &d0, &m0);
             __m256i u1 = unpack_chunk(cx, fmt, r1, c, &d1, &m1);
