@@ -275,8 +275,9 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
         L.append("Same random packed weights, the two decode paths alternated in one process "
                  "(`_ops.set_lean_mv(True/False)`, pool in hot mode), best of 7 rounds each; GB/s = packed "
                  "bytes / time. The lean path is the default; `MIXQRT_LEAN_MV=0` (or `_ops.set_lean_mv(False)`) "
-                 "selects the unpack path. q6 with an odd number of 32-chunks per row always takes the "
-                 "unpack path.\n")
+                 "selects the unpack path. q6 with an odd number of 32-chunks per row, or with rows short enough "
+                 "that 4 rows fit in 4 KB (K = 896), always takes the unpack path, so both columns of those "
+                 "rows measure the same code.\n")
         L.append("| shape N x K | fmt | " + " | ".join(f"{th}t unpack GB/s | {th}t lean GB/s | {th}t speed-up"
                                                      for th in threads) + " |")
         L.append("|" + "---|" * (2 + 3 * len(threads)))
@@ -343,8 +344,12 @@ lanes merged with one vinserti64x4 (no vpermb); q3's high bits are loaded straig
 keeps 4 floats per 64 weights (dx of both chunks, and the offset term's s pre-multiplied) instead of
 two zmm, and the offset term accumulates in an xmm lane. Four rows per iteration share the activation
 loads. Each row stream is prefetched 1.5 KB ahead inside the loop, continuing into the same row of the
-next 4-row tile past the row's end. The unpack path above stays as an option (`MIXQRT_LEAN_MV=0`,
-`_ops.set_lean_mv`); the A/B table below is measured in every run.
+next 4-row tile past the row's end; tiles of at most 4 KB (short rows, K = 896) are prefetched whole,
+16 KB ahead, because 1.5 KB is too short a distance for a stream from DRAM. q6 with short rows (the 0.5B
+model's attention and its 151936 x 896 lm_head) stays on the unpack path: there the lean path measured
+0.84-0.9x at 2 threads (interleaved, best of 12), so it is routed only where it wins. The unpack path
+stays as an option everywhere (`MIXQRT_LEAN_MV=0`, `_ops.set_lean_mv`); the A/B table below is
+measured in every run.
 
 **Generic tier** (`src/ops/generic.c`): unpack a row to u8 levels, scalar integer dot per chunk, the same
 float combination; it is the readable spec and is what the numpy emulation in `tests/test_kernels_ref.py`

@@ -211,10 +211,18 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
  * streams. NRL rows run at once; each row stream is prefetched LEAN_PF bytes ahead inside the loop
  * (continuing into the same row of the next tile past the row's end): the old whole-rows-ahead
  * prefetch overflowed L1 on long rows (ffn_down ran at 0.6x the speed of gate_up per byte).
+ * Short rows prefetch whole tiles 16 KB ahead instead; q6 with short rows (the 0.5B model's K = 896,
+ * lm_head 151936 x 896) stays on the unpack path, which measured faster there at 2 threads.
  * Measured on the 7B shapes: docs/kernels.md. */
 #define NRL 4
 #ifndef LEAN_PF
 #define LEAN_PF 1536
+#endif
+#ifndef LEAN_TILE_PF
+#define LEAN_TILE_PF 16384
+#endif
+#ifndef LEAN_SHORT_TILE
+#define LEAN_SHORT_TILE 4096
 #endif
 static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk, __m512i tab, const int plev) {
     const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
@@ -275,9 +283,16 @@ mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     }
     const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const size_t pd = rb < LEAN_PF ? rb : LEAN_PF;
+    /* long rows: in-row prefetch; short rows (a 4-row tile of at most LEAN_SHORT_TILE bytes, e.g.
+     * K = 896): whole tiles LEAN_TILE_PF bytes ahead, the in-row distance being too short for DRAM */
+    const size_t tile = (size_t)NRL * rb;
+    const int in_row = tile > LEAN_SHORT_TILE;
+    const size_t tile_pf = tile * ((LEAN_TILE_PF + tile - 1) / tile);
     int n = n0;
     for (; n + NRL <= n1; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
+        if (!in_row && r + tile_pf + tile <= cx->end)
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
         __m512 acc[NRL];
         __m128 am[NRL];
         for (int i = 0; i < NRL; i++) { acc[i] = _mm512_setzero_ps(); am[i] = _mm_setzero_ps(); }
@@ -290,7 +305,7 @@ mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             size_t pfo = v < rb ? v : v - rb + (size_t)NRL * rb;   /* past the row: same row, next tile */
             for (int i = 0; i < NRL; i++) {
                 /* prefetch never faults; one per 64 B consumed is enough */
-                if (fmt == MQ_Q6 || (p & 1) == 0) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+                if (in_row && (fmt == MQ_Q6 || (p & 1) == 0)) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
                 lean_pair(fmt, r + i * rb, p, cx->tab, xq, dxv, dx2, sv, &acc[i], &am[i]);
             }
         }
@@ -525,7 +540,8 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
 }
 
 #define FMT_CASE(F) case F: \
-    if (j->T == 1 && (F == MQ_Q3P || F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0)) && mq_lean_mv) mv_lean(&cx, F, j, n0, n1); \
+    if (j->T == 1 && mq_lean_mv && (F == MQ_Q3P || F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
+            && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
     else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1); \
     else mm_fmt(&cx, F, j, n0, n1); \
