@@ -226,6 +226,11 @@ def main():
     print(f"wrote {args.out} in {elapsed:.0f} s")
 
 
+def table_rows(shapes, fmts, cells) -> list[str]:
+    """Markdown rows `| N x K | fmt | cells(fmt, n, k)... |` for every shape and format."""
+    return [f"| {n} x {k} | {fmt} | " + " | ".join(cells(fmt, n, k)) + " |" for (n, k) in shapes for fmt in fmts]
+
+
 def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, threads, T, elapsed, ab=None, tiers=None):
     from mixqrt._kernels import _cpu
     L = []
@@ -247,13 +252,12 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
     hdr = "| shape N x K | fmt | " + " | ".join(f"{th}t µs | {th}t GB/s | {th}t ratio" for th in threads) + " |"
     L.append(hdr)
     L.append("|" + "---|" * (2 + 3 * len(threads)))
-    for (n, k) in shapes:
-        for fmt in mv_fmts:
-            cells = []
-            for th in threads:
-                med, best, nb = mv[(fmt, n, k, th)]
-                cells += [f"{med * 1e6:.0f}", f"{nb / med / 1e9:.1f}", f"{nb / med / bw[th]:.2f}"]
-            L.append(f"| {n} x {k} | {fmt} | " + " | ".join(cells) + " |")
+    def mv_cells(fmt, n, k):
+        med = {th: mv[(fmt, n, k, th)][0] for th in threads}
+        nb = mv[(fmt, n, k, threads[0])][2]
+        return [c for th in threads for c in (f"{med[th] * 1e6:.0f}", f"{nb / med[th] / 1e9:.1f}",
+                                               f"{nb / med[th] / bw[th]:.2f}")]
+    L += table_rows(shapes, mv_fmts, mv_cells)
     L.append("")
     L.append(f"## Matmul (prefill, T = {T} rows of X)\n")
     L.append("GOP/s = 2·N·K·T / best time. BLAS: numpy float32 `x @ w.T` on the same shape, run in a child "
@@ -281,13 +285,13 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
         L.append("| shape N x K | fmt | " + " | ".join(f"{th}t unpack GB/s | {th}t lean GB/s | {th}t speed-up"
                                                      for th in threads) + " |")
         L.append("|" + "---|" * (2 + 3 * len(threads)))
-        for (n, k) in AB_SHAPES:
-            for fmt in AB_FMTS:
-                cells = []
-                for th in threads:
-                    old_t, new_t, nb = ab[(fmt, n, k, th)]
-                    cells += [f"{nb / old_t / 1e9:.1f}", f"{nb / new_t / 1e9:.1f}", f"{old_t / new_t:.2f}x"]
-                L.append(f"| {n} x {k} | {fmt} | " + " | ".join(cells) + " |")
+        def ab_cells(fmt, n, k):
+            out = []
+            for th in threads:
+                old_t, new_t, nb = ab[(fmt, n, k, th)]
+                out += [f"{nb / old_t / 1e9:.1f}", f"{nb / new_t / 1e9:.1f}", f"{old_t / new_t:.2f}x"]
+            return out
+        L += table_rows(AB_SHAPES, AB_FMTS, ab_cells)
         L.append("")
     if tiers:
         tl = sorted({key[3] for key in tiers}, key=["generic", "avx2", "avx512"].index)
@@ -298,10 +302,8 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
         L.append("| shape N x K | fmt | " + " | ".join(f"{t} decode GB/s" for t in tl) + " | "
                  + " | ".join(f"{t} T=64 GOP/s" for t in tl) + " |")
         L.append("|" + "---|" * (2 + 2 * len(tl)))
-        for (n, k) in TIER_SHAPES:
-            for fmt in TIER_FMTS:
-                L.append(f"| {n} x {k} | {fmt} | " + " | ".join(f"{tiers[(fmt, n, k, t)][0]:.1f}" for t in tl)
-                         + " | " + " | ".join(f"{tiers[(fmt, n, k, t)][1]:.0f}" for t in tl) + " |")
+        L += table_rows(TIER_SHAPES, TIER_FMTS, lambda fmt, n, k: [f"{tiers[(fmt, n, k, t)][0]:.1f}" for t in tl]
+                        + [f"{tiers[(fmt, n, k, t)][1]:.0f}" for t in tl])
         L.append("")
     L.append("## Hybrid-precision softmax\n")
     L.append(f"Fast exp (range [-87, 88], Cody-Waite + degree-6 polynomial): max relative error {exp_err:.2e} "
@@ -373,8 +375,12 @@ random inputs, (c) the activation-quantization bound vs float64 `W·x`, (d) sent
 `set_num_threads`), pinned one per CPU of `os.sched_getaffinity`; rows are split in 16-row (decode) /
 64-row (prefill) units; the caller thread is worker 0; the GIL is released for the whole product.
 Idle workers spin `MIXQRT_SPIN_US` (default 100 µs) and then sleep on a futex; `ops.hot(True)` (or
-`with ops.hot():`) makes them spin without sleeping (no futex wake per product). It is opt-in: on the
-shared 2-core box, spinning workers competing with other processes made 2-thread decode much *slower*.
+`with ops.hot():`) makes them spin without sleeping (no futex wake per product). The model turns it on
+for the duration of each forward call of at most 16 tokens (`models.qwen2.HOT_MAX_T`; a decode step is
+~100 products within ~100 ms), never between calls. Measured end to end on the 7B 2356 file
+(`benchmarks/decode_ab.py`, alternated, 2 threads): neutral within the noise, 10.91 vs 11.63 tok/s
+without it in a quiet window (best of 4) and 7.69 vs 7.29 in a contended one (best of 8). An earlier
+global hot mode (spinning between calls too) made 2-thread decode much *slower* under other processes.
 One job at a time (mutex): a caller that finds the pool busy runs its job inline. Per call, `threads=`
 (matmul, attention; accepted and ignored by the single-threaded float ops): `None` = the pool, `1` = on
 the calling thread without touching the pool (GIL released: several Python threads can run products

@@ -622,6 +622,8 @@ def render_doc(res: dict, a) -> str:
         w(f"python -m mixqrt bench /tmp/mixqrt-7b/qwen2-7b-{rec}.mxq -t 1 -p {st.get('n_prompt')} -n {st.get('n_gen')} "
           f"-r {st.get('reps')}   # and -t 2")
     w("python benchmarks/qwen2_7b.py      # all of the above + this page")
+    if res.get("llamacpp"):
+        w("python benchmarks/qwen2_7b.py --llamacpp   # + the Q8_0 GGUF, llama.cpp Q3_K_M / Q2_K and their bench")
     w("```")
     w("")
     if st.get("command"):

@@ -239,13 +239,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--offline", action="store_true")
     s.set_defaults(fn=cmd_ppl)
 
-    s = sub.add_parser("bench", help="pp/tg tokens/s, TTFT, peak RSS, bytes/token vs read bandwidth")
+    s = sub.add_parser(
+        "bench", help="pp/tg tokens/s, TTFT, peak RSS, bytes/token vs read bandwidth",
+        description="llama-bench-style speed table. Per thread count: prompt processing (pp) of an N_PROMPT-token "
+                    "prompt, time to first token of a 128-token prompt, N_GEN greedy decode steps (tg); medians "
+                    "of REPETITIONS. The read bandwidth is the best of 3 probes (1 GiB) before and 3 after the "
+                    "timed runs; bandwidth ratio = tg tok/s x bytes per decode step / that bandwidth. Peak RSS "
+                    "counts from after the first probe (its buffer is freed).")
     s.add_argument("model")
-    s.add_argument("--recipe", default=None)
+    s.add_argument("--recipe", default=None, help="recipe when MODEL needs quantizing (default 2356)")
     s.add_argument("-t", "--threads", default="2", help="comma list of thread counts (default 2)")
-    s.add_argument("-p", "--n-prompt", type=int, default=512)
-    s.add_argument("-n", "--n-gen", type=int, default=128)
-    s.add_argument("-r", "--repetitions", type=int, default=3)
+    s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default 512)")
+    s.add_argument("-n", "--n-gen", type=int, default=128, help="decode steps for tg (default 128)")
+    s.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions, median reported (default 3)")
     s.add_argument("--perf", action="store_true", help="cache-misses per instruction (perf_event_open)")
     s.add_argument("--json", action="store_true")
     s.add_argument("-q", "--quiet", action="store_true")

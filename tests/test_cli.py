@@ -83,3 +83,19 @@ def test_ppl_and_bench_json(tiny, tmp_path, capsys):
     b = json.loads(capsys.readouterr().out)
     for k in ("pp_tok_s", "tg_tok_s", "ttft_s", "peak_rss_bytes", "model_bytes", "bandwidth_ratio"):
         assert b[k] > 0, k
+
+
+def test_bench_peak_rss_excludes_freed_probe_buffer():
+    """`bench` resets the peak-RSS mark after the bandwidth probe frees its buffer, so a model's
+    peak is not the probe's 1 GiB (Linux; elsewhere it falls back to ru_maxrss)."""
+    import numpy as np
+
+    from mixqrt import bench
+    if not bench._reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs not writable here")
+    big = np.ones(64 << 20, dtype=np.uint8)          # 64 MiB resident, then freed
+    before = bench._vm_hwm_bytes()
+    del big
+    assert bench._reset_peak_rss()
+    after = bench._vm_hwm_bytes()
+    assert before is not None and after is not None and after < before - (32 << 20)

@@ -131,8 +131,8 @@ def test_incremental_decode_equals_full_recompute(arch, tied, hq, hkv):
 
 
 def test_decode_steps_run_hot_and_restore(monkeypatch):
-    """Decode-sized forward calls switch the pool to hot mode for the step and restore it after;
-    long prompts do not; an error inside the step still restores it."""
+    """Off by default; with HOT_MAX_T set, decode-sized forward calls switch the pool to hot mode
+    for the step and restore it after; long prompts do not; an error inside the step still restores it."""
     from mixqrt import ops
     from mixqrt.models import qwen2
     cfg = tiny_config()
@@ -147,6 +147,10 @@ def test_decode_steps_run_hot_and_restore(monkeypatch):
     monkeypatch.setattr(qwen2.ops, "matmul", spy)
     assert not ops.is_hot()
     cache = model.make_cache(64)
+    model(np.array([2]), cache, last_only=True)                             # default: off
+    assert seen and not any(seen)
+    seen.clear()
+    monkeypatch.setattr(qwen2, "HOT_MAX_T", 16)
     model(np.arange(1, 1 + qwen2.HOT_MAX_T + 1), cache, last_only=True)     # prefill: cold
     assert seen and not any(seen) and not ops.is_hot()
     seen.clear()

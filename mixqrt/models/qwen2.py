@@ -9,6 +9,7 @@ weights.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -120,7 +121,19 @@ def _proj(ws: list, x: np.ndarray) -> np.ndarray:
     return np.concatenate([ops.matmul(w, x) for w in ws], axis=-1)   # only when formats differ
 
 
-HOT_MAX_T = 16   # forward calls of at most this many tokens run with the pool in hot mode (ops.hot)
+def _hot_max_t() -> int:
+    v = os.environ.get("MIXQRT_HOT_MAX_T", "0")
+    try:
+        return max(0, int(v))
+    except ValueError:
+        raise ModelError(f"MIXQRT_HOT_MAX_T={v!r} is not a non-negative integer") from None
+
+
+# Forward calls of at most this many tokens run with the pool in hot mode (ops.hot): workers spin
+# between the ~100 products of a decode step instead of futex-sleeping after each. Off by default
+# (0): measured neutral to 7-9 % slower at 2 threads on the 7B file (docs/decode-ab.md); set
+# MIXQRT_HOT_MAX_T=16 (or this attribute) to turn it on.
+HOT_MAX_T = _hot_max_t()
 
 
 class Model:
@@ -258,9 +271,7 @@ class Model:
             pos0 = cache.offset
         cache.check_room(int(pos0), t)
         if t <= HOT_MAX_T and not ops.is_hot():
-            # decode-sized steps: the pool's workers spin between the ~100 products of the step
-            # instead of sleeping on a futex after each (docs/qwen2-7b.md: +10-20 % decode at 2 threads)
-            with ops.hot():
+            with ops.hot():                      # decode-sized step, hot mode opted into (HOT_MAX_T)
                 return self._run(ids, cache, int(pos0), last_only, chunk_size)
         return self._run(ids, cache, int(pos0), last_only, chunk_size)
 
