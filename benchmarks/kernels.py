@@ -375,12 +375,13 @@ random inputs, (c) the activation-quantization bound vs float64 `W·x`, (d) sent
 `set_num_threads`), pinned one per CPU of `os.sched_getaffinity`; rows are split in 16-row (decode) /
 64-row (prefill) units; the caller thread is worker 0; the GIL is released for the whole product.
 Idle workers spin `MIXQRT_SPIN_US` (default 100 µs) and then sleep on a futex; `ops.hot(True)` (or
-`with ops.hot():`) makes them spin without sleeping (no futex wake per product). The model turns it on
-for the duration of each forward call of at most 16 tokens (`models.qwen2.HOT_MAX_T`; a decode step is
-~100 products within ~100 ms), never between calls. Measured end to end on the 7B 2356 file
-(`benchmarks/decode_ab.py`, alternated, 2 threads): neutral within the noise, 10.91 vs 11.63 tok/s
-without it in a quiet window (best of 4) and 7.69 vs 7.29 in a contended one (best of 8). An earlier
-global hot mode (spinning between calls too) made 2-thread decode much *slower* under other processes.
+`with ops.hot():`) makes them spin without sleeping (no futex wake per product). The model can turn it
+on for the duration of each forward call of at most N tokens (`MIXQRT_HOT_MAX_T=N` or
+`models.qwen2.HOT_MAX_T`; a decode step is ~100 products within ~100 ms), never between calls. It is
+off by default: four alternated end-to-end A/Bs on the 7B 2356 file at 2 threads
+(`benchmarks/decode_ab.py`, best rounds) went both ways, hot vs not 10.91 vs 11.63, 8.93 vs 9.71, 9.90
+vs 8.92 tok/s, and 7.69 vs 7.29 in a contended window: within the noise, and spinning costs a core
+when other processes want it (an earlier global hot mode made 2-thread decode much *slower* then).
 One job at a time (mutex): a caller that finds the pool busy runs its job inline. Per call, `threads=`
 (matmul, attention; accepted and ignored by the single-threaded float ops): `None` = the pool, `1` = on
 the calling thread without touching the pool (GIL released: several Python threads can run products
@@ -503,6 +504,10 @@ loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of 
 - The lean decode path exists for AVX-512 only; the AVX2 tier keeps one chunk per ymm with the
   whole-rows-ahead prefetch (see the tier table for what that costs on a CPU without AVX-512).
 - q8, q4 and q2c decode still use the unpack path (they carry under 5 % of 2356's decode bytes).
+- q3p decode is still compute-bound even on the lean path (~14-22 GB/s per core): 2356's FFN reaches
+  the bandwidth at 2 threads only when ~40 GB/s are available. What remains per 64 weights is mostly
+  float work on the per-group fp16 (d, m): a layout with a block's scales stored together (one
+  vcvtph2ps for 8 groups) would cut it, at the price of a format version.
 - T-MAC lookup for q2c/q3p was not tried.
 """
 
