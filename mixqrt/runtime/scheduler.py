@@ -322,11 +322,17 @@ class CoreSlicingRunner:
         except Exception as e:  # noqa: BLE001 — reported by the constructor
             self._errors.append(KernelError(f"stage {who}: {e}"))
 
-    def _stage_a(self):
-        self._pin(self.cores_a, "A")
+    def _enter_stage(self, cpus, who) -> bool:
+        """Pin this stage thread and wait for the other stage and the constructor; False: abandoned."""
+        self._pin(cpus, who)
         try:
             self._ready.wait(10.0)
+            return True
         except threading.BrokenBarrierError:
+            return False
+
+    def _stage_a(self):
+        if not self._enter_stage(self.cores_a, "A"):
             return
         st, items, nl = self.steps, self._items, self.n_layers
         rings = (self.rings["B->A"], self.rings["main->A"])
@@ -384,10 +390,7 @@ class CoreSlicingRunner:
             to_b.push(0, OP_STOP, 0, 0, 0)
 
     def _stage_b(self):
-        self._pin(self.cores_b, "B")
-        try:
-            self._ready.wait(10.0)
-        except threading.BrokenBarrierError:
+        if not self._enter_stage(self.cores_b, "B"):
             return
         st, items, nl = self.steps, self._items, self.n_layers
         rings, to_a, bell, spin = (self.rings["A->B"],), self.rings["B->A"], self._bell_b, self._spin
