@@ -39,7 +39,7 @@ DEFAULT_MODEL = os.path.expanduser("~/.cache/mixqrt-test-models/qwen2.5-coder-0.
 DEFAULT_TEXT = "/work/shared/data/wikitext-2-test.txt"
 MIXQRT_RECIPES = ["f32", "q8", "q4", "2356", "2356-q3u", "2356-q8embed", "2356-f32norm", "2356-bound"]
 LCPP_FTYPES = {"F32": 0, "Q8_0": 7, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12, "Q2_K": 10}
-RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the seed's mix",
+RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the 2356 mix",
                 "2356-q3u": "ablation: uniform q3u FFN instead of q3p", "2356-q8embed": "ablation: q8 embedding",
                 "2356-f32norm": "ablation: f32 norms instead of q5g", "2356-bound": "ablation: one global q5g range"}
 BASE = "mixqrt:f32"
@@ -683,7 +683,7 @@ def write_report(a, systems, results, info) -> None:
         lost += lost_sentences(results, k, lab[k])
     L += ["", "**What lost:** " + (" ".join(lost) if lost else "nothing; every goal passed.")
           if cands else "No 2356 system in this run.", ""]
-    L += ["## The seed's table, measured", "",
+    L += ["## The article's table, measured", "",
           f"| system | model size MiB | first-token latency ms ({a.ttft_prompt}-token prompt) | PPL | "
           f"CPU utilisation % |", "|---|---:|---:|---:|---:|"]
     for k in keys:

@@ -153,7 +153,7 @@ def table_levels(samples) -> list[str]:
         for j in range(1, 7):
             c[j] = u[idx == j].mean()
     chosen = layout.Q3P_LEVELS.copy()
-    cands = {"seed (article): fine centre, 2 coarse per tail": [0, 8, 13, 16, 19, 22, 27, 35],
+    cands = {"article: fine centre, 2 coarse per tail": [0, 8, 13, 16, 19, 22, 27, 35],
              "uniform": [0, 9, 18, 27, 36, 45, 54, 63]}
     for T in (35, 63, 127):
         cands[f"Lloyd-Max, top {T}"] = list(np.round(c * T).astype(int))
@@ -399,7 +399,7 @@ bpw counts every scale, offset and codebook (rows of 896; q5g's 8-byte (lo, hi) 
 {a}
 
 Reading it: q3p beats q3u at equal size on every matrix role; q4 roughly halves q3's error; q2c costs
-about 1.8x q3p's error for 1 bit less. The norms column is the seed's "dynamic range binding": one
+about 1.8x q3p's error for 1 bit less. The norms column is the article's "dynamic range binding" (docs/design.md): one
 (lo, hi) over every RMSNorm vector of the model makes q5g's step (hi - lo)/31 as coarse as the widest
 vector needs, so on norms it is worse than q5g per tensor and than per-group q4 at the same 5.0 bpw.
 Norm vectors are 0.01% of the weights: keeping them f32/bf16 costs nothing measurable, and that is what
@@ -422,7 +422,7 @@ integer top and rounded they become the u8 table. Measured RMSE on the same FFN 
 
 {l}
 
-The seed's table (4 fine centre levels, 2 coarse per tail, top 35) is *worse than uniform*: its
+The article's table (4 fine centre levels, 2 coarse per tail, top 35) is *worse than uniform*: its
 centre steps (3) are too fine and its outer steps (8) too coarse for group-normalised weights. The
 measured optimum is only mildly non-uniform (outer gaps ~1.5x the inner). Top 63 is chosen
 ({levels}): within 0.4% of top 127, and 63 x 127 x 2 stays far below int16 saturation for kernels
@@ -437,11 +437,11 @@ isolates one FFN block; it is not the end-to-end model KL (that is mixqrt ppl --
 
 {b}
 
-Verdict on the seed's "41% lower FFN output KL" for asymmetric piecewise 3-bit: it {verdict}.
+Verdict on the article's "41% lower FFN output KL" for asymmetric piecewise 3-bit: it {verdict}.
 The direction is right with the measured level table (q3p is better than q3u at the same 3.5 bpw in
-weight RMSE on every role, by 3-7%, and in this KL), the size is not. With the seed's own level table q3p
+weight RMSE on every role, by 3-7%, and in this KL), the size is not. With the article's own level table q3p
 is no better than q3u even in weight RMSE (section l). Caveats: one FFN block as a proxy, a 0.5B model
-(the seed used Qwen2-7B), {ntok} tokens.
+(the article used Qwen2-7B), {ntok} tokens.
 
 ## (c) q2c k-means vs scikit-learn
 
@@ -449,7 +449,7 @@ Same data (groups of 128 values from token_embd rows), same k = 4, k-means++ ini
 
 {c}
 
-The seed claims 3.7x over scikit-learn from AVX-512 distance computations. Ours is much larger and
+The article claims 3.7x over scikit-learn from AVX-512 distance computations. Ours is much larger and
 for a different reason: in 1-D, k-means is a sort plus prefix sums (cluster means are differences of
 prefix sums, assignments are 3 binary searches), so a Lloyd iteration is O(log n) after the sort,
 while scikit-learn pays its Python/threadpool setup per fit. A fair reading is "per-group k-means

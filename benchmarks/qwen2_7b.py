@@ -31,7 +31,7 @@ import synthetic_checkpoint as sc  # noqa: E402
 from _common import gguf_decode_bytes  # noqa: E402
 
 RECIPES = ("2356", "q8", "q4")
-SEED_ROWS = {   # the seed's section-4 table (Xeon Silver 4310, 64 GB DDR4-2666)
+SEED_ROWS = {   # the article's Qwen2-7B table (docs/design.md; Xeon Silver 4310, 64 GB DDR4-2666)
     "f16": {"label": "FP16 original", "size": "13.8 GB", "ttft": "OOM", "ppl": "-", "cpu": "-", "temp": "-"},
     "q8": {"label": "INT8 uniform", "size": "3.4 GB", "ttft": "4280", "ppl": "12.7", "cpu": "100", "temp": "95"},
     "2356": {"label": "2356 mixed", "size": "2.7 GB", "ttft": "1790", "ppl": "9.2", "cpu": "82", "temp": "78"},
@@ -438,26 +438,26 @@ def render_doc(res: dict, a) -> str:
       f"({_gb(ck.get('bytes'))}), the Qwen tokenizer rebuilt from the Qwen2.5-Coder-0.5B GGUF (151,936 tokens; the "
       "embedding keeps 152,064 rows), ChatML tokenizer_config.json and generation_config.json. Sizes, memory, "
       "time to first token and decode speed depend on shapes and formats, not on the values, so they carry over "
-      "to the real model. **Quality does not**: no perplexity is reported here; the seed's PPL column needs the "
+      "to the real model. **Quality does not**: no perplexity is reported here; the article's PPL column needs the "
       "real weights (run `mixqrt ppl` on a real Qwen2-7B .mxq).")
     w("")
     w(f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('mem_gb', '?')} GB RAM, no swap, "
       f"mixqrt ISA tier `{m.get('isa', '?')}`, Python {m.get('python', '?')}. The machine is shared with other "
       "engineers' jobs (builds, benchmarks): the load-average column says how contended each run was, and "
-      "CPU % below ~90 per thread means the run did not get its cores. Seed machine: Xeon Silver 4310 (12 cores/socket, 2 sockets), 64 GB DDR4-2666.")
+      "CPU % below ~90 per thread means the run did not get its cores. The article's machine (docs/design.md): Xeon Silver 4310 (12 cores/socket, 2 sockets), 64 GB DDR4-2666.")
     w("")
-    w("## The seed's section-4 table, measured")
+    w("## The article's Qwen2-7B table, measured")
     w("")
     w(f"Bench: `mixqrt bench MODEL -t T -p {st.get('n_prompt', '?')} -n {st.get('n_gen', '?')} "
       f"-r {st.get('reps', '?')}` in its own process per thread count. TTFT = prefill of a "
-      f"{min(128, st.get('n_prompt', 128))}-token prompt + first argmax (the seed does not say its prompt length). "
+      f"{min(128, st.get('n_prompt', 128))}-token prompt + first argmax (the article does not say its prompt length). "
       "Decode tokens/s over the n generated tokens. Peak RSS = the bench process's peak resident set "
       "(mapped .mxq pages included) from the end of the first bandwidth probe, whose 1 GiB buffer is freed "
       "before the model runs (`mixqrt bench` resets the kernel's VmHWM mark there). CPU = process CPU time / wall time / threads, whole process "
       "(load and bandwidth probe included). Values are `1 thread / 2 threads`.")
     w("")
-    w("| scheme | size (seed) | size (measured .mxq) | bits/weight | TTFT ms (seed) | TTFT ms (measured) | "
-      "decode tok/s | peak RSS GB | CPU % (seed) | CPU % (measured) | PPL (seed) | PPL | temp C (seed) |")
+    w("| scheme | size (article) | size (measured .mxq) | bits/weight | TTFT ms (article) | TTFT ms (measured) | "
+      "decode tok/s | peak RSS GB | CPU % (article) | CPU % (measured) | PPL (article) | PPL | temp C (article) |")
     w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f32 = dr.get("f32", {})
     f16 = dr.get("f16", {})
@@ -609,7 +609,7 @@ def render_doc(res: dict, a) -> str:
       "so loading succeeds and nothing is OOM-killed, but every decode step reads all ~30 GB of weights; with "
       "at most ~20 GB of page cache the LRU evicts each page before its next use, and every token becomes a "
       "~10+ GB read from disk (this disk wrote at ~0.35 GB/s: on the order of 30-90 s per token). f16 "
-      f"({_gb(f16.get('tensor_bytes'))}) would fit in RAM but not run usefully beside other jobs; the seed's "
+      f"({_gb(f16.get('tensor_bytes'))}) would fit in RAM but not run usefully beside other jobs; the article's "
       "'FP16 OOM' row corresponds to loading f16 weights into anonymous memory, which mixqrt never does.")
     w("")
     w("## Commands")

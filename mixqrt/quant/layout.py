@@ -41,8 +41,8 @@ CHUNK = 32
 # Unsigned integer levels of q3p: fine steps near the centre, coarse on the tails (see docs/formats.md
 # for how they were chosen). Kernels receive this table as an argument, so it can change freely.
 # Measured (benchmarks/formats.py): Lloyd-Max levels of the per-group normalised FFN weights of
-# Qwen2.5-Coder-0.5B, endpoints pinned to 0 and 63; the seed's [0,8,13,16,19,22,27,35] was worse
-# than uniform. Top 63 keeps u8*s8 pair sums (vpmaddubsw) far from int16 saturation.
+# Qwen2.5-Coder-0.5B, endpoints pinned to 0 and 63; the article's fine-centre table
+# [0,8,13,16,19,22,27,35] was worse than uniform (docs/formats.md, section l). Top 63 keeps u8*s8 pair sums (vpmaddubsw) far from int16 saturation.
 Q3P_LEVELS = np.array([0, 12, 20, 28, 35, 43, 51, 63], dtype=np.uint8)
 
 

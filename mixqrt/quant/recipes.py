@@ -46,20 +46,20 @@ def _fill(**kw) -> dict:
 
 
 RECIPES: dict[str, dict[str, str]] = {
-    # the seed's recipe: 2-bit k-means embedding, 3-bit piecewise FFN, 6-bit attention, 5-bit norms
-    # sharing one range; the output projection keeps its own 6-bit copy even when tied.
+    # 2-bit k-means embedding, 3-bit piecewise FFN, 6-bit attention, 5-bit norms with a range per
+    # vector (docs/design.md); the output projection keeps its own 6-bit copy even when tied.
     "2356": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
     "f32": _fill(embed="f32", attn="f32", ffn="f32", lm_head="f32"),
     "f16": _fill(embed="f16", attn="f16", ffn="f16", lm_head="f16"),
-    "q8": _fill(embed="q8", attn="q8", ffn="q8", lm_head="q8"),       # the seed's "INT8 uniform"
-    "q4": _fill(embed="q4", attn="q4", ffn="q4", lm_head="q4"),       # the seed's "4-bit uniform"
+    "q8": _fill(embed="q8", attn="q8", ffn="q8", lm_head="q8"),       # baseline "INT8 uniform"
+    "q4": _fill(embed="q4", attn="q4", ffn="q4", lm_head="q4"),       # baseline "4-bit uniform"
     # ablations of 2356 (docs/results.md)
     "2356-q3u": _fill(embed="q2c", attn="q6", ffn="q3u", norm="q5g", lm_head="q6"),
     "2356-q8embed": _fill(embed="q8", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
     "2356-f32norm": _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q6"),
-    # the seed's "dynamic range binding": one 5-bit range shared by every norm vector. Measured worse
+    # "dynamic range binding": one 5-bit range shared by every norm vector. Measured worse
     # than a range per vector on Qwen2.5 (norm weights span -1.2 .. 17; layer 0's fall into 2 levels),
-    # so 2356 binds per vector and this recipe keeps the seed's variant for comparison (docs/results.md).
+    # so 2356 binds per vector and this recipe keeps the global variant for comparison (docs/results.md).
     "2356-bound": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
 }
 # how q5g ranges are bound: "vector" (each norm vector its own lo/hi) or "global" (one over all)

@@ -13,7 +13,7 @@ Policies:
   local   every tensor on a home node. With workers on several nodes, layers are split into
           contiguous blocks, one per node, sized by that node's worker count, so each layer's span
           sits with the threads that run it; global tensors go to the first home node.
-  tiered  the seed's CXL loading: the token embedding (one row gathered per token, so neither
+  tiered  CXL / far-node loading (docs/runtime.md): the token embedding (one row gathered per token, so neither
           bandwidth- nor latency-critical) goes to the far tier; attention, FFN, norms and lm_head
           stay on local DRAM. The far tier is the nearest CPU-less node with room, else the nearest
           remote CPU node, else local (one-node machine: the plan degrades to "local").

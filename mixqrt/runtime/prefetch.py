@@ -8,8 +8,10 @@ runs faster than the thread, stale requests are dropped rather than queued.
 WILLNEED on a file mapping starts asynchronous readahead into the page cache, so a cold model's
 first token does not stall on page faults layer after layer; on a warm page cache it costs one
 cheap syscall per span. The call goes through ctypes (affinity.madvise), which drops the GIL.
-The seed ran this thread under SCHED_FIFO; ``realtime=True`` asks for that, which needs
-CAP_SYS_NICE, and falls back silently to normal scheduling (``stats['realtime']`` says which).
+``realtime=True`` asks for SCHED_FIFO, which needs CAP_SYS_NICE; without it the thread falls back
+silently to normal scheduling (``stats['realtime']`` says which). It is off by default because
+normal users and containers lack the capability and a spinning real-time thread can starve the
+workers on a small machine (docs/runtime.md).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ class Topology:
 
     @property
     def memory_only_nodes(self) -> list[Node]:
-        """CPU-less nodes with memory: CXL expanders, far/slow tiers (the seed's CXL target)."""
+        """CPU-less nodes with memory: CXL expanders, far/slow tiers (the "cxl" tier of placement.py)."""
         return [n for n in self.nodes if not n.has_cpu and n.mem_bytes > 0]
 
     def node(self, node_id: int) -> Node:
