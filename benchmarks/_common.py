@@ -122,3 +122,66 @@ def gguf_decode_bytes(path) -> int | None:
     import gguf
     r = gguf.GGUFReader(str(path))
     return int(sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight"))
+
+
+# ----------------------------------------------------------------------------------- docs/ output
+# Benchmarks own only the tables of a docs/ page: each sits between a pair of markers, and the prose
+# around them is written by hand. Raw results go to docs/data/NAME.json next to the page.
+BEGIN, END = "<!-- BEGIN mixqrt:{} -->", "<!-- END mixqrt:{} -->"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a unique temporary in the same folder + rename: a reader (or a crash) never sees a
+    half-written page, and two writers never share a temporary."""
+    import tempfile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_json(path, obj) -> None:
+    """Atomically write obj as indented JSON (non-JSON values such as dataclasses become strings)."""
+    import json
+    _write_atomic(Path(path), json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def replace_blocks(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
+    """Put each blocks[name] between its BEGIN/END markers in text. Returns (new text, names whose
+    markers were missing: those blocks are appended at the end, so a long run's tables are never lost).
+    Raises ValueError on a BEGIN without its END, or markers out of order."""
+    missing = []
+    for name, body in blocks.items():
+        b, e = BEGIN.format(name), END.format(name)
+        i, j = text.find(b), text.find(e)
+        if i < 0 and j < 0:
+            missing.append(name)
+            text = text.rstrip("\n") + f"\n\n{b}\n{body.strip(chr(10))}\n{e}\n"
+            continue
+        if i < 0 or j < i or text.count(b) != 1 or text.count(e) != 1:
+            raise ValueError(f"block '{name}': expected one '{b}' followed by one '{e}'")
+        text = text[:i + len(b)] + "\n" + body.strip("\n") + "\n" + text[j:]
+    return text, missing
+
+
+def update_doc(path, blocks: dict[str, str], title: str = "") -> None:
+    """Replace the generated blocks of a docs/ page in place, atomically, keeping its hand-written
+    prose. A page that does not exist yet gets a skeleton (the title and every block, in order)."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else f"# {title or path.stem}\n"
+    new, missing = replace_blocks(text, blocks)
+    if missing and path.exists():
+        import sys
+        print(f"{path}: no markers for {', '.join(missing)}; appended at the end (move them where they belong)",
+              file=sys.stderr)
+    _write_atomic(path, new)

@@ -1,7 +1,8 @@
 """mixqrt against llama.cpp: same model, same text, same machine, same thread count, one run.
 
-Writes docs/results.md (tables, the issue's goals with pass/fail) and docs/results.png (PPL against
-model bytes). Every measurement runs in its own child process (`--worker SYSTEM --task TASK`, one
+Updates the tables of docs/results.md (between its `mixqrt:results-*` markers; the prose around them is
+written by hand), writes the raw results to docs/data/results.json and the plot to docs/results.png (PPL
+against model bytes). Every measurement runs in its own child process (`--worker SYSTEM --task TASK`, one
 JSON line on stdout), so peak RSS is per system and a crash costs one row, not the run.
 
     python benchmarks/compare_llamacpp.py                       # all systems, 8 chunks, 2 threads
@@ -33,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree_hash  # noqa: E402
+from _common import (CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree_hash,  # noqa: E402
+                     update_doc, write_json)
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 DEFAULT_TEXT = "/work/shared/data/wikitext-2-test.txt"
@@ -41,7 +43,8 @@ MIXQRT_RECIPES = ["f32", "q8", "q4", "2356", "2356-q3u", "2356-q8embed", "2356-f
 LCPP_FTYPES = {"F32": 0, "Q8_0": 7, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12, "Q2_K": 10}
 RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the 2356 mix",
                 "2356-q3u": "ablation: uniform q3u FFN instead of q3p", "2356-q8embed": "ablation: q8 embedding",
-                "2356-f32norm": "ablation: f32 norms instead of q5g", "2356-bound": "ablation: one global q5g range"}
+                "2356-f32norm": "ablation: f32 norms instead of q5g", "2356-bound": "ablation: one global q5g range",
+                "2356-minmax": "ablation: plain min/max quantizer, no error-minimising search"}
 BASE = "mixqrt:f32"
 QUANT_CODE = ("mixqrt/quant", "mixqrt/convert.py", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
               "mixqrt/_kernels/_quant.pyx")
@@ -621,91 +624,84 @@ def _order(results, systems):
     return sorted(keys, key=lambda k: (k.startswith("llamacpp:"), results[k]["system"].extra))
 
 
-def write_report(a, systems, results, info) -> None:
-    ag = agreement(results)
-    keys = _order(results, systems)
-    lab = {k: results[k]["system"].label for k in keys}
+def _run_block(a, results, info) -> list[str]:
+    """Provenance of the run: command, machine, date, model, text, settings, warnings."""
     bw = info.get("read_bandwidth_bytes_s")
     chunks_done = next((r["ppl"]["chunks"] for r in results.values() if "chunks" in (r.get("ppl") or {})), a.chunks)
     scored = next((r["ppl"]["tokens"] for r in results.values() if "tokens" in (r.get("ppl") or {})), None)
-    f32 = _get(results, BASE, "ppl", "ppl")
-    L = ["# mixqrt vs llama.cpp: one model, one text, one machine, one run", "",
-         "Written by `benchmarks/compare_llamacpp.py`; do not edit by hand, run it again.", "",
-         f"- **Command:** `{info['command']}`",
+    log = info.get("task_log", [])
+    L = [f"- **Command:** `{info['command']}`",
          f"- **Machine:** {info.get('cpu_model')} ({info.get('cpu_vendor')}), {info.get('usable_cpus')} usable cores "
          f"of {info.get('logical_cpus')} logical, {_f(info.get('ram_bytes') and info['ram_bytes'] / 2**30, '{:.0f}')} GiB RAM, "
          f"mixqrt ISA tier {info.get('isa')}; read bandwidth {_f(bw and bw / 1e9, '{:.1f}')} GB/s at "
-         f"{a.threads} threads (measured in this run); load average at start "
-         f"{' / '.join(f'{x:.2f}' for x in info['loadavg'])}",
+         f"{a.threads} threads; load average at start {' / '.join(f'{x:.2f}' for x in info['loadavg'])}",
          f"- **Date:** {info['date_utc']}; **git commit:** {info['git_commit']}; llama-cpp-python "
-         f"{info.get('llama_cpp_python')} (GGML_NATIVE build)",
-         f"- **Model:** `{os.path.basename(a.model)}`. Every system starts from this GGUF: mixqrt recipes quantize "
-         f"its dequantized weights, llama.cpp types are requantized from it by `llama_model_quantize` "
-         f"(allow_requantize). 'f32'/'F32' therefore mean the dequantized Q4_K_M weights.",
-         f"- **Text:** `{os.path.basename(a.text)}`, {chunks_done} chunk(s) of {a.ctx} tokens "
-         f"({_f(scored, '{:d}')} tokens scored per system; second half of each chunk, llama-perplexity's method, "
-         f"no BOS for Qwen2). Default --chunks 8; the full test set has ~600 chunks.",
-         f"- **Threads:** {a.threads} for every system; speed = median of {a.repeats} repeats; "
-         f"pp{a.n_prompt}, tg{a.n_gen}, TTFT on a {a.ttft_prompt}-token prompt.",
-         f"- **Run time:** {info['wall_seconds'] / 60:.1f} min "
-         f"({sum(1 for t in info['task_log'] if not t['cached'])} tasks measured, "
-         f"{sum(1 for t in info['task_log'] if t['cached'])} from the cache in {a.cache_dir})"
-         + ("; this report was rebuilt from the cache with --report-only." if a.report_only else "."), ""]
+         f"{info.get('llama_cpp_python')}",
+         f"- **Model:** `{os.path.basename(a.model)}`; **text:** `{os.path.basename(a.text)}`, {chunks_done} chunk(s) "
+         f"of {a.ctx} tokens ({_f(scored, '{:d}')} tokens scored per system)",
+         f"- **Threads:** {a.threads}; speed = median of {a.repeats} repeats; pp{a.n_prompt}, tg{a.n_gen}, "
+         f"TTFT on a {a.ttft_prompt}-token prompt",
+         f"- **Run time:** {info['wall_seconds'] / 60:.1f} min ({sum(1 for t in log if not t['cached'])} tasks "
+         f"measured, {sum(1 for t in log if t['cached'])} from the cache in {a.cache_dir})"
+         + ("; rebuilt from the cache with --report-only" if a.report_only else "")]
     stale = sorted({results[k]["system"].label for k in results for t in ("prepare", "ppl", "speed")
                     if (results[k].get(t) or {}).get("stale_code")})
     if stale:
-        L += [f"> **Note:** --report-only used results measured with older mixqrt sources for: {', '.join(stale)}.", ""]
+        L += ["", f"> **Note:** --report-only used results measured with older mixqrt sources for: {', '.join(stale)}."]
     busy = busy_warning(results, info, a.threads)
     if busy:
-        L += [f"> **WARNING: {busy}** Speed, TTFT and CPU columns are not trustworthy; rerun on a quiet machine "
-              "(`--fresh`, or delete the speed results in the cache).", ""]
-    L += ["## f32 agreement (acceptance: within 0.5 %)", ""]
-    if ag:
-        m, l_, rel = ag
-        same = (_get(results, BASE, "ppl", "tokens_sha") == _get(results, "llamacpp:F32", "ppl", "tokens_sha"))
-        L.append(f"**mixqrt f32 PPL {m:.4f} vs llama.cpp F32 PPL {l_:.4f}: relative difference {100 * rel:.3f} % "
-                 f"-> {'PASS' if rel <= 0.005 else 'FAIL'}.** Token ids of the scored chunks "
-                 f"{'identical' if same else 'DIFFER'} between the two tokenizers; KL(mixqrt f32 || llama.cpp F32) "
-                 f"mean {_f(_get(results, 'llamacpp:F32', 'ppl', 'kld_mean'), '{:.5f}')}, same top token "
-                 f"{_f(_get(results, 'llamacpp:F32', 'ppl', 'same_top_pct'), '{:.2f}')} %.")
-    else:
-        L.append("Not measured in this run (needs mixqrt:f32 and llamacpp:F32 perplexities).")
-    L += ["", "## The issue's goals", "",
-          "Measured in this run: (a) the 2356 file is no larger than llama.cpp Q2_K's; against that, "
-          "(b) PPL no worse than llama.cpp Q3_K_M, (c) decode tok/s >= 1.2x llama.cpp's fastest type, "
-          "(d) prompt tok/s >= 1.0x llama.cpp's fastest type.", "",
-          "| mixqrt system | goal | result | measured (gap) |", "|---|---|:---:|---|"]
+        L += ["", f"> **WARNING: {busy}** Speed, TTFT and CPU columns are not trustworthy; rerun on a quiet "
+              "machine (`--fresh`, or delete the speed results in the cache)."]
+    return L
+
+
+def _agreement_block(results) -> list[str]:
+    ag = agreement(results)
+    if not ag:
+        return ["Not measured in this run (needs mixqrt:f32 and llamacpp:F32 perplexities)."]
+    m, l_, rel = ag
+    same = _get(results, BASE, "ppl", "tokens_sha") == _get(results, "llamacpp:F32", "ppl", "tokens_sha")
+    return [f"**mixqrt f32 PPL {m:.4f} vs llama.cpp F32 PPL {l_:.4f}: relative difference {100 * rel:.3f} % "
+            f"-> {'PASS' if rel <= 0.005 else 'FAIL'}.** Token ids of the scored chunks "
+            f"{'identical' if same else 'DIFFER'}; KL(mixqrt f32 || llama.cpp F32) mean "
+            f"{_f(_get(results, 'llamacpp:F32', 'ppl', 'kld_mean'), '{:.5f}')}, same top token "
+            f"{_f(_get(results, 'llamacpp:F32', 'ppl', 'same_top_pct'), '{:.2f}')} %."]
+
+
+def _goals_block(results, keys, lab) -> list[str]:
     cands = [k for k in keys if k == "mixqrt:2356" or (k.startswith("mixqrt:") and results[k]["system"].extra)]
+    if not cands:
+        return ["No 2356 system in this run."]
+    L = ["| mixqrt system | goal | result | measured (gap) |", "|---|---|:---:|---|"]
     lost = []
     for k in cands:
         for g in goals(results, k):
             L.append(f"| {lab[k]} | {g['goal']} | **{_verdict(g['ok'])}** | {g['gap']} |")
         lost += lost_sentences(results, k, lab[k])
-    L += ["", "**What lost:** " + (" ".join(lost) if lost else "nothing; every goal passed.")
-          if cands else "No 2356 system in this run.", ""]
-    L += ["## The article's table, measured", "",
-          f"| system | model size MiB | first-token latency ms ({a.ttft_prompt}-token prompt) | PPL | "
-          f"CPU utilisation % |", "|---|---:|---:|---:|---:|"]
-    for k in keys:
-        L.append(f"| {lab[k]} | {_f(_mib(results, k), '{:.1f}')} | {_f(_ms(results, k), '{:.0f}')} | "
-                 f"{_f(_get(results, k, 'ppl', 'ppl'), '{:.3f}')} | "
-                 f"{_f(_pct(_get(results, k, 'speed', 'cpu_utilisation')), '{:.0f}')} |")
-    L += ["", "## All measurements", "",
-          f"| system | what | file MiB | PPL ± err | ΔPPL vs f32 | KL mean | KL p99 | same top % | "
-          f"pp{a.n_prompt} tok/s | tg{a.n_gen} tok/s | TTFT ms | peak RSS MiB | CPU % | B/token ÷ bandwidth |",
-          "|---|---|" + "---:|" * 12]
+    return L + ["", "**What lost:** " + (" ".join(lost) if lost else "nothing; every goal passed.")]
+
+
+def _note(results, k) -> str:
+    note = RECIPE_NOTES.get(results[k]["system"].name, "") if k.startswith("mixqrt:") else "llama.cpp type"
+    if results[k]["system"].extra:
+        note = "--extra-recipe"
+    if results[k].get("implicit"):
+        note += " (KL base only)"
+    errs = [f"{t}: {results[k][t]['error']}" for t in ("prepare", "ppl", "speed") if "error" in (results[k].get(t) or {})]
+    if errs:
+        note += " — FAILED " + "; ".join(e.replace("|", "/")[:160] for e in errs)
+    return note
+
+
+def _all_block(a, results, keys, lab) -> list[str]:
+    f32 = _get(results, BASE, "ppl", "ppl")
+    L = [f"| system | what | file MiB | PPL ± err | ΔPPL vs f32 | KL mean | KL p99 | same top % | "
+         f"pp{a.n_prompt} tok/s | tg{a.n_gen} tok/s | TTFT ms | peak RSS MiB | CPU % | B/token ÷ bandwidth |",
+         "|---|---|" + "---:|" * 12]
     for k in keys:
         ppl, err = _get(results, k, "ppl", "ppl"), _get(results, k, "ppl", "ppl_err")
-        note = RECIPE_NOTES.get(results[k]["system"].name, "") if k.startswith("mixqrt:") else "llama.cpp type"
-        if results[k]["system"].extra:
-            note = "--extra-recipe"
-        if results[k].get("implicit"):
-            note += " (KL base only)"
-        errs = [f"{t}: {results[k][t]['error']}" for t in ("prepare", "ppl", "speed") if "error" in (results[k].get(t) or {})]
-        if errs:
-            note += " — FAILED " + "; ".join(e.replace("|", "/")[:160] for e in errs)
         rss = _get(results, k, "speed", "peak_rss_bytes")
-        L.append(f"| {lab[k]} | {note} | {_f(_mib(results, k), '{:.1f}')} | "
+        L.append(f"| {lab[k]} | {_note(results, k)} | {_f(_mib(results, k), '{:.1f}')} | "
                  f"{_f(ppl, '{:.3f}')}{'' if err is None else f' ± {err:.3f}'} | "
                  f"{_f(None if None in (ppl, f32) else 100 * (ppl / f32 - 1), '{:+.2f} %')} | "
                  f"{_f(_get(results, k, 'ppl', 'kld_mean'), '{:.4f}')} | {_f(_get(results, k, 'ppl', 'kld_p99'), '{:.3f}')} | "
@@ -714,40 +710,61 @@ def write_report(a, systems, results, info) -> None:
                  f"{_f(rss and rss / 2**20, '{:.0f}')} | "
                  f"{_f(_pct(_get(results, k, 'speed', 'cpu_utilisation')), '{:.0f}')} | "
                  f"{_f(_get(results, k, 'speed', 'bandwidth_ratio'), '{:.2f}')} |")
+    return L
+
+
+def _ablation_block(results, keys, lab) -> list[str]:
     abl = [k for k in keys if k.startswith("mixqrt:2356-")]
     b_ppl, b_mib = _get(results, "mixqrt:2356", "ppl", "ppl"), _mib(results, "mixqrt:2356")
-    if abl and b_ppl is not None:
-        L += ["", "## Ablations against 2356", ""]
-        for k in abl:
-            ppl, mib = _get(results, k, "ppl", "ppl"), _mib(results, k)
-            L.append(f"- **{lab[k]}** ({RECIPE_NOTES.get(results[k]['system'].name, '')}): PPL "
-                     f"{_f(ppl, '{:.3f}')} vs {b_ppl:.3f} "
-                     f"({_f(None if ppl is None else 100 * (ppl / b_ppl - 1), '{:+.2f} %')}), size "
-                     f"{_f(None if mib is None or b_mib is None else mib - b_mib, '{:+.1f} MiB')}.")
-    L += ["", "## How it was measured", "",
-          "- Each system's prepare / perplexity / speed runs in its own child process "
-          "(`compare_llamacpp.py --worker SYSTEM --task TASK`), so peak RSS (ru_maxrss, includes the mmapped "
-          "weights touched) belongs to that system's speed run alone.",
-          "- Perplexity: `mixqrt.evaluate.perplexity` scores both systems. llama.cpp: "
-          f"`Llama(path, n_ctx={a.ctx}, n_batch={a.ctx}, logits_all=True)`, text tokenized with add_bos=False, "
-          "special=False; each chunk is evaluated after `reset()` and all its logits are handed to the same "
-          "scoring code as mixqrt's. KL(P_f32 || Q) per scored position against mixqrt f32's saved log-probs "
-          "(float16 on disk): mean, 99th percentile, and how often the top token agrees.",
-          "- Speed: mixqrt with `mixqrt.bench.bench`; llama.cpp with the same loop (same random prompt ids, "
-          "32-token warm-up; per repeat: pp = eval of the whole prompt after reset, TTFT = eval of the first "
-          f"{a.ttft_prompt} tokens + argmax, tg = {a.n_gen} greedy one-token evals), median of repeats.",
-          "- CPU utilisation: process CPU time / wall time / threads over the speed run (100 % = every "
-          "thread busy throughout).",
-          "- B/token ÷ bandwidth: decode tok/s x bytes read per token / the read bandwidth measured once in "
-          "this run (`mixqrt.bench.measure_bandwidth`). Bytes per token: mixqrt's "
-          "`decode_bytes_per_token` (weights but the embedding, plus the f32 KV rows); llama.cpp's GGUF tensor "
-          "bytes minus token_embd when an output.weight exists (this model ties them, so token_embd is the "
-          "output projection and is counted), plus the f16 KV rows at the same context length.",
-          "- File MiB is the size of the file on disk (.mxq or .gguf), tokenizer and metadata included.", ""]
-    if a.plot:
-        L += [f"![PPL against model bytes]({os.path.relpath(a.plot, os.path.dirname(os.path.abspath(a.out)))})", ""]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text("\n".join(L))
+    if not abl or b_ppl is None:
+        return ["No ablation of 2356 in this run."]
+    L = ["| recipe | what changes | PPL | vs 2356 | size vs 2356 |", "|---|---|---:|---:|---:|"]
+    for k in abl:
+        ppl, mib = _get(results, k, "ppl", "ppl"), _mib(results, k)
+        L.append(f"| {lab[k]} | {RECIPE_NOTES.get(results[k]['system'].name, '')} | {_f(ppl, '{:.3f}')} | "
+                 f"{_f(None if ppl is None else 100 * (ppl / b_ppl - 1), '{:+.2f} %')} | "
+                 f"{_f(None if mib is None or b_mib is None else mib - b_mib, '{:+.1f} MiB')} |")
+    return L
+
+
+def report_blocks(a, systems, results, info) -> dict[str, str]:
+    """The generated tables of docs/results.md, by marker name (the prose around them is hand-written)."""
+    keys = _order(results, systems)
+    lab = {k: results[k]["system"].label for k in keys}
+    article = [f"| system | model size MiB | first-token latency ms ({a.ttft_prompt}-token prompt) | PPL | "
+               "CPU utilisation % |", "|---|---:|---:|---:|---:|"]
+    for k in keys:
+        article.append(f"| {lab[k]} | {_f(_mib(results, k), '{:.1f}')} | {_f(_ms(results, k), '{:.0f}')} | "
+                       f"{_f(_get(results, k, 'ppl', 'ppl'), '{:.3f}')} | "
+                       f"{_f(_pct(_get(results, k, 'speed', 'cpu_utilisation')), '{:.0f}')} |")
+    blocks = {"results-run": _run_block(a, results, info), "results-agreement": _agreement_block(results),
+              "results-goals": _goals_block(results, keys, lab), "results-article-table": article,
+              "results-all": _all_block(a, results, keys, lab), "results-ablations": _ablation_block(results, keys, lab)}
+    return {name: "\n".join(lines) for name, lines in blocks.items()}
+
+
+def report_json(a, systems, results, info) -> dict:
+    """Everything the tables show, raw: settings, machine, and per system its prepare/ppl/speed results."""
+    keys = _order(results, systems)
+    settings = {k: getattr(a, k, None) for k in ("model", "text", "chunks", "ctx", "threads", "n_prompt", "n_gen",
+                                                 "ttft_prompt", "repeats")}
+    return {"info": info, "settings": settings, "agreement": agreement(results),
+            "systems": {k: {"label": results[k]["system"].label, "what": _note(results, k),
+                            "extra": results[k]["system"].extra,
+                            **{t: results[k].get(t) for t in ("prepare", "ppl", "speed")},
+                            "goals": goals(results, k) if k.startswith("mixqrt:") else None} for k in keys}}
+
+
+def json_path(out) -> Path:
+    """docs/results.md -> docs/data/results.json."""
+    return Path(out).parent / "data" / (Path(out).stem + ".json")
+
+
+def write_report(a, systems, results, info) -> None:
+    """The raw results as JSON next to the page, then the page's generated tables in place."""
+    write_json(json_path(a.out), report_json(a, systems, results, info))
+    update_doc(a.out, report_blocks(a, systems, results, info),
+               title="mixqrt vs llama.cpp: one model, one text, one machine, one run")
 
 
 def busy_warning(results, info, threads: int) -> str | None:
@@ -885,7 +902,7 @@ def main(argv=None) -> int:
     if a.plot:
         write_plot(a.plot, systems, results, Path(a.model).stem)
     print("\n".join(summary_lines(results)), flush=True)
-    print(f"wrote {a.out}" + (f" and {a.plot}" if a.plot else "") + f" in {info['wall_seconds'] / 60:.1f} min")
+    print(f"wrote {a.out}, {json_path(a.out)}" + (f" and {a.plot}" if a.plot else "") + f" in {info['wall_seconds'] / 60:.1f} min")
     return 0
 
 

@@ -116,3 +116,18 @@ def test_busy_warning():
     assert cl.busy_warning(r, info, 2) is None
     r["mixqrt:2356"]["speed"]["cpu_utilisation"] = 0.3
     assert "lowest: 30 %" in cl.busy_warning(r, info, 2)
+
+
+def test_docs_results_page_has_every_block(tmp_path):
+    """docs/results.md carries the markers of every block write_report generates, so a rerun updates
+    its tables in place and keeps the hand-written text."""
+    r = _results()
+    a = cl.argparse.Namespace(threads=2, repeats=3, n_prompt=512, n_gen=128, ttft_prompt=128, chunks=1, ctx=512,
+                              model="/m/q.gguf", text="/t/w.txt", cache_dir="/tmp/c", report_only=False)
+    info = {"command": "c", "loadavg": (0.1, 0.1, 0.1), "date_utc": "d", "git_commit": "g", "wall_seconds": 1,
+            "task_log": []}
+    blocks = cl.report_blocks(a, [r[k]["system"] for k in r], r, info)
+    page = (_PATH.parent.parent / "docs" / "results.md").read_text()
+    for name in blocks:
+        assert page.count(f"<!-- BEGIN mixqrt:{name} -->") == 1 and page.count(f"<!-- END mixqrt:{name} -->") == 1
+    assert cl.json_path("docs/results.md") == Path("docs/data/results.json")
