@@ -66,3 +66,48 @@ def test_write_json_is_atomic_and_readable(tmp_path):
     assert json.loads(p.read_text()) == {"a": "/x", "b": [1, 2]}
     assert [x.name for x in p.parent.iterdir()] == ["r.json"]
 
+
+
+def _qwen_results():
+    """A results.json as benchmarks/qwen2_7b.py builds it (every step, llama.cpp included)."""
+    row = {"ttft_s": 2.4, "tg_tok_s": 7.9, "pp_tok_s": 42.9, "read_bandwidth_bytes_s": 47e9,
+           "decode_bytes_per_token": 3.62e9, "bandwidth_ratio": 0.61, "peak_rss_bytes": 3.85e9}
+    bench = {"ok": True, "row": row, "cpu_util": 0.85, "loadavg": [1.4, 1.6], "started": "17:30:14",
+             "max_rss_bytes": 4.9e9, "build": {"ops_so_built": "16:51:36"}}
+    quant = {"ok": True, "started": "14:22:18", "wall_s": 1323, "cpu_s": 600, "max_rss_bytes": 4.53e9,
+             "peak_anon_bytes": 4.51e9, "peak_file_bytes": 0.02e9, "file_bytes": 3.78e9, "bits_per_weight": 3.967,
+             "atomic": True, "loadavg": [9.0, 8.2],
+             "by_role": {"ffn_up": {"formats": ["q3p"], "params": 10, "bytes": 5, "bpw": 3.5}}}
+    lc = {"file_bytes": 3.81e9, "decode_bytes": 3.57e9, "wall_s": 119, "max_rss_bytes": 3.29e9,
+          "bench": {"1": {"ok": True, "row": {"ttft_s": 6.3, "tg_tok_s": 3.75}, "max_rss_bytes": 5.2e9},
+                    "2": {"ok": False}}}
+    return {"machine": {"cpu": "AMD EPYC", "cores": 2, "mem_gb": 25.3, "isa": "avx512", "python": "3.11.7"},
+            "checkpoint": {"shards": 4, "bytes": 15.23e9},
+            "settings": {"n_prompt": 128, "n_gen": 32, "reps": 3, "pipe_tokens": 8, "date": "d", "command": "c"},
+            "dry_run": {"f32": {"tensor_bytes": 30.46e9}, "f16": {"tensor_bytes": 15.23e9}},
+            "quantize": {"2356": quant, "q8": {"ok": False, "wall_s": 5, "rc": 1}},
+            "bench": {"2356": {"1": bench, "2": bench}},
+            "pipeline": {"2356": {"ok": True, "max_rss_bytes": 3.79e9, "peak_anon_bytes": 0.15e9,
+                                  "result": {"load_s": 0.65, "prompt_tokens": 36, "first_piece_s": 1.93, "ttft_s": 1.89,
+                                             "generated_tokens": 8, "total_s": 2.89, "gen_tps": 7.34}}},
+            "llamacpp": {"base": {"type": "Q8_0", "file_bytes": 8.1e9, "wall_s": 75, "max_rss_bytes": 3.43e9,
+                                  "peak_anon_bytes": 3.3e9}, "Q3_K_M": lc}}
+
+
+def test_qwen2_7b_tables_and_page_markers():
+    import importlib.util
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("qwen2_7b_bench", root / "benchmarks" / "qwen2_7b.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    blocks = mod.doc_blocks(_qwen_results())
+    assert "| 2356 mixed (`2356`) | 2.7 GB | 3.78 GB | 3.97 |" in blocks["qwen7b-article"]
+    assert "| `2356` | 2 | 3.62 GB | 47.0 GB/s | 12.98 | 7.90 | 0.61 | yes |" in blocks["qwen7b-bandwidth"]
+    assert "**failed (rc 1)**" in blocks["qwen7b-quantize"]
+    assert "| Q3_K_M | 3.81 GB | 3.57 GB | 119 | 3.29 | 6300 / - | 3.75 / - | 0.28 / - | 5.20 / - |" \
+        in blocks["qwen7b-llamacpp"]
+    assert "| 0.65 | 36 | 1.93 | 1.89 | 8 | 2.89 | 7.34 | 3.79 | 0.15 |" in blocks["qwen7b-pipeline"]
+    assert mod.doc_blocks({})                                   # nothing measured yet: still renders
+    page = (root / "docs" / "qwen2-7b.md").read_text()
+    for name in blocks:
+        assert page.count(f"<!-- BEGIN mixqrt:{name} -->") == 1 and page.count(f"<!-- END mixqrt:{name} -->") == 1
