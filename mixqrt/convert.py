@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mixqrt.errors import ModelError, QuantError
+from mixqrt.perf import peak_rss_bytes
 from mixqrt.quant.recipes import Recipe, get_recipe, role_of
 
 MXQ_KIND = "mixqrt-llm"
@@ -75,11 +76,6 @@ class QuantReport:
                 "peak_rss_bytes": self.peak_rss_bytes, "by_role": self.by_role(),
                 "tensors": [{"name": t.name, "role": t.role, "fmt": t.fmt, "shape": list(t.shape),
                              "nbytes": t.nbytes, "bpw": round(t.bpw, 4)} for t in self.tensors]}
-
-
-def peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _ordered_names(names: list[str], n_layers: int) -> list[str]:
