@@ -69,13 +69,14 @@ def _unsupported(name, v, ok=(None,)):
 
 
 def _stop(stop):
-    if stop is None:
-        return None
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}", "stop")
-    stops = [s for s in stops if s]          # OpenAI clients send "" for "none"
-    return stops or None
+    """The stop rule is generate.check_stops (an empty string is refused, not dropped); here it
+    becomes a 400 that names the parameter."""
+    from mixqrt.generate import check_stops
+
+    try:
+        return check_stops(stop) or None
+    except GenerationError as e:
+        raise RequestError(str(e), "stop") from None
 
 
 def _gen_kwargs(*, max_tokens, context, temperature, top_p, top_k, min_p, repeat_penalty, stop, seed,

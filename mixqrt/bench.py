@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from mixqrt.convert import peak_rss_bytes
+from mixqrt.perf import peak_rss_bytes
 
 
 def measure_bandwidth(threads: int, nbytes: int = 1 << 30, probes: int = 3) -> float:

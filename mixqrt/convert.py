@@ -2,12 +2,13 @@
 
 Peak memory stays near the largest source tensor in float32 plus the tensors of one layer being
 fused (q/k/v and gate/up are written as single fused tensors so loading needs no copy), never the
-whole model in float32. The output is written atomically by MxqWriter.
+whole model in float32. Names, shapes, write order and fusion groups are models/spec.py's; whether a
+group is written fused is spec.fuse's rule, the same one the model applies at load. The output is
+written atomically by MxqWriter.
 """
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -15,15 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mixqrt.errors import ModelError, QuantError
-from mixqrt.quant.recipes import Recipe, get_recipe, role_of
+from mixqrt.perf import peak_rss_bytes
+from mixqrt.models import spec
+from mixqrt.quant.recipes import Recipe, get_recipe, tensor_plan  # noqa: F401  (tensor_plan re-exported)
 
 MXQ_KIND = "mixqrt-llm"
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-FUSE = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
 
 
 @dataclass
@@ -52,10 +49,6 @@ class QuantReport:
         return sum(t.nbytes for t in self.tensors)
 
     @property
-    def total_params(self) -> int:
-        return sum(int(np.prod(t.shape)) for t in self.tensors if t.role != "lm_head_copy")
-
-    @property
     def bits_per_weight(self) -> float:
         return 8.0 * self.total_bytes / max(1, sum(int(np.prod(t.shape)) for t in self.tensors))
 
@@ -77,51 +70,10 @@ class QuantReport:
                              "nbytes": t.nbytes, "bpw": round(t.bpw, 4)} for t in self.tensors]}
 
 
-def peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _ordered_names(names: list[str], n_layers: int) -> list[str]:
-    """Embedding first, then each layer's tensors together, then the final norm and lm_head."""
-    layers = defaultdict(list)
-    head, tail = [], []
-    for n in names:
-        m = _LAYER.match(n)
-        if m:
-            layers[int(m.group(1))].append(n)
-        elif "embed_tokens" in n:
-            head.append(n)
-        else:
-            tail.append(n)
-    out = sorted(head)
-    for i in range(n_layers):
-        out += sorted(layers.get(i, []))
-    extra = sorted(set(layers) - set(range(n_layers)))
-    if extra:
-        raise ModelError(f"source has tensors for layer {extra[0]} but the config says {n_layers} layers")
-    return out + sorted(tail, key=lambda n: (n != "model.norm.weight", n))
-
-
 def _check_finite(name: str, arr: np.ndarray) -> None:
     if not np.isfinite(arr).all():
         bad = int((~np.isfinite(arr)).sum())
         raise QuantError(f"tensor {name} has {bad} NaN/Inf values; refusing to quantize it")
-
-
-def tensor_plan(source, recipe: Recipe) -> list[tuple[str, str, str, tuple]]:
-    """[(name, role, fmt, shape)] in write order, with the tied lm_head made explicit."""
-    cfg = source.config
-    names = list(source.tensor_names())
-    if "lm_head.weight" not in names:
-        names.append("lm_head.weight")  # tied: a separate, higher-bit copy of the embedding
-    plan = []
-    for n in _ordered_names(names, int(cfg["num_hidden_layers"])):
-        src = "model.embed_tokens.weight" if (n == "lm_head.weight" and "lm_head.weight" not in source.tensor_names()) else n
-        shape = tuple(source.tensor_info(src)[0])
-        role = role_of(n)
-        plan.append((n, role, recipe.format_for(n, role), shape))
-    return plan
 
 
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
@@ -169,16 +121,6 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     tied = "lm_head.weight" not in source.tensor_names()
     from tqdm.auto import tqdm
 
-    # layers whose q/k/v weights cannot be fused (formats differ): their biases stay separate too,
-    # since the graph pairs a fused bias with a fused weight only
-    fmt_of = {n: f for n, _, f, _ in plan}
-    split_qkv = set()
-    for n, f in fmt_of.items():
-        m = _LAYER.match(n)
-        if m and n.endswith("self_attn.q_proj.weight"):
-            p = n[: m.end()]
-            if len({fmt_of.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"}) != 1 or f == "q5g":
-                split_qkv.add(p)
     pending: dict[str, QTensor] = {}
     with MxqWriter(out_path, meta) as w:
         for name, role, fmt, shape in tqdm(plan, desc="quantizing", unit="tensor", disable=not progress):
@@ -194,48 +136,26 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
             qt = quantize(arr, fmt, **opts)
             del arr
             report.tensors.append(TensorReport(name, role, fmt, shape, qt.nbytes))
-            m = _LAYER.match(name)
-            layer = int(m.group(1)) if m else None
-            fused = _fuse_target(name)
-            if fused is not None and fused[0].endswith(".bias") and name[: m.end()] in split_qkv:
-                fused = None
-            if fused is None:
+            layer, _ = spec.split_layer(name)
+            group = spec.group_of(name)
+            if group is None:
                 w.add(name, qt, layer=layer)
                 continue
             pending[name] = qt
-            prefix = name[: m.end()]
-            target, parts = fused
-            if all(prefix + p in pending for p in parts):
-                qts = [pending.pop(prefix + p) for p in parts]
-                one_fmt = len({q.fmt for q in qts}) == 1
-                if one_fmt and all(len(q.shape) == 2 for q in qts) and len({q.cols for q in qts}) == 1:
-                    # packed rows are independent: fusing is concatenating row blocks
-                    shp = (sum(q.rows for q in qts), qts[0].cols)
-                    w.add(prefix + target, QTensor(qts[0].fmt, shp, np.concatenate([q.raw for q in qts])),
-                          layer=layer)
-                elif one_fmt and all(len(q.shape) == 1 for q in qts) and qts[0].fmt in layout.PLAIN:
-                    shp = (sum(q.shape[0] for q in qts),)
-                    w.add(prefix + target, QTensor(qts[0].fmt, shp, np.concatenate([q.raw for q in qts])),
-                          layer=layer)
-                else:  # formats differ (an override): keep the parts separate
+            target, parts = group
+            if all(p in pending for p in parts):
+                qts = [pending.pop(p) for p in parts]
+                fused = spec.fuse(qts)   # None (e.g. formats differ, or q5g): the parts stay separate
+                if fused is not None:
+                    w.add(target, fused, layer=layer)
+                else:
                     for p, q in zip(parts, qts):
-                        w.add(prefix + p, q, layer=layer)
+                        w.add(p, q, layer=layer)
         if pending:
             raise ModelError(f"incomplete fused group: {sorted(pending)}")
     report.seconds = time.perf_counter() - t0
     report.peak_rss_bytes = peak_rss_bytes()
     return report
-
-
-def _fuse_target(name: str):
-    m = _LAYER.match(name)
-    if not m:
-        return None
-    rest = name[m.end():]
-    for target, parts in FUSE.items():
-        if rest in parts:
-            return target, parts
-    return None
 
 
 def build_meta(source, recipe: Recipe) -> dict:
@@ -246,7 +166,7 @@ def build_meta(source, recipe: Recipe) -> dict:
         "generation_config": dict(source.generation_config or {}),
         "recipe": recipe.spec(),
         "source": str(getattr(source, "description", "") or getattr(source, "path", "")),
-        "fused": {k: list(v) for k, v in FUSE.items()},
+        "fused": {g.target: list(g.parts) for g in spec.FUSION_GROUPS},
         "q3p_levels": [int(v) for v in _q3p_levels()],   # so a future table change cannot misread old files
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

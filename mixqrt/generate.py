@@ -2,8 +2,6 @@
 text and statistics) -> generate (a string)."""
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -11,6 +9,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mixqrt.errors import GenerationError
+from mixqrt.perf import peak_rss_bytes
 from mixqrt.sample_utils import _int, make_logits_processors, make_sampler
 
 # transformers' GenerationConfig defaults, used when neither the call nor the model says otherwise
@@ -67,11 +66,6 @@ class GenerationResponse:
     generation_tps: float          # decode tokens / decode seconds (after the first token)
     ttft_s: float                  # seconds from the call to the first new token
     peak_rss_bytes: int
-
-
-def peak_rss_bytes() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(r if sys.platform == "darwin" else r * 1024)
 
 
 class _OffsetDecoder:
@@ -164,26 +158,36 @@ def _eos_ids(explicit, model, tokenizer) -> set[int]:
     return as_set(gen.get("eos_token_id")) | as_set(getattr(tokenizer, "eos_token_ids", None))
 
 
-def _stops(stop) -> list[str]:
+def check_stops(stop) -> list[str]:
+    """Stop strings as a list; an empty one is refused (it would match at once and end every reply)."""
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise GenerationError(f"stop must be a string or a list of strings, got {stop!r}")
     if any(s == "" for s in stops):
-        raise GenerationError("stop strings must be non-empty")
+        raise GenerationError("stop strings must be non-empty (an empty one would end the reply at once)")
     return list(stops)
 
 
-def resolve_sampling(model, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None) -> dict:
-    """Fill None arguments from the model's generation_config like transformers (greedy unless do_sample)."""
+def resolve_sampling(model, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+                     do_sample=None) -> dict:
+    """Fill None arguments from the model's generation_config like transformers.
+
+    The one place the greedy default is decided: greedy when do_sample is False, or when it is None and
+    neither the caller (temperature) nor generation_config.json (do_sample) asks for sampling.
+    do_sample=True with no (or a zero) temperature samples at the config's temperature (else 1.0)."""
     gen = getattr(model, "generation_config", None) or {}
+    if do_sample not in (None, True, False):
+        raise GenerationError(f"do_sample must be True, False or None, got {do_sample!r}")
     out = {}
     for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("min_p", min_p),
                     ("repetition_penalty", repetition_penalty)):
         out[name] = v if v is not None else (gen.get(name) if gen.get(name) is not None else _HF_DEFAULTS[name])
-    if temperature is None and not gen.get("do_sample", False):
+    if do_sample is False or (do_sample is None and temperature is None and not gen.get("do_sample", False)):
         out["temperature"] = 0.0
+    elif do_sample is True and not temperature:
+        out["temperature"] = float(gen.get("temperature") or 1.0)
     return out
 
 
@@ -191,7 +195,7 @@ def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temp
                     top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                     repetition_penalty: float | None = None, repetition_context_size: int = 64,
                     seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
-                    prefill_chunk: int = 512) -> Iterator[GenerationResponse]:
+                    prefill_chunk: int = 512, do_sample: bool | None = None) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
 
     prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
@@ -220,10 +224,10 @@ def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temp
         raise GenerationError(f"the prompt has {len(ids)} tokens; with at least one new token that needs "
                               f"{len(ids) + 1} positions but the context holds {ctx}")
     budget = min(max_new_tokens, ctx - len(ids))      # reaching the context end finishes with "length"
-    s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty)
+    s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty, do_sample)
     sampler = make_sampler(s["temperature"], s["top_k"], s["top_p"], s["min_p"], seed)
     procs = make_logits_processors(s["repetition_penalty"], repetition_context_size)
-    stops = _StopMatcher(_stops(stop))
+    stops = _StopMatcher(check_stops(stop))
     eos = _eos_ids(eos_token_ids, model, tokenizer)
     decoder = _stream_decoder(tokenizer)
     cache = model.make_cache(len(ids) + budget)

@@ -11,10 +11,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _role(name: str) -> str:
-    from mixqrt.quant.recipes import role_of
-    for fused, role in (("qkv_proj.weight", "attn_qkv"), ("qkv_proj.bias", "bias"), ("gate_up_proj", "ffn_gate_up")):
-        if fused in name:
-            return role
+    from mixqrt.models.spec import role_of       # fused names have roles too (attn_qkv, ffn_gate_up)
     try:
         return role_of(name)
     except ValueError:

@@ -8,7 +8,17 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import resource
 import struct
+import sys
+
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
 
 _NR = {"x86_64": 298, "aarch64": 241}
 PERF_TYPE_HARDWARE = 0

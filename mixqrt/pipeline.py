@@ -144,14 +144,7 @@ class Pipeline:
             kw.setdefault("max_new_tokens", kw.pop("max_tokens"))
         if "stop_strings" in kw:
             kw.setdefault("stop", kw.pop("stop_strings"))
-        do_sample = kw.pop("do_sample", None)
-        if do_sample is False:
-            kw["temperature"] = 0.0
-        elif do_sample is True and kw.get("temperature") in (None, 0.0):
-            kw["temperature"] = float(self.loaded.generation_config.get("temperature", 1.0) or 1.0)
-        elif do_sample is None and "temperature" not in kw and not self.loaded.generation_config.get("do_sample", False):
-            kw["temperature"] = 0.0   # generation_config.json without do_sample means greedy, as in transformers
-        return kw
+        return kw          # do_sample and the greedy default: generate.resolve_sampling
 
     def stream(self, text_or_messages, **kw):
         """Yield GenerationResponse pieces (text, token, finish_reason, tokens/s, TTFT...)."""

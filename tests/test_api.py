@@ -111,11 +111,22 @@ def test_completion_shape_and_usage():
 def test_completion_maps_arguments_and_leaves_defaults_to_the_model():
     pipe = FakePipe()
     create_completion(pipe, "x", max_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
-                      repeat_penalty=1.1, stop=["\n", ""], seed=7, frequency_penalty=0.0, presence_penalty=0)
+                      repeat_penalty=1.1, stop=["\n"], seed=7, frequency_penalty=0.0, presence_penalty=0)
     assert pipe.calls[-1] == ("x", {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
                                     "min_p": 0.05, "repetition_penalty": 1.1, "stop": ["\n"], "seed": 7})
-    create_completion(pipe, "x", max_tokens=None, top_k=-1, seed=-1, stop="")
+    create_completion(pipe, "x", max_tokens=None, top_k=-1, seed=-1, stop=[])
     assert pipe.calls[-1][1] == {"max_new_tokens": 64, "top_k": 0}      # until the context is full
+
+
+@pytest.mark.parametrize("stop", ["", ["\n", ""]])
+def test_empty_stop_string_is_refused_like_generate(stop):
+    # one rule for both entry points (generate.check_stops): an empty stop string is an error naming
+    # "stop", never silently dropped
+    with pytest.raises(RequestError, match="non-empty") as e:
+        create_completion(FakePipe(), "x", stop=stop)
+    assert e.value.param == "stop"
+    with pytest.raises(RequestError, match="non-empty"):
+        create_chat_completion(FakePipe(), [{"role": "user", "content": "x"}], stop=stop)
 
 
 def test_completion_length_echo_and_model_name():

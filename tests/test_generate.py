@@ -141,6 +141,15 @@ def test_defaults_from_generation_config():
     assert s == {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "min_p": 0.0, "repetition_penalty": 1.05}
     assert resolve_sampling(m, temperature=0.0, top_k=0)["top_k"] == 0
     assert resolve_sampling(ScriptModel([1], generation_config={"temperature": 0.7}))["temperature"] == 0.0
+    # do_sample is resolved here too (the one home of the greedy default)
+    plain = ScriptModel([1], generation_config={"temperature": 0.7})
+    assert resolve_sampling(plain, do_sample=True)["temperature"] == 0.7
+    assert resolve_sampling(plain, temperature=0.0, do_sample=True)["temperature"] == 0.7
+    assert resolve_sampling(ScriptModel([1]), do_sample=True)["temperature"] == 1.0
+    assert resolve_sampling(m, do_sample=False)["temperature"] == 0.0
+    assert resolve_sampling(m, temperature=0.5, do_sample=False)["temperature"] == 0.0
+    with pytest.raises(GenerationError, match="do_sample"):
+        resolve_sampling(m, do_sample="yes")
     # eos ids from generation_config join the tokenizer's
     m.script = ids_of("ab") + [3] + ids_of("a")
     rs = list(stream_generate(m, FakeTokenizer(), "a", temperature=0.0, max_new_tokens=9))

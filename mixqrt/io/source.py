@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
+from mixqrt.models.spec import ARCHS as SUPPORTED_ARCHS
+from mixqrt.models.spec import ModelSpec
 
-SUPPORTED_ARCHS = ("qwen2", "llama")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # HF `architectures` entries we know, for configs whose model_type is missing or odd.
@@ -123,46 +124,14 @@ def check_config(config: dict, where: str) -> None:
 
 
 def expected_shapes(config: dict, arch: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor the graph needs, with its HF shape, from the config alone."""
-    h = config["hidden_size"]
-    nh = config["num_attention_heads"]
-    nkv = config.get("num_key_value_heads", nh)
-    hd = config.get("head_dim") or h // nh
-    inter = config["intermediate_size"]
-    vocab = config["vocab_size"]
-    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
-    if not config.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (vocab, h)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nh * hd, h),
-            p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h),
-            p + "self_attn.o_proj.weight": (h, nh * hd),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-        if arch == "qwen2" or config.get("attention_bias", False):
-            shapes.update({p + "self_attn.q_proj.bias": (nh * hd,),
-                           p + "self_attn.k_proj.bias": (nkv * hd,),
-                           p + "self_attn.v_proj.bias": (nkv * hd,)})
-    return shapes
+    """Every tensor the graph needs, with its HF shape, from the config alone (models/spec.py)."""
+    return ModelSpec(config, arch).shapes()
 
 
 def check_layout(src: Source) -> None:
-    """ModelError for a missing tensor or one whose shape disagrees with the config."""
-    names = set(src.tensor_names())
-    for name, shape in expected_shapes(src.config, src.arch).items():
-        if name not in names:
-            raise ModelError(f"{src.path}: missing tensor {name!r} ({src.arch}, "
-                             f"{src.config['num_hidden_layers']} layers)")
-        got = tuple(src.tensor_info(name)[0])
-        if got != shape:
-            raise ModelError(f"{src.path}: tensor {name!r} has shape {got}, config says {shape}")
+    """ModelError for a missing tensor, one whose shape disagrees with the config, or one the graph
+    has no place for (the rules are models/spec.py's)."""
+    ModelSpec(src.config, src.arch).check({n: src.tensor_info(n)[0] for n in src.tensor_names()}, str(src.path))
 
 
 # -- dispatch --------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ import numpy as np
 from mixqrt import ops
 from mixqrt.cache import KVCache
 from mixqrt.errors import GenerationError, ModelError
-from mixqrt.models.base import fuse_rows, tensor_shape, to_f32
+from mixqrt.models import spec
+from mixqrt.models.base import tensor_shape, to_f32
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 
@@ -171,63 +172,41 @@ class Model:
 
     # ------------------------------------------------------------------ load-time layout
     def sanitize(self, w: dict) -> dict:
-        """Checkpoint layout -> runtime layout. Accepts already fused qkv_proj / gate_up_proj tensors
-        (a .mxq may store them fused so that loading stays zero-copy)."""
+        """Checkpoint layout -> runtime layout, by models/spec.py: every tensor checked against the
+        config's shape, each fusion group taken as stored (a .mxq stores it fused when spec.fuse
+        allows, so loading stays zero-copy) or fused here with the same spec.fuse. A group that
+        cannot be fused (formats differ, q5g) stays a list of parts: one matmul each."""
         a = self.args
-        d, inter = a.hidden_size, a.intermediate_size
+        ms = spec.ModelSpec(vars(a), a.model_type)
+        shapes = ms.shapes(with_lm_head=True)   # a tied .mxq holds its own lm_head copy
 
-        def take(name, shape, vector=False):
+        def take(name, vector=False):
             if name not in w:
                 raise ModelError(f"missing tensor {name!r}")
             t = w.pop(name)
-            got = tensor_shape(t)
-            if got != tuple(shape):
-                raise ModelError(f"tensor {name!r} has shape {got}, expected {tuple(shape)}")
-            return to_f32(t, name) if vector else (to_f32(t, name) if isinstance(t, np.ndarray) else t)
+            got, want = tensor_shape(t), shapes.get(name) or ms.fused_shape(name)
+            if got != tuple(want):
+                raise ModelError(f"tensor {name!r} has shape {got}, expected {tuple(want)}")
+            return to_f32(t, name) if (vector or isinstance(t, np.ndarray)) else t
 
-        out = {}
-        out["model.embed_tokens.weight"] = take("model.embed_tokens.weight", (a.vocab_size, d))
-        out["model.norm.weight"] = take("model.norm.weight", (d,), vector=True)
-        if "lm_head.weight" in w:
-            out["lm_head.weight"] = take("lm_head.weight", (a.vocab_size, d))
+        out = {spec.EMBED: take(spec.EMBED)}
+        if spec.LM_HEAD in w:
+            out[spec.LM_HEAD] = take(spec.LM_HEAD)
         elif a.tie_word_embeddings:
-            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+            out[spec.LM_HEAD] = out[spec.EMBED]
         else:
             raise ModelError("missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
-
+        grouped = {}
         for i in range(a.num_hidden_layers):
-            p = f"model.layers.{i}."
-            for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                out[p + n] = take(p + n, (d,), vector=True)
-            # attention: q/k/v -> qkv
-            f = p + "self_attn.qkv_proj."
-            if f + "weight" in w:
-                out[f + "weight"] = [take(f + "weight", (self.n_q + 2 * self.n_kv, d))]
-                if a.attention_bias:
-                    out[f + "bias"] = take(f + "bias", (self.n_q + 2 * self.n_kv,), vector=True)
-            else:
-                parts = [take(p + "self_attn.q_proj.weight", (self.n_q, d)),
-                         take(p + "self_attn.k_proj.weight", (self.n_kv, d)),
-                         take(p + "self_attn.v_proj.weight", (self.n_kv, d))]
-                fused = fuse_rows(parts)
-                out[f + "weight"] = [fused] if fused is not None else parts
-                if a.attention_bias:
-                    out[f + "bias"] = np.concatenate([
-                        take(p + "self_attn.q_proj.bias", (self.n_q,), vector=True),
-                        take(p + "self_attn.k_proj.bias", (self.n_kv,), vector=True),
-                        take(p + "self_attn.v_proj.bias", (self.n_kv,), vector=True)])
-            out[p + "self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight", (d, self.n_q))
-            if a.attention_bias and a.model_type != "qwen2":
-                out[p + "self_attn.o_proj.bias"] = take(p + "self_attn.o_proj.bias", (d,), vector=True)
-            # mlp: gate/up -> gate_up
-            g = p + "mlp.gate_up_proj.weight"
-            if g in w:
-                out[g] = [take(g, (2 * inter, d))]
-            else:
-                parts = [take(p + "mlp.gate_proj.weight", (inter, d)), take(p + "mlp.up_proj.weight", (inter, d))]
-                fused = fuse_rows(parts)
-                out[g] = [fused] if fused is not None else parts
-            out[p + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight", (d, inter))
+            for target, parts in ms.groups(i):
+                vector = len(ms.fused_shape(target)) == 1     # biases: float32, so they always fuse
+                ts = [take(target, vector)] if target in w else [take(p, vector) for p in parts]
+                fused = spec.fuse(ts)
+                out[target] = fused if vector else ([fused] if fused is not None else ts)
+                grouped.update(dict.fromkeys(parts))
+        for name, shape in shapes.items():
+            if name not in grouped and name not in out:
+                out[name] = take(name, vector=len(shape) == 1)
         out.update(w)   # leftovers (ignored by the graph)
         return out
 

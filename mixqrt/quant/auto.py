@@ -10,12 +10,12 @@ still fits the budget. Norm vectors and biases stay f32 (0.01 % of the bytes).
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from mixqrt.errors import QuantError
 from mixqrt.quant import layout
-from mixqrt.quant.recipes import Recipe, get_recipe, parse_overrides, role_of
+from mixqrt.models.spec import group_of
+from mixqrt.quant.recipes import Recipe, get_recipe, parse_overrides, role_of, tensor_plan
 
 # ladder of matrix formats, cheapest first (q3u is dominated by q3p at the same size)
 LADDER = ("q2c", "q3p", "q4", "q6", "q8")
@@ -37,12 +37,11 @@ SENSITIVITY: dict[str, dict[str, float]] = {
 _GROUP = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv"}
 
 
-def _unit_key(name: str):
-    """Tensors the runtime fuses (q/k/v, gate/up of one layer) get one format together."""
-    m = re.match(r"^(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.weight$", name)
-    if not m:
-        return name
-    return m.group(1) + ("qkv" if m.group(2).startswith("self_attn") else "gate_up")
+def _unit_key(name: str) -> str:
+    """Tensors the runtime fuses (a models/spec fusion group: q/k/v, gate/up of one layer) get one
+    format together, so the group can be stored fused."""
+    group = group_of(name)
+    return group[0] if group else name
 
 
 def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]:
@@ -101,8 +100,6 @@ def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]
 
 def auto_recipe(source, budget_bytes: int, *, overrides=None, sensitivity=None) -> Recipe:
     """A Recipe named "auto" whose per-tensor table fits `budget_bytes` for this source."""
-    from mixqrt.convert import tensor_plan
-
     if budget_bytes is None or int(budget_bytes) <= 0:
         raise QuantError(f"recipe auto needs a positive budget in bytes, got {budget_bytes!r}")
     base = get_recipe("2356")

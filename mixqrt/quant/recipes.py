@@ -1,6 +1,7 @@
 """Recipes: which format each tensor gets, by its role in the network.
 
-A recipe maps roles (embed, attn_q/k/v/o, ffn_gate/up/down, norm, bias, lm_head) to format names.
+A recipe maps roles (embed, attn_q/k/v/o, ffn_gate/up/down, norm, bias, lm_head; models/spec.py
+says which tensor plays which) to format names.
 Per-tensor overrides work like llama-quantize's --tensor-type: ``PATTERN=FMT``, where PATTERN is a
 regular expression searched in the Hugging Face tensor name, or an exact role name.
 """
@@ -10,23 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from mixqrt.errors import QuantError
-
-ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
-         "norm", "bias", "lm_head")
-
-_ROLE_PATTERNS = (
-    (r"embed_tokens\.weight$", "embed"),
-    (r"self_attn\.q_proj\.weight$", "attn_q"),
-    (r"self_attn\.k_proj\.weight$", "attn_k"),
-    (r"self_attn\.v_proj\.weight$", "attn_v"),
-    (r"self_attn\.o_proj\.weight$", "attn_o"),
-    (r"mlp\.gate_proj\.weight$", "ffn_gate"),
-    (r"mlp\.up_proj\.weight$", "ffn_up"),
-    (r"mlp\.down_proj\.weight$", "ffn_down"),
-    (r"norm\.weight$", "norm"),
-    (r"\.bias$", "bias"),
-    (r"^lm_head\.weight$", "lm_head"),
-)
+from mixqrt.models.spec import LM_HEAD, ROLES, ModelSpec, role_of  # noqa: F401  (ROLES re-exported)
 
 _ATTN = {"attn_q": None, "attn_k": None, "attn_v": None, "attn_o": None}
 _FFN = {"ffn_gate": None, "ffn_up": None, "ffn_down": None}
@@ -71,13 +56,6 @@ RECIPES["2356-minmax"] = dict(RECIPES["2356"])
 # Not 2/3/5/6-bit: the best plan measured within llama.cpp's Q2_K file size for Qwen2.5-Coder-0.5B
 # (docs/quality.md): 3-bit embedding table, 4-bit FFN, 6-bit attention, 6-bit output head, f32 norms.
 RECIPES["2356+"] = _fill(embed="q3p", attn="q6", ffn="q4", norm="f32", lm_head="q6")
-
-
-def role_of(name: str) -> str:
-    for pat, role in _ROLE_PATTERNS:
-        if re.search(pat, name):
-            return role
-    raise QuantError(f"tensor {name!r} has no known role; recipes cannot place it")
 
 
 def parse_overrides(items) -> list[tuple[str, str]]:
@@ -138,3 +116,21 @@ def get_recipe(name: str, overrides=None) -> Recipe:
     if name not in RECIPES:
         raise QuantError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
     return Recipe(name, dict(RECIPES[name]), parse_overrides(overrides), **RECIPE_OPTIONS.get(name, {}))
+
+
+def tensor_plan(source, recipe: Recipe) -> list[tuple[str, str, str, tuple]]:
+    """[(name, role, fmt, shape)] for every tensor of the .mxq, in write order (models/spec.py).
+
+    A tied model gets an explicit lm_head.weight: a separate copy of the embedding in the lm_head
+    format (2356: q6 while the embedding is q2c), because the output projection needs more bits
+    than the table lookup."""
+    spec = ModelSpec(source.config, source.arch)
+    plan = []
+    for name, shape in spec.shapes(with_lm_head=True).items():
+        src = name if (name != LM_HEAD or name in source.tensor_names()) else "model.embed_tokens.weight"
+        got = tuple(source.tensor_info(src)[0])
+        if got != shape:
+            raise QuantError(f"tensor {src!r} has shape {got}, config says {shape}")
+        role = role_of(name)
+        plan.append((name, role, recipe.format_for(name, role), shape))
+    return plan

@@ -34,7 +34,7 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.errors import GenerationError, KernelError
-from mixqrt.quant import layout
+from mixqrt.models.spec import row_slice as _row_slice   # the inverse of spec.fuse
 
 __all__ = ["RowSplitRunner", "CoreSlicingRunner", "OP_ATTN", "OP_FFN", "OP_HEAD", "OP_DONE", "OP_STOP"]
 
@@ -52,18 +52,6 @@ def _has_threads_kw() -> bool:
 
 
 # ============================================================================ sub-steps
-def _row_slice(w, r0: int, r1: int):
-    """Rows [r0, r1) of a weight as the same kind of object, without copying (QTensor or ndarray)."""
-    if isinstance(w, np.ndarray):
-        return w[r0:r1]
-    from mixqrt.quant.qtensor import QTensor
-    n, k = layout.rows_cols(w.shape)
-    rb = layout.expected_nbytes(w.fmt, (2, k)) - layout.expected_nbytes(w.fmt, (1, k))
-    if w.raw.size != n * rb:   # a trailer (q5g) or an unusual layout: no row views
-        raise KernelError(f"cannot take row views of a {w.fmt} tensor")
-    return QTensor(w.fmt, (r1 - r0, k), w.raw[r0 * rb:r1 * rb], dict(getattr(w, "meta", None) or {}))
-
-
 def _proj(ws: list, x: np.ndarray, kw: dict) -> np.ndarray:
     if len(ws) == 1:
         return ops.matmul(ws[0], x, **kw)
