@@ -23,7 +23,7 @@ try:
 except ImportError:  # not built: everything falls back to numpy
     _ops = None
 
-_FMT_ID = {"q8": 0, "q6": 1, "q4": 2, "q3u": 3, "q3p": 4, "q2c": 5, "q5g": 6, "f32": 10, "f16": 11, "bf16": 12}
+_FMT_ID = layout.FMT_ID
 _Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
 # prefill: above this many query tokens attention runs as batched BLAS products (numpy)
 ATTN_C_MAX_T = 8
@@ -160,12 +160,12 @@ def _weight_args_uncached(w):
         if w.ndim != 2:
             raise KernelError(f"matmul: weight must be [N, K], got shape {w.shape}")
         if w.dtype == np.float32:
-            fid = 10
+            fid = _FMT_ID["f32"]
         elif w.dtype == np.float16:
-            fid = 11
+            fid = _FMT_ID["f16"]
         else:
             w = w.astype(np.float32)
-            fid = 10
+            fid = _FMT_ID["f32"]
         w = np.ascontiguousarray(w)
         return fid, w.reshape(-1).view(np.uint8), w.shape[0], w.shape[1], None, 0.0, 0.0
     fmt = w.fmt

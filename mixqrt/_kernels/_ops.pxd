@@ -1,6 +1,10 @@
 # Declarations of src/ops/mq_ops.h.
 from libc.stdint cimport int8_t, uint8_t, int64_t
 
+cdef extern from "mq_format.h" nogil:
+    void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *levels,
+                        float q5_lo, float q5_step)
+
 cdef extern from "mq_ops.h" nogil:
     ctypedef struct mq_act:
         int8_t *q
@@ -25,7 +29,6 @@ cdef extern from "mq_ops.h" nogil:
     void mq_mm_rows(const mq_mm_job *j, int n0, int n1)
     void mq_set_gemm_min_t(int t)
     int mq_set_lean_mv(int on)
-    void mq_dequant_row(const mq_mm_job *j, int n, float *out)
     int mq_pool_start(int n, const int *cpus, int ncpus)
     int mq_pool_size()
     void mq_pool_stop()

@@ -7,11 +7,10 @@ from libc.stdint cimport int8_t, uint8_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
+from mixqrt._kernels.format cimport (MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P, MQ_Q3P_NLEVELS,
+                                     mq_row_bytes)
 
 cnp.import_array()
-
-FMT_ID = {"q8": 0, "q6": 1, "q4": 2, "q3u": 3, "q3p": 4, "q2c": 5, "q5g": 6, "f32": 10, "f16": 11, "bf16": 12}
-GROUP = {"q8": 32, "q6": 32, "q4": 32, "q3u": 64, "q3p": 64, "q2c": 128, "q5g": 32}
 
 
 def set_isa(int isa):
@@ -82,11 +81,29 @@ def set_lean_mv(on=None):
     return bool(mq_set_lean_mv(-1 if on is None else (1 if on else 0)))
 
 
-cdef bytes _Q3P_DEFAULT = bytes([0, 8, 13, 16, 19, 22, 27, 35])
+cdef size_t _row_geometry(int fmt, int K, mq_mm_job *j, str who) except 0:
+    """Row bytes of a [*, K] tensor in fmt (mq_format.h); sets j.nc, the chunks per row."""
+    if fmt < 0 or fmt >= MQ_NFMT:
+        raise ValueError(f"{who}: unknown format id {fmt}")
+    if K < 1:
+        raise ValueError(f"{who}: K must be positive, got {K}")
+    j.nc = 0
+    if fmt < MQ_NPACKED:
+        j.nc = (K + MQ_FORMATS[fmt].group - 1) // MQ_FORMATS[fmt].group * (MQ_FORMATS[fmt].group // MQ_CHUNK)
+    return <size_t>mq_row_bytes(fmt, K)
+
+
+cdef const uint8_t *_levels(int fmt, q3p_levels, str who) except? NULL:
+    """The q3p level table (always passed by the caller: the table a tensor was quantized with)."""
+    if fmt != MQ_Q3P:
+        return NULL
+    if not isinstance(q3p_levels, bytes) or len(q3p_levels) != MQ_Q3P_NLEVELS:
+        raise ValueError(f"{who}: q3p needs its {MQ_Q3P_NLEVELS}-byte level table, got {q3p_levels!r}")
+    return <const uint8_t*><bytes>q3p_levels
 
 
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
-           bytes q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0):
+           q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0):
     """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
 
     x: float32 [T, K] C-contiguous; y: float32 [T, N] (rows may be strided, columns contiguous).
@@ -95,7 +112,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     cdef mq_mm_job j
     cdef mq_act a
     cdef _qa_arg qa
-    cdef int T, G, nb, cb
+    cdef int T
     cdef size_t row_bytes
     cdef const uint8_t *lv
     if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != K or not x.flags.c_contiguous:
@@ -106,24 +123,10 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         raise ValueError(f"matmul: out must be a writable float32 [{T}, {N}] array with contiguous rows")
     if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
         raise ValueError("matmul: raw must be a contiguous 1-D uint8 array")
-    if fmt >= 10:
-        row_bytes = <size_t>K * (4 if fmt == 10 else 2)
-        j.nc = 0
-    elif 0 <= fmt <= 6:
-        G = (32, 32, 32, 64, 64, 128, 32)[fmt]
-        cb = (34, 26, 20, 28, 28, 40, 20)[fmt]
-        nb = (K + G - 1) // G
-        row_bytes = <size_t>nb * cb
-        j.nc = nb * (G // 32)
-    else:
-        raise ValueError(f"matmul: unknown format id {fmt}")
+    row_bytes = _row_geometry(fmt, K, &j, "matmul")
     if <size_t>raw.shape[0] < <size_t>N * row_bytes:
         raise ValueError(f"matmul: raw holds {raw.shape[0]} bytes, [{N}, {K}] needs {N * row_bytes}")
-    if q3p_levels is None:
-        q3p_levels = _Q3P_DEFAULT
-    if len(q3p_levels) != 8:
-        raise ValueError("matmul: q3p_levels must be 8 bytes")
-    lv = q3p_levels
+    lv = _levels(fmt, q3p_levels, "matmul")
     j.fmt = fmt; j.w = <const uint8_t*>_ptr(raw); j.row_bytes = row_bytes; j.N = N; j.K = K
     j.x = <const float*>_ptr(x); j.T = T; j.ldx = K
     j.y = <float*>_ptr(y); j.ldy = <size_t>(y.strides[0] // 4)
@@ -133,7 +136,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         return y
     cdef int kp = _padded(K)
     cdef char *buf = NULL
-    if fmt < 10:
+    if fmt < MQ_NPACKED:
         buf = <char*>malloc(<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 64)
         if buf == NULL:
             raise MemoryError()
@@ -142,7 +145,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         j.a = &a
         qa.x = j.x; qa.ldx = K; qa.a = &a
     with nogil:
-        if fmt < 10:
+        if fmt < MQ_NPACKED:
             if T > 1 and threads != 1:
                 mq_pool_run_n(_qa_task, &qa, T, 1, threads)
             else:
@@ -156,36 +159,31 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
 
 
 def dequant_rows(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray ids, cnp.ndarray out,
-                 bytes q3p_levels=None, float q5_lo=0.0, float q5_step=0.0):
+                 q3p_levels=None, float q5_lo=0.0, float q5_step=0.0):
     """out[i] = row ids[i] of W dequantized (w = d*L + m in float32). ids int64 1-D; out float32 [len, K]."""
     cdef mq_mm_job j
-    cdef int G, nb, cb, i, n = ids.shape[0]
+    cdef int i, n = ids.shape[0]
     cdef size_t row_bytes
+    cdef const uint8_t *lv
     if ids.dtype != np.int64 or ids.ndim != 1 or not ids.flags.c_contiguous:
         raise ValueError("dequant_rows: ids must be contiguous int64")
     if out.dtype != np.float32 or out.ndim != 2 or out.shape[0] != n or out.shape[1] != K or not out.flags.c_contiguous:
         raise ValueError("dequant_rows: out must be C-contiguous float32 [len(ids), K]")
-    if fmt >= 10:
-        row_bytes = <size_t>K * (4 if fmt == 10 else 2); j.nc = 0
-    else:
-        G = (32, 32, 32, 64, 64, 128, 32)[fmt]
-        cb = (34, 26, 20, 28, 28, 40, 20)[fmt]
-        nb = (K + G - 1) // G
-        row_bytes = <size_t>nb * cb; j.nc = nb * (G // 32)
+    if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
+        raise ValueError("dequant_rows: raw must be a contiguous 1-D uint8 array")
+    row_bytes = _row_geometry(fmt, K, &j, "dequant_rows")
     if <size_t>raw.shape[0] < <size_t>N * row_bytes:
-        raise ValueError("dequant_rows: raw too small")
+        raise ValueError(f"dequant_rows: raw holds {raw.shape[0]} bytes, [{N}, {K}] needs {N * row_bytes}")
+    lv = _levels(fmt, q3p_levels, "dequant_rows")
     cdef const int64_t *pi = <const int64_t*>_ptr(ids)
     for i in range(n):
         if pi[i] < 0 or pi[i] >= N:
             raise IndexError(f"token id {pi[i]} out of range [0, {N})")
-    if q3p_levels is None:
-        q3p_levels = _Q3P_DEFAULT
-    j.fmt = fmt; j.w = <const uint8_t*>_ptr(raw); j.row_bytes = row_bytes; j.N = N; j.K = K
-    j.q3p_levels = q3p_levels; j.q5_lo = q5_lo; j.q5_step = q5_step
+    cdef const uint8_t *pw = <const uint8_t*>_ptr(raw)
     cdef float *po = <float*>_ptr(out)
     with nogil:
         for i in range(n):
-            mq_dequant_row(&j, <int>pi[i], po + <size_t>i * K)
+            mq_dequant_row(fmt, pw + <size_t>pi[i] * row_bytes, K, po + <size_t>i * K, lv, q5_lo, q5_step)
     return out
 
 

@@ -6,8 +6,10 @@ formats.py is the spec; tests check these are bit-exact with it on every ISA tie
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t
+from mixqrt._kernels.format cimport mq_row_bytes
 
 from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
+from mixqrt._kernels.format cimport MQ_NFMT, MQ_Q5G, MQ_Q6, MQ_Q4, MQ_Q3U, MQ_Q3P, MQ_Q3P_NLEVELS
 from mixqrt.errors import KernelError
 
 cnp.import_array()
@@ -17,14 +19,13 @@ cdef extern from "quant.h" nogil:
                     float lo, float hi)
     int mq_dequantize_rows(int fmt, const uint8_t *raw, int64_t k, const int64_t *ids, int64_t nids,
                            float *out, const uint8_t *levels, float lo, float hi)
-    int64_t mq_row_bytes(int fmt, int64_t k)
     int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out,
                            const uint8_t *levels, const float *imp)
     unsigned short mq_f32_to_f16(float f)
     float mq_f16_to_f32(unsigned short h)
 
-NFMT = 10
-_Q5G = 6
+NFMT = MQ_NFMT
+_Q5G = MQ_Q5G
 
 
 def get_isa():
@@ -36,8 +37,8 @@ def set_isa(int isa):
 
 
 cdef void _check_levels(const uint8_t[::1] levels) except *:
-    if levels.shape[0] != 8:
-        raise KernelError(f"q3p levels table must have 8 entries, got {levels.shape[0]}")
+    if levels.shape[0] != MQ_Q3P_NLEVELS:
+        raise KernelError(f"q3p levels table must have {MQ_Q3P_NLEVELS} entries, got {levels.shape[0]}")
 
 
 def quantize(int fmt, const float[:, ::1] x not None, uint8_t[::1] out not None,
@@ -57,7 +58,7 @@ def quantize(int fmt, const float[:, ::1] x not None, uint8_t[::1] out not None,
         raise KernelError(f"quantize failed for format id {fmt}")
 
 
-SEARCH_IDS = (1, 2, 3, 4)        # q6, q4, q3u, q3p
+SEARCH_IDS = (MQ_Q6, MQ_Q4, MQ_Q3U, MQ_Q3P)
 
 
 def quantize_search(int fmt, const float[:, ::1] x not None, uint8_t[::1] out not None,

@@ -35,7 +35,7 @@ from mixqrt.quant.qtensor import QTensor
 
 FP16_MAX = 65504.0
 _BF16_INF_FROM = np.array([0x7F7F8000], dtype=np.uint32).view(np.float32)[0]  # rounds up to bf16 Inf
-_FAST_IDS = {"q8": 0, "q6": 1, "q4": 2, "q3u": 3, "q3p": 4, "q2c": 5, "q5g": 6, "f16": 7, "bf16": 8, "f32": 9}
+_FAST_IDS = layout.FMT_ID
 
 try:  # the compiled fast path; the package still works (slowly) without a build
     from mixqrt._kernels import _quant as _fast

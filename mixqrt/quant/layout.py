@@ -26,7 +26,10 @@ multiply and one add, which is what every C tier does too):
   q5g  G=32  : no header; the tensor ends with 8 bytes (lo, hi) float32, and
                w = lo + q * ((hi - lo) / 31)                                   20 B/32 + 8 B
 
-This module is numpy only and is the reference the C packers are checked against.
+Format ids and block sizes are defined once, in the C header src/common/mq_format.h (with
+static_asserts on every block size); this module reads them from the extension (``_format``), so C
+kernels, quantizers and Python cannot drift apart. The packing and dequantization code below is
+numpy only and is the reference the C packers are checked against.
 """
 from __future__ import annotations
 
@@ -36,7 +39,13 @@ import numpy as np
 
 from mixqrt.errors import QuantError
 
-CHUNK = 32
+try:
+    from mixqrt._kernels import _format
+except ImportError as e:  # pragma: no cover - a source tree that was never built
+    raise ImportError("mixqrt's C extensions are not built (pip install ., or python setup.py build_ext "
+                      "--inplace): the format spec lives in them") from e
+
+CHUNK = _format.CHUNK
 
 # Unsigned integer levels of q3p: fine steps near the centre, coarse on the tails (see docs/formats.md
 # for how they were chosen). Kernels receive this table as an argument, so it can change freely.
@@ -70,16 +79,16 @@ class Layout:
         return n * self.row_bytes(k) + self.trailer
 
 
-PACKED = {
-    "q8": Layout("q8", 8, 32, 2, 32),
-    "q6": Layout("q6", 6, 32, 2, 24),
-    "q4": Layout("q4", 4, 32, 4, 16),
-    "q3u": Layout("q3u", 3, 64, 4, 12),
-    "q3p": Layout("q3p", 3, 64, 4, 12),
-    "q2c": Layout("q2c", 2, 128, 8, 8),
-    "q5g": Layout("q5g", 5, 32, 0, 20, trailer=8),
-}
-PLAIN = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "bf16": np.dtype("<u2")}
+_TABLE = _format.format_table()       # [(id, name, bits, group, header, block_bytes, trailer)]
+FMT_ID = {name: fid for fid, name, *_ in _TABLE}      # the kernels' format ids (internal, never stored)
+PACKED = {name: Layout(name, bits, group, header, bits * CHUNK // 8, trailer)
+          for fid, name, bits, group, header, _bb, trailer in _TABLE if fid < _format.NPACKED}
+# plain formats: the numpy view of their values (bf16 as raw u16 bits)
+PLAIN = {name: np.dtype({"f32": "<f4", "f16": "<f2", "bf16": "<u2"}[name])
+         for fid, name, *_ in _TABLE if fid >= _format.NPACKED}
+for _fid, _name, _bits, _g, _h, _bb, _tr in _TABLE:   # the header's block sizes are what we compute
+    if (PACKED[_name].block_bytes if _name in PACKED else PLAIN[_name].itemsize) != _bb:
+        raise ImportError(f"format {_name}: mq_format.h says {_bb} bytes per block, layout.py computes otherwise")
 
 
 def rows_cols(shape) -> tuple[int, int]:

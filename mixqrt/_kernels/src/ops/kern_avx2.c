@@ -91,46 +91,46 @@ unpack_chunk(const ctx_t *cx, const int fmt, const uint8_t *row, int c, float *d
     const __m256i sh2 = _mm256_setr_epi64x(0, 2, 4, 6), sh4 = _mm256_setr_epi64x(0, 0, 4, 4);
     switch (fmt) {
     case MQ_Q8: {
-        const uint8_t *A = row + (size_t)c * 34;
+        const uint8_t *A = row + (size_t)c * MQ_Q8_BLOCK;
         float d = h2f(A);
         *dw = d; *mm = 0.0f;   /* cdot already gives sum(c * a) for signed codes: no offset */
-        return _mm256_loadu_si256((const __m256i *)(A + 2));
+        return _mm256_loadu_si256((const __m256i *)(A + MQ_Q8_HEADER));
     }
     case MQ_Q6: {
-        const uint8_t *A = row + (size_t)c * 26;
+        const uint8_t *A = row + (size_t)c * MQ_Q6_BLOCK;
         float d = h2f(A);
         *dw = d; *mm = -32.0f * d;
-        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + 2)));
+        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + MQ_Q6_HEADER)));
         lo = _mm256_and_si256(_mm256_srlv_epi64(lo, sh4), m15);
-        __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(A + 18)), sh2), m3);
+        __m256i hi = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(A + MQ_Q6_HEADER + MQ_PACK6_HI)), sh2), m3);
         return _mm256_or_si256(lo, _mm256_slli_epi64(hi, 4));
     }
     case MQ_Q4: {
-        const uint8_t *A = row + (size_t)c * 20;
-        *dw = h2f(A); *mm = h2f(A + 2);
-        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + 4)));
+        const uint8_t *A = row + (size_t)c * MQ_Q4_BLOCK;
+        *dw = h2f(A + MQ_HDR_D); *mm = h2f(A + MQ_HDR_M);
+        __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + MQ_Q4_HEADER)));
         return _mm256_and_si256(_mm256_srlv_epi64(lo, sh4), m15);
     }
     case MQ_Q5G: {
-        const uint8_t *A = row + (size_t)c * 20;
+        const uint8_t *A = row + (size_t)c * MQ_Q5G_BLOCK;
         *dw = cx->q5_step; *mm = cx->q5_lo;
         __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)A));
         lo = _mm256_and_si256(_mm256_srlv_epi64(lo, sh4), m15);
-        return _mm256_or_si256(lo, _mm256_and_si256(bits32(cx, rd32(A + 16)), _mm256_set1_epi8(16)));
+        return _mm256_or_si256(lo, _mm256_and_si256(bits32(cx, rd32(A + MQ_PACK5_HI)), _mm256_set1_epi8(16)));
     }
     case MQ_Q3U:
     case MQ_Q3P: {
-        const uint8_t *blk = row + (size_t)(c >> 1) * 28, *p = blk + 4 + 12 * (c & 1);
-        *dw = h2f(blk); *mm = h2f(blk + 2);
+        const uint8_t *blk = row + (size_t)(c >> 1) * MQ_Q3_BLOCK, *p = blk + MQ_Q3_HEADER + MQ_CHUNK_BYTES(MQ_Q3_BITS) * (c & 1);
+        *dw = h2f(blk + MQ_HDR_D); *mm = h2f(blk + MQ_HDR_M);
         __m256i h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(p)), sh2), m3);
-        h = _mm256_or_si256(h, _mm256_and_si256(bits32(cx, rd32(p + 8)), _mm256_set1_epi8(4)));
+        h = _mm256_or_si256(h, _mm256_and_si256(bits32(cx, rd32(p + MQ_PACK3_HI)), _mm256_set1_epi8(4)));
         return fmt == MQ_Q3P ? _mm256_shuffle_epi8(cx->tab, h) : h;
     }
     default: { /* MQ_Q2C */
-        const uint8_t *blk = row + (size_t)(c >> 2) * 40, *p = blk + 8 + 8 * (c & 3);
-        *dw = h2f(blk); *mm = h2f(blk + 2);
+        const uint8_t *blk = row + (size_t)(c >> 2) * MQ_Q2C_BLOCK, *p = blk + MQ_Q2C_HEADER + MQ_CHUNK_BYTES(MQ_Q2C_BITS) * (c & 3);
+        *dw = h2f(blk + MQ_HDR_D); *mm = h2f(blk + MQ_HDR_M);
         __m256i h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(p)), sh2), m3);
-        return _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(blk + 4)), h);
+        return _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(blk + MQ_Q2C_LUT)), h);
     }
     }
 }
@@ -290,7 +290,7 @@ static void load_row_f32(const mq_mm_job *j, int n, float *out) {
         for (; k + 8 <= j->K; k += 8)
             _mm256_storeu_ps(out + k, _mm256_castsi256_ps(_mm256_slli_epi32(
                 _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * k))), 16)));
-        for (; k < j->K; k++) out[k] = mq_bf2f(rd16(row + 2 * k));
+        for (; k < j->K; k++) out[k] = mq_bf16_to_f32(rd16(row + 2 * k));
     }
 }
 
@@ -310,7 +310,7 @@ void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
     if (j->fmt >= MQ_F32) { mm_float(j, n0, n1); return; }
     ctx_t cx;
     uint8_t t16[16] = {0};
-    if (j->q3p_levels) memcpy(t16, j->q3p_levels, 8);
+    if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
     cx.tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t16));
     cx.bsh = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);

@@ -9,6 +9,13 @@
 
 #include "mq_ops.h"
 
+/* byte offsets inside a block that the shuffle tables below (PERM_Q3P, PERM_Q6, pw16) hard-wire */
+#define Q3_C0 MQ_Q3_HEADER                                  /* q3 chunk 0 */
+#define Q3_C1 (MQ_Q3_HEADER + MQ_CHUNK_BYTES(MQ_Q3_BITS))   /* q3 chunk 1 */
+#define Q6_HI (MQ_Q6_HEADER + MQ_PACK6_HI)                  /* q6 2-bit plane */
+_Static_assert(Q3_C0 == 4 && Q3_C1 == 16 && MQ_PACK3_HI == 8, "PERM_Q3P indexes q3 block bytes 4-27");
+_Static_assert(Q6_HI == 18 && MQ_Q6_BLOCK == 26, "PERM_Q6 / pw16 index two q6 blocks of 26 bytes");
+
 void *mq_scratch(size_t n);
 
 static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -75,16 +82,16 @@ unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *d
     int two = 2 * p + 1 < cx->nc;
     switch (fmt) {
     case MQ_Q8: {
-        const uint8_t *A = row + (size_t)(2 * p) * 34, *B = two ? A + 34 : A;
+        const uint8_t *A = row + (size_t)(2 * p) * MQ_Q8_BLOCK, *B = two ? A + MQ_Q8_BLOCK : A;
         __m512 d = _mm512_cvtph_ps(h16x2(A, B));
         if (!two) d = _mm512_maskz_mov_ps(0x00ff, d);
         *dv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
-        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A + 2))),
-                                       _mm256_loadu_si256((const __m256i *)(B + 2)), 1);
+        __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A + MQ_Q8_HEADER))),
+                                       _mm256_loadu_si256((const __m256i *)(B + MQ_Q8_HEADER)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
     }
     case MQ_Q6: {
-        const uint8_t *A = row + (size_t)(2 * p) * 26;
+        const uint8_t *A = row + (size_t)(2 * p) * MQ_Q6_BLOCK;
         /* plain loads where 64 bytes stay inside the tensor: masked loads that miss the cache are
          * slow on AMD (10x measured on 151936 x 896) */
         __m512i v = A + 64 <= cx->end ? _mm512_loadu_si512((const void *)A)
@@ -97,27 +104,27 @@ unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *d
         return _mm512_ternarylogic_epi64(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
     }
     case MQ_Q4: {
-        const uint8_t *A = row + (size_t)(2 * p) * 20, *B = two ? A + 20 : A;
-        __m512 d = _mm512_cvtph_ps(h16x2(A, B)), m = _mm512_cvtph_ps(h16x2(A + 2, B + 2));
+        const uint8_t *A = row + (size_t)(2 * p) * MQ_Q4_BLOCK, *B = two ? A + MQ_Q4_BLOCK : A;
+        __m512 d = _mm512_cvtph_ps(h16x2(A, B)), m = _mm512_cvtph_ps(h16x2(A + MQ_HDR_M, B + MQ_HDR_M));
         if (!two) { d = _mm512_maskz_mov_ps(0x00ff, d); m = _mm512_maskz_mov_ps(0x00ff, m); }
         *dv = d; *mv = m;
-        __m512i lo = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(A + 4))),
-                                                 0xff00, _mm_loadu_si128((const __m128i *)(B + 4)));
+        __m512i lo = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(A + MQ_Q4_HEADER))),
+                                                 0xff00, _mm_loadu_si128((const __m128i *)(B + MQ_Q4_HEADER)));
         return _mm512_and_si512(_mm512_srlv_epi64(lo, sh4), m15);
     }
     case MQ_Q5G: {
-        const uint8_t *A = row + (size_t)(2 * p) * 20, *B = two ? A + 20 : A;
+        const uint8_t *A = row + (size_t)(2 * p) * MQ_Q5G_BLOCK, *B = two ? A + MQ_Q5G_BLOCK : A;
         *dv = two ? _mm512_set1_ps(cx->q5_step) : _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(cx->q5_step));
         *mv = two ? _mm512_set1_ps(cx->q5_lo) : _mm512_maskz_mov_ps(0x00ff, _mm512_set1_ps(cx->q5_lo));
         __m512i lo = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)A)),
                                                  0xff00, _mm_loadu_si128((const __m128i *)B));
         lo = _mm512_and_si512(_mm512_srlv_epi64(lo, sh4), m15);
-        __mmask64 k = (__mmask64)rd32(A + 16) | ((__mmask64)rd32(B + 16) << 32);
+        __mmask64 k = (__mmask64)rd32(A + MQ_PACK5_HI) | ((__mmask64)rd32(B + MQ_PACK5_HI) << 32);
         return _mm512_mask_add_epi8(lo, k, lo, _mm512_set1_epi8(16));
     }
     case MQ_Q3U:
     case MQ_Q3P: {
-        const uint8_t *blk = row + (size_t)p * 28;
+        const uint8_t *blk = row + (size_t)p * MQ_Q3_BLOCK;
         __m512i v = _mm512_castsi256_si512(blk + 32 <= cx->end ? _mm256_loadu_si256((const __m256i *)blk)
                                                                 : _mm256_maskz_loadu_epi8(0x0fffffff, blk));
         *dv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) & 0xffff)));
@@ -128,12 +135,12 @@ unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *d
         return fmt == MQ_Q3P ? _mm512_shuffle_epi8(cx->tab, h) : h;
     }
     default: { /* MQ_Q2C */
-        const uint8_t *blk = row + (size_t)(p >> 1) * 40, *c = blk + 8 + 16 * (p & 1);
+        const uint8_t *blk = row + (size_t)(p >> 1) * MQ_Q2C_BLOCK, *c = blk + MQ_Q2C_HEADER + 2 * MQ_CHUNK_BYTES(MQ_Q2C_BITS) * (p & 1);
         *dv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) & 0xffff)));
         *mv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) >> 16)));
         __m512i h = _mm512_mask_set1_epi64(_mm512_set1_epi64((long long)rd64(c)), 0xf0, (long long)rd64(c + 8));
         h = _mm512_and_si512(_mm512_srlv_epi64(h, sh2), m3);
-        return _mm512_shuffle_epi8(_mm512_set1_epi32((int)rd32(blk + 4)), h);
+        return _mm512_shuffle_epi8(_mm512_set1_epi32((int)rd32(blk + MQ_Q2C_LUT)), h);
     }
     }
 }
@@ -226,22 +233,22 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #endif
 static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk, __m512i tab, const int plev) {
     const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
-    __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(blk + 4))),
-                                    _mm256_set1_epi64x((long long)rd64(blk + 16)), 1);
+    __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(blk + Q3_C0))),
+                                    _mm256_set1_epi64x((long long)rd64(blk + Q3_C1)), 1);
     lo = _mm512_and_si512(_mm512_srlv_epi64(lo, sh2), _mm512_set1_epi8(3));
-    __mmask64 k = _cvtu64_mask64((uint64_t)rd32(blk + 12) | ((uint64_t)rd32(blk + 24) << 32));
+    __mmask64 k = _cvtu64_mask64((uint64_t)rd32(blk + Q3_C0 + MQ_PACK3_HI) | ((uint64_t)rd32(blk + Q3_C1 + MQ_PACK3_HI) << 32));
     lo = _mm512_mask_add_epi8(lo, k, lo, _mm512_set1_epi8(4));
     return plev ? _mm512_shuffle_epi8(tab, lo) : lo;
 }
 
 static inline __attribute__((always_inline)) __m512i q6_codes(const uint8_t *A) {
-    const uint8_t *B = A + 26;
+    const uint8_t *B = A + MQ_Q6_BLOCK;
     const __m512i sh4 = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
-    __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + 2)))),
-                                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + 2))), 1);
+    __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(A + MQ_Q6_HEADER)))),
+                                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(B + MQ_Q6_HEADER))), 1);
     lo = _mm512_and_si512(_mm512_srlv_epi64(lo, sh4), _mm512_set1_epi8(15));
-    __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(A + 18))),
-                                    _mm256_set1_epi64x((long long)rd64(B + 18)), 1);
+    __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(A + Q6_HI))),
+                                    _mm256_set1_epi64x((long long)rd64(B + Q6_HI)), 1);
     hi = _mm512_rolv_epi64(hi, _mm512_setr_epi64(4, 2, 0, 62, 4, 2, 0, 62));
     return _mm512_ternarylogic_epi64(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
 }
@@ -252,14 +259,14 @@ lean_pair(const int fmt, const uint8_t *row, int p, __m512i tab, __m512i xq, __m
           __m512 *acc, __m128 *am) {
     const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     if (fmt == MQ_Q6) {
-        const uint8_t *A = row + (size_t)p * 52;
+        const uint8_t *A = row + (size_t)p * 2 * MQ_Q6_BLOCK;
         __m512i l = q6_codes(A);
-        __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(rd32(A) & 0xffff) | (int)((uint32_t)rd32(A + 26) << 16)));
+        __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(rd32(A) & 0xffff) | (int)((uint32_t)rd32(A + MQ_Q6_BLOCK) << 16)));
         __m512 w = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(_mm_mul_ps(d2, dx2)));
         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l, xq)), w, *acc);
         *am = _mm_fmadd_ps(d2, sv, *am);
     } else {
-        const uint8_t *blk = row + (size_t)p * 28;
+        const uint8_t *blk = row + (size_t)p * MQ_Q3_BLOCK;
         __m512i l = q3_codes(blk, tab, fmt == MQ_Q3P);
         __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(blk)));
         __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l, xq)), dxv);
@@ -271,7 +278,7 @@ lean_pair(const int fmt, const uint8_t *row, int p, __m512i tab, __m512i xq, __m
 static inline __attribute__((always_inline)) void
 mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
-    const int np = (j->nc + 1) / 2, pb = fmt == MQ_Q6 ? 52 : 28;
+    const int np = (j->nc + 1) / 2, pb = fmt == MQ_Q6 ? 2 * MQ_Q6_BLOCK : MQ_Q3_BLOCK;
     const size_t rb = j->row_bytes;
     const float *dx = j->a->d, *s = j->a->s;
     /* offset-term activations per pair: q6 (-32 s_2p, -32 s_2p+1) against (d_A, d_B);
@@ -525,7 +532,7 @@ static void load_row_f32(const mq_mm_job *j, int n, float *out) {
         for (; k + 16 <= j->K; k += 16)
             _mm512_storeu_ps(out + k, _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * k))), 16)));
-        for (; k < j->K; k++) { uint16_t v; memcpy(&v, row + 2 * k, 2); out[k] = mq_bf2f(v); }
+        for (; k < j->K; k++) { uint16_t v; memcpy(&v, row + 2 * k, 2); out[k] = mq_bf16_to_f32(v); }
     }
 }
 
@@ -553,7 +560,7 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     ctx_t cx;
     cx.fmt = j->fmt; cx.nc = j->nc; cx.end = j->w + (size_t)j->N * j->row_bytes; cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
     uint8_t t16[16] = {0};
-    if (j->q3p_levels) memcpy(t16, j->q3p_levels, 8);
+    if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
     cx.tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
     cx.p3lo = _mm512_loadu_si512(PERM_Q3P[0]); cx.p3hi = _mm512_loadu_si512(PERM_Q3P[1]);
     cx.p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx.p6hi = _mm512_loadu_si512(PERM_Q6[1]);

@@ -188,7 +188,7 @@ void MQ_FN(mq_attention_)(const float *q, const void *k, const void *v, int kv_f
                 const float *krow;
                 if (kv_f16) {
                     const uint16_t *kp = (const uint16_t *)k + off;
-                    for (int d = 0; d < Dh; d++) kr[d] = mq_h2f(kp[d]);
+                    for (int d = 0; d < Dh; d++) kr[d] = mq_f16_to_f32(kp[d]);
                     krow = kr;
                 } else {
                     krow = (const float *)k + off;
@@ -202,7 +202,7 @@ void MQ_FN(mq_attention_)(const float *q, const void *k, const void *v, int kv_f
                 float p = sc[i];
                 if (kv_f16) {
                     const uint16_t *vp = (const uint16_t *)v + off;
-                    for (int d = 0; d < Dh; d++) o[d] += p * mq_h2f(vp[d]);
+                    for (int d = 0; d < Dh; d++) o[d] += p * mq_f16_to_f32(vp[d]);
                 } else {
                     const float *vr = (const float *)v + off;
                     for (int d = 0; d < Dh; d++) o[d] += p * vr[d];

@@ -1,8 +1,8 @@
 /* Kernels of mixqrt.ops: products straight from packed weights, activation quantization, the
- * native thread pool and the other ops of a Qwen2 layer. Byte layouts: mixqrt/quant/layout.py.
+ * native thread pool and the other ops of a Qwen2 layer. Byte layouts: mq_format.h (prose: mixqrt/quant/layout.py).
  *
  * Integer path (every packed format). A row is nc chunks of 32 weights; chunk c has u8 levels
- * U[i] = L[q_i] + off (off = 128 for q8, 32 for q6, else 0), a weight scale dw_c and an additive
+ * U[i] = L[q_i] + off (off = MQ_FORMATS[fmt].off: 128 for q8, 32 for q6, else 0), a weight scale dw_c and an additive
  * term m_c, so w_i = dw_c * (U[i] - off) + m_c. The activation x is quantized per chunk of 32 to
  * int8 a_i with scale dx_c (x ~ dx_c * a_i); s_c = dx_c * sum(a_i). Then
  *     y = sum_c  (dw_c * dx_c) * isum_c  +  (m_c - off * dw_c) * s_c,   isum_c = sum_i U[i] a_i
@@ -13,16 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum mq_fmt {
-    MQ_Q8 = 0, MQ_Q6 = 1, MQ_Q4 = 2, MQ_Q3U = 3, MQ_Q3P = 4, MQ_Q2C = 5, MQ_Q5G = 6,
-    MQ_F32 = 10, MQ_F16 = 11, MQ_BF16 = 12,
-};
-
-typedef struct {
-    int group, header, chunk_bytes, bits, off;
-} mq_fmtinfo;
-
-const mq_fmtinfo *mq_fmt_info(int fmt); /* NULL for float formats / unknown */
+#include "mq_format.h"   /* format ids, block layouts, fp16, the dequantizer */
 
 /* Quantized activations of T rows. Row t: q + t*kp (int8, kp a multiple of 128, zero padded),
  * d + t*ncp and s + t*ncp (ncp = kp / 32). */
@@ -65,15 +56,8 @@ int mq_set_lean_mv(int on);    /* AVX-512 lean decode path for q3p/q3u/q6 (defau
 
 /* Unpack one packed row to u8 levels lv[nc*32], dw[nc], mm[nc] (mm = m - off*dw). Portable. */
 void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, float *dw, float *mm);
-/* Dequantize one row to float32 out[K] (w = d*L + m in float32, as layout.py). */
-void mq_dequant_row(const mq_mm_job *j, int n, float *out);
-
-float mq_h2f(uint16_t h);
 /* per-thread scratch, 64 B aligned, grows, never freed (generic.c) */
 void *mq_scratch(size_t n);
-static inline float mq_bf2f(uint16_t b) {
-    union { uint32_t u; float f; } v; v.u = (uint32_t)b << 16; return v.f;
-}
 
 /* ---------------------------------------------------------------- thread pool (pool.c) */
 typedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1);

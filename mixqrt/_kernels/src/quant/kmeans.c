@@ -115,8 +115,9 @@ void mq_q2c_block(const float *x, int nv, uint8_t *dst) {
     uint8_t codes[128];
     memset(codes, 0, sizeof codes);
     memcpy(codes, use_k ? ck : cu, (size_t)nv);
-    mq_put16(dst, use_k ? dk : du);
-    mq_put16(dst + 2, use_k ? mk : mu);
-    memcpy(dst + 4, use_k ? lutk : lutu, 4);
-    for (int ch = 0; ch < 4; ch++) mq_pack_chunk(codes + 32 * ch, 2, dst + 8 + 8 * ch);
+    mq_put16(dst + MQ_HDR_D, use_k ? dk : du);
+    mq_put16(dst + MQ_HDR_M, use_k ? mk : mu);
+    memcpy(dst + MQ_Q2C_LUT, use_k ? lutk : lutu, 4);
+    for (int ch = 0; ch < MQ_Q2C_GROUP / MQ_CHUNK; ch++)
+        mq_pack_chunk(codes + MQ_CHUNK * ch, MQ_Q2C_BITS, dst + MQ_Q2C_HEADER + MQ_CHUNK_BYTES(MQ_Q2C_BITS) * ch);
 }

@@ -2,76 +2,6 @@
 #include "quant.h"
 #include "cpu.h"
 
-#define CHUNK 32
-
-typedef struct { int bits, group, header, chunk_bytes; } mq_lay;
-static const mq_lay LAYS[7] = {
-    {8, 32, 2, 32}, {6, 32, 2, 24}, {4, 32, 4, 16}, {3, 64, 4, 12}, {3, 64, 4, 12}, {2, 128, 8, 8}, {5, 32, 0, 20},
-};
-
-int64_t mq_row_bytes(int fmt, int64_t k) {
-    if (fmt < 0 || fmt >= MQ_NFMT) return -1;
-    if (fmt == MQ_F32) return 4 * k;
-    if (fmt == MQ_F16 || fmt == MQ_BF16) return 2 * k;
-    const mq_lay *l = &LAYS[fmt];
-    int64_t nb = (k + l->group - 1) / l->group;
-    return nb * (l->header + (l->group / CHUNK) * l->chunk_bytes);
-}
-
-/* ---------------------------------------------------------------- chunk packing (layout.py) */
-static void pack2(const uint8_t *c, uint8_t *d) {
-    for (int i = 0; i < 8; i++) d[i] = (uint8_t)(c[i] | (c[i + 8] << 2) | (c[i + 16] << 4) | (c[i + 24] << 6));
-}
-static void pack4(const uint8_t *c, uint8_t *d) {
-    for (int i = 0; i < 16; i++) d[i] = (uint8_t)(c[i] | (c[i + 16] << 4));
-}
-static void packbit(const uint8_t *c, int b, uint8_t *d) {
-    uint32_t v = 0;
-    for (int i = 0; i < 32; i++) v |= (uint32_t)((c[i] >> b) & 1u) << i;
-    d[0] = (uint8_t)v; d[1] = (uint8_t)(v >> 8); d[2] = (uint8_t)(v >> 16); d[3] = (uint8_t)(v >> 24);
-}
-
-void mq_pack_chunk(const uint8_t *c, int bits, uint8_t *d) {
-    uint8_t lo[CHUNK];
-    switch (bits) {
-    case 8: memcpy(d, c, 32); break;
-    case 2: pack2(c, d); break;
-    case 3: for (int i = 0; i < 32; i++) lo[i] = c[i] & 3; pack2(lo, d); packbit(c, 2, d + 8); break;
-    case 4: pack4(c, d); break;
-    case 5: for (int i = 0; i < 32; i++) lo[i] = c[i] & 15; pack4(lo, d); packbit(c, 4, d + 16); break;
-    case 6:
-        for (int i = 0; i < 32; i++) lo[i] = c[i] & 15;
-        pack4(lo, d);
-        for (int i = 0; i < 32; i++) lo[i] = c[i] >> 4;
-        pack2(lo, d + 16);
-        break;
-    }
-}
-
-void mq_unpack_chunk(const uint8_t *s, int bits, uint8_t *c) {
-    switch (bits) {
-    case 8: memcpy(c, s, 32); break;
-    case 2: for (int i = 0; i < 8; i++) for (int j = 0; j < 4; j++) c[i + 8 * j] = (s[i] >> (2 * j)) & 3; break;
-    case 3: {
-        uint32_t v = (uint32_t)s[8] | ((uint32_t)s[9] << 8) | ((uint32_t)s[10] << 16) | ((uint32_t)s[11] << 24);
-        for (int i = 0; i < 8; i++) for (int j = 0; j < 4; j++) c[i + 8 * j] = (s[i] >> (2 * j)) & 3;
-        for (int i = 0; i < 32; i++) c[i] |= (uint8_t)(((v >> i) & 1u) << 2);
-        break;
-    }
-    case 4: for (int i = 0; i < 16; i++) { c[i] = s[i] & 15; c[i + 16] = s[i] >> 4; } break;
-    case 5: {
-        uint32_t v = (uint32_t)s[16] | ((uint32_t)s[17] << 8) | ((uint32_t)s[18] << 16) | ((uint32_t)s[19] << 24);
-        for (int i = 0; i < 16; i++) { c[i] = s[i] & 15; c[i + 16] = s[i] >> 4; }
-        for (int i = 0; i < 32; i++) c[i] |= (uint8_t)(((v >> i) & 1u) << 4);
-        break;
-    }
-    case 6:
-        for (int i = 0; i < 16; i++) { c[i] = s[i] & 15; c[i + 16] = s[i] >> 4; }
-        for (int i = 0; i < 8; i++) for (int j = 0; j < 4; j++) c[i + 8 * j] |= (uint8_t)(((s[16 + i] >> (2 * j)) & 3) << 4);
-        break;
-    }
-}
-
 /* rint of t already clamped to a small integer range: the 1.5*2^23 trick is exact RNE there */
 static inline float rnd(float t) {
     const float b = 12582912.0f;        /* IEEE semantics (no -ffast-math) keep (t + b) - b */
@@ -85,7 +15,7 @@ static void blk_q8(const float *x, int nv, uint8_t *dst, uint8_t *codes) {
     for (int i = 0; i < nv; i++) { float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) amax = a; }
     uint16_t dh = mq_snap(mq_f32_to_f16_rtz(amax / 127.0f), 0.0f, 127.0f, amax);
     float d = mq_f16_to_f32(dh);
-    mq_put16(dst, dh);
+    mq_put16(dst + MQ_HDR_D, dh);
     if (d > 0)
         for (int i = 0; i < nv; i++) codes[i] = (uint8_t)(int)rnd(clampf(x[i] / d, -127.0f, 127.0f));
 }
@@ -95,7 +25,7 @@ static void blk_q6(const float *x, int nv, uint8_t *dst, uint8_t *codes) {
     for (int i = 0; i < nv; i++) { float a = x[i] < 0 ? -x[i] : x[i]; if (a > amax) { amax = a; ext = x[i]; } }
     uint16_t dh = mq_f32_to_f16_rtz(ext / -32.0f);
     float d = mq_f16_to_f32(dh);
-    mq_put16(dst, dh);
+    mq_put16(dst + MQ_HDR_D, dh);
     for (int i = 0; i < nv; i++) codes[i] = (uint8_t)((d != 0 ? (int)rnd(clampf(x[i] / d, -32.0f, 31.0f)) : 0) + 32);
 }
 
@@ -109,8 +39,8 @@ static void minmax_dm(const float *x, int nv, float top, uint8_t *dst, float *d,
     if (!(raw > 0.0f)) raw = 0.0f;
     uint16_t dh = mq_snap(mq_f32_to_f16_rtz(raw), *m, top, mx);
     *d = mq_f16_to_f32(dh);
-    mq_put16(dst, dh);
-    mq_put16(dst + 2, mh);
+    mq_put16(dst + MQ_HDR_D, dh);
+    mq_put16(dst + MQ_HDR_M, mh);
 }
 
 static void blk_uni(const float *x, int nv, uint8_t *dst, uint8_t *codes, float top) {
@@ -152,11 +82,11 @@ int mq_quantize(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, con
         for (int64_t i = 0; i < n * k; i++) mq_put16(out + 2 * i, fmt == MQ_F16 ? mq_f32_to_f16(x[i]) : f32_to_bf16(x[i]));
         return 0;
     }
-    const mq_lay *l = &LAYS[fmt];
-    const int G = l->group, bb = l->header + (G / CHUNK) * l->chunk_bytes;
+    const mq_fmt_spec *l = &MQ_FORMATS[fmt];
+    const int G = l->group, bb = l->block_bytes, cb = MQ_CHUNK_BYTES(l->bits);
     const int64_t nb = (k + G - 1) / G;
     const float step = (hi - lo) / 31.0f;
-    uint8_t codes[128];
+    uint8_t codes[MQ_Q2C_GROUP];
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * k;
         for (int64_t b = 0; b < nb; b++) {
@@ -173,9 +103,21 @@ int mq_quantize(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, con
             case MQ_Q3P: blk_q3p(xb, nv, dst, codes, lv); break;
             case MQ_Q5G: blk_q5g(xb, nv, codes, lo, step); break;
             }
-            for (int c = 0; c < G / CHUNK; c++) mq_pack_chunk(codes + CHUNK * c, l->bits, dst + l->header + c * l->chunk_bytes);
+            for (int c = 0; c < G / MQ_CHUNK; c++) mq_pack_chunk(codes + MQ_CHUNK * c, l->bits, dst + l->header + c * cb);
         }
     }
     if (fmt == MQ_Q5G) { memcpy(out + n * nb * bb, &lo, 4); memcpy(out + n * nb * bb + 4, &hi, 4); }
+    return 0;
+}
+
+int mq_dequantize_rows(int fmt, const uint8_t *raw, int64_t k, const int64_t *ids, int64_t nids,
+                       float *out, const uint8_t *lv, float lo, float hi) {
+    int64_t rb = mq_row_bytes(fmt, k);
+    if (rb < 0) return -1;
+    const float step = (hi - lo) / 31.0f;
+    for (int64_t i = 0; i < nids; i++) {
+        int64_t r = ids ? ids[i] : i;
+        mq_dequant_row(fmt, raw + r * rb, k, out + i * k, lv, lo, step);
+    }
     return 0;
 }

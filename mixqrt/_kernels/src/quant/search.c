@@ -167,8 +167,8 @@ void mq_search_asym(const float *x, const float *w, int nv, const float *L, int 
             if (!bad16(dh2) && !bad16(mh2) && mq_f16_to_f32(dh2) > 0) { dh = dh2; mh = mh2; }
         }
     }
-    mq_put16(dst, dh);
-    mq_put16(dst + 2, mh);
+    mq_put16(dst + MQ_HDR_D, dh);
+    mq_put16(dst + MQ_HDR_M, mh);
 }
 
 void mq_search_sym6(const float *x, const float *w, int nv, uint8_t *dst, uint8_t *codes) {
@@ -212,25 +212,20 @@ void mq_search_sym6(const float *x, const float *w, int nv, uint8_t *dst, uint8_
             if (!bad16(dh2) && mq_f16_to_f32(dh2) != 0) dh = dh2;
         }
     }
-    mq_put16(dst, dh);
+    mq_put16(dst + MQ_HDR_D, dh);
 }
 
 /* x [n, k]; imp: k column weights or NULL (all 1). fmt in {Q6, Q4, Q3U, Q3P}; others -> -1 */
 int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, const uint8_t *lv,
                        const float *imp) {
-    int G, bits, head, cb, nl, q3p = 0;
-    float L[16];
-    switch (fmt) {
-    case MQ_Q6: G = 32; bits = 6; head = 2; cb = 24; nl = 0; break;
-    case MQ_Q4: G = 32; bits = 4; head = 4; cb = 16; nl = 16; break;
-    case MQ_Q3U: G = 64; bits = 3; head = 4; cb = 12; nl = 8; break;
-    case MQ_Q3P: G = 64; bits = 3; head = 4; cb = 12; nl = 8; q3p = 1; break;
-    default: return -1;
-    }
+    if (fmt != MQ_Q6 && fmt != MQ_Q4 && fmt != MQ_Q3U && fmt != MQ_Q3P) return -1;
+    const mq_fmt_spec *f = &MQ_FORMATS[fmt];
+    const int G = f->group, bits = f->bits, head = f->header, cb = MQ_CHUNK_BYTES(bits), bb = f->block_bytes;
+    const int q3p = fmt == MQ_Q3P, nl = fmt == MQ_Q6 ? 0 : 1 << bits;   /* q6 is symmetric: no table */
+    float L[1 << MQ_Q4_BITS];
     for (int j = 0; j < nl; j++) L[j] = q3p ? (float)lv[j] : (float)j;
-    const int bb = head + (G / 32) * cb;
     const int64_t nb = (k + G - 1) / G;
-    uint8_t codes[128];
+    uint8_t codes[MQ_Q3_GROUP];
     for (int64_t r = 0; r < n; r++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + r * k + b * G;
@@ -240,7 +235,7 @@ int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *o
             memset(codes, 0, sizeof codes);
             if (fmt == MQ_Q6) mq_search_sym6(xb, wb, nv, dst, codes);
             else mq_search_asym(xb, wb, nv, L, nl, q3p, dst, codes);
-            for (int c = 0; c < G / 32; c++) mq_pack_chunk(codes + 32 * c, bits, dst + head + c * cb);
+            for (int c = 0; c < G / MQ_CHUNK; c++) mq_pack_chunk(codes + MQ_CHUNK * c, bits, dst + head + c * cb);
         }
     }
     return 0;

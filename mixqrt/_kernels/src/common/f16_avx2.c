@@ -1,7 +1,7 @@
 /* AVX2 tier (F16C): the plain f16 format's conversions. vcvtps2ph with imm 0 rounds to nearest even
  * and converts subnormals exactly (it ignores MXCSR.DAZ/FTZ), so it matches mq_f32_to_f16 bit for bit. */
 #include <immintrin.h>
-#include "quant.h"
+#include "mq_format.h"
 
 void mq_f32_to_f16_avx2(const float *x, uint8_t *out, int64_t n) {
     int64_t i = 0;

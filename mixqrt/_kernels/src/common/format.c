@@ -1,0 +1,90 @@
+/* Portable chunk packing and the one dequantizer of every format (spec: mq_format.h, layout.py). */
+#include "mq_format.h"
+#include "cpu.h"
+
+static void pack2(const uint8_t *c, uint8_t *d) {
+    for (int i = 0; i < 8; i++) d[i] = (uint8_t)(c[i] | (c[i + 8] << 2) | (c[i + 16] << 4) | (c[i + 24] << 6));
+}
+static void pack4(const uint8_t *c, uint8_t *d) {
+    for (int i = 0; i < 16; i++) d[i] = (uint8_t)(c[i] | (c[i + 16] << 4));
+}
+static void packbit(const uint8_t *c, int b, uint8_t *d) {
+    uint32_t v = 0;
+    for (int i = 0; i < 32; i++) v |= (uint32_t)((c[i] >> b) & 1u) << i;
+    d[0] = (uint8_t)v; d[1] = (uint8_t)(v >> 8); d[2] = (uint8_t)(v >> 16); d[3] = (uint8_t)(v >> 24);
+}
+static void unpack2(const uint8_t *s, uint8_t *c) {
+    for (int i = 0; i < 8; i++) for (int j = 0; j < 4; j++) c[i + 8 * j] = (s[i] >> (2 * j)) & 3;
+}
+static void unpack4(const uint8_t *s, uint8_t *c) {
+    for (int i = 0; i < 16; i++) { c[i] = s[i] & 15; c[i + 16] = s[i] >> 4; }
+}
+static void unpackbit(const uint8_t *s, int b, uint8_t *c) {
+    uint32_t v = (uint32_t)s[0] | ((uint32_t)s[1] << 8) | ((uint32_t)s[2] << 16) | ((uint32_t)s[3] << 24);
+    for (int i = 0; i < 32; i++) c[i] |= (uint8_t)(((v >> i) & 1u) << b);
+}
+
+void mq_pack_chunk(const uint8_t *c, int bits, uint8_t *d) {
+    uint8_t lo[MQ_CHUNK];
+    switch (bits) {
+    case 8: memcpy(d, c, MQ_CHUNK); break;
+    case 2: pack2(c, d); break;
+    case 3: for (int i = 0; i < 32; i++) lo[i] = c[i] & 3; pack2(lo, d); packbit(c, 2, d + MQ_PACK3_HI); break;
+    case 4: pack4(c, d); break;
+    case 5: for (int i = 0; i < 32; i++) lo[i] = c[i] & 15; pack4(lo, d); packbit(c, 4, d + MQ_PACK5_HI); break;
+    case 6:
+        for (int i = 0; i < 32; i++) lo[i] = c[i] & 15;
+        pack4(lo, d);
+        for (int i = 0; i < 32; i++) lo[i] = c[i] >> 4;
+        pack2(lo, d + MQ_PACK6_HI);
+        break;
+    }
+}
+
+void mq_unpack_chunk(const uint8_t *s, int bits, uint8_t *c) {
+    uint8_t hi[MQ_CHUNK];
+    switch (bits) {
+    case 8: memcpy(c, s, MQ_CHUNK); break;
+    case 2: unpack2(s, c); break;
+    case 3: unpack2(s, c); unpackbit(s + MQ_PACK3_HI, 2, c); break;
+    case 4: unpack4(s, c); break;
+    case 5: unpack4(s, c); unpackbit(s + MQ_PACK5_HI, 4, c); break;
+    case 6:
+        unpack4(s, c);
+        unpack2(s + MQ_PACK6_HI, hi);
+        for (int i = 0; i < 32; i++) c[i] |= (uint8_t)(hi[i] << 4);
+        break;
+    }
+}
+
+void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *lv,
+                    float lo, float step) {
+    if (fmt == MQ_F32) { memcpy(out, row, (size_t)k * 4); return; }
+#if defined(__x86_64__) || defined(__i386__)
+    if (fmt == MQ_F16 && mq_isa_get() >= MQ_ISA_AVX2) { mq_f16_to_f32_avx2(row, out, k); return; }
+#endif
+    if (fmt == MQ_F16) { for (int64_t i = 0; i < k; i++) out[i] = mq_f16_to_f32(mq_get16(row + 2 * i)); return; }
+    if (fmt == MQ_BF16) { for (int64_t i = 0; i < k; i++) out[i] = mq_bf16_to_f32(mq_get16(row + 2 * i)); return; }
+    if (!MQ_IS_PACKED(fmt)) return;
+    const mq_fmt_spec *f = &MQ_FORMATS[fmt];
+    const int G = f->group, hd = f->header, cb = MQ_CHUNK_BYTES(f->bits), bb = f->block_bytes;
+    uint8_t codes[MQ_Q2C_GROUP];
+    float L[1 << MQ_Q3_BITS];
+    for (int64_t b = 0, nb = (k + G - 1) / G; b < nb; b++) {
+        const uint8_t *blk = row + b * bb;
+        int nv = (int)(k - b * G < G ? k - b * G : G);
+        for (int c = 0; c < (nv + MQ_CHUNK - 1) / MQ_CHUNK; c++)
+            mq_unpack_chunk(blk + hd + c * cb, f->bits, codes + MQ_CHUNK * c);
+        float *o = out + b * G;
+        if (fmt == MQ_Q5G) { for (int i = 0; i < nv; i++) o[i] = lo + (float)codes[i] * step; continue; }
+        float d = mq_f16_to_f32(mq_get16(blk + MQ_HDR_D));
+        if (fmt == MQ_Q8) { for (int i = 0; i < nv; i++) o[i] = d * (float)(int8_t)codes[i]; continue; }
+        if (fmt == MQ_Q6) { for (int i = 0; i < nv; i++) o[i] = d * ((float)codes[i] - (float)MQ_Q6_OFF); continue; }
+        float m = mq_f16_to_f32(mq_get16(blk + MQ_HDR_M));
+        if (fmt == MQ_Q4 || fmt == MQ_Q3U) { for (int i = 0; i < nv; i++) o[i] = d * (float)codes[i] + m; continue; }
+        const uint8_t *tab = fmt == MQ_Q3P ? lv : blk + MQ_Q2C_LUT;
+        int nl = fmt == MQ_Q3P ? MQ_Q3P_NLEVELS : 4;
+        for (int j = 0; j < nl; j++) L[j] = d * (float)tab[j] + m;   /* same two roundings per level */
+        for (int i = 0; i < nv; i++) o[i] = L[codes[i]];
+    }
+}

@@ -1,0 +1,178 @@
+/* The format spec: ids and byte layouts of every mixqrt tensor format, defined once.
+ *
+ * Every C file (quantizers, dequantizer, kernel tiers) and, through the extensions' format_table(),
+ * every Python module (mixqrt.quant.layout, formats, ops) reads ids and sizes from here. The prose
+ * and the numpy reference packers are mixqrt/quant/layout.py; docs/format.md has the file format.
+ *
+ * A packed [N, K] tensor is N rows of ceil(K / G) blocks of G weights. A block is a header (fp16
+ * little-endian scales) then G/32 chunks of 32 codes. w = d * L[q] + m in float32 (one multiply,
+ * one add); q5g has no header and a per-tensor (lo, hi) float32 trailer instead.
+ *
+ * Format ids are internal (a .mxq file names formats by string): they may change between versions,
+ * but quantizers and kernels always share them. Packed ids come first, float ids after MQ_F32. */
+#ifndef MIXQRT_MQ_FORMAT_H
+#define MIXQRT_MQ_FORMAT_H
+#include <stdint.h>
+#include <string.h>
+
+enum mq_fmt {
+    MQ_Q8 = 0, MQ_Q6 = 1, MQ_Q4 = 2, MQ_Q3U = 3, MQ_Q3P = 4, MQ_Q2C = 5, MQ_Q5G = 6,
+    MQ_F32 = 7, MQ_F16 = 8, MQ_BF16 = 9,
+    MQ_NFMT = 10
+};
+#define MQ_NPACKED MQ_F32                       /* ids below are packed formats */
+#define MQ_IS_PACKED(f) ((unsigned)(f) < (unsigned)MQ_NPACKED)
+
+#define MQ_CHUNK 32                              /* codes per chunk: one ymm of u8 levels */
+
+/* ---------------------------------------------------------------- chunk packings (32 codes)
+ * pack2  8 B : byte i = c[i] | c[i+8] << 2 | c[i+16] << 4 | c[i+24] << 6      (i < 8)
+ * pack3 12 B : pack2(c & 3), then u32 LE at MQ_PACK3_HI: bit i = bit 2 of c[i]
+ * pack4 16 B : byte i = c[i] | c[i+16] << 4                                    (i < 16)
+ * pack5 20 B : pack4(c & 15), then u32 LE at MQ_PACK5_HI: bit i = bit 4 of c[i]
+ * pack6 24 B : pack4(c & 15), then pack2(c >> 4) at MQ_PACK6_HI
+ * pack8 32 B : the codes as int8 */
+#define MQ_CHUNK_BYTES(bits) ((bits) * 4)
+#define MQ_PACK3_HI 8
+#define MQ_PACK5_HI 16
+#define MQ_PACK6_HI 16
+
+/* ---------------------------------------------------------------- block headers */
+#define MQ_HDR_D 0                               /* fp16 d */
+#define MQ_HDR_M 2                               /* fp16 m (formats with a 4+ byte header) */
+#define MQ_Q2C_LUT 4                             /* q2c: u8 lut[4], L[q] = lut[q] */
+#define MQ_Q3P_NLEVELS 8                         /* q3p: L[q] = levels[q], a u8 table passed in */
+#define MQ_Q5G_TRAILER 8                         /* q5g: float32 lo, hi after all rows */
+
+/* per format: bits, weights per block, header bytes, bytes per block, level offset (the kernels'
+ * u8 levels are U = L + off: q8's signed codes + 128, q6's q - 32 + 32) */
+#define MQ_Q8_BITS 8
+#define MQ_Q8_GROUP 32
+#define MQ_Q8_HEADER 2
+#define MQ_Q8_OFF 128
+#define MQ_Q6_BITS 6
+#define MQ_Q6_GROUP 32
+#define MQ_Q6_HEADER 2
+#define MQ_Q6_OFF 32
+#define MQ_Q4_BITS 4
+#define MQ_Q4_GROUP 32
+#define MQ_Q4_HEADER 4
+#define MQ_Q3_BITS 3                             /* q3u and q3p share one layout */
+#define MQ_Q3_GROUP 64
+#define MQ_Q3_HEADER 4
+#define MQ_Q2C_BITS 2
+#define MQ_Q2C_GROUP 128
+#define MQ_Q2C_HEADER 8
+#define MQ_Q5G_BITS 5
+#define MQ_Q5G_GROUP 32
+#define MQ_Q5G_HEADER 0
+
+#define MQ_BLOCK_BYTES(hdr, group, bits) ((hdr) + ((group) / MQ_CHUNK) * MQ_CHUNK_BYTES(bits))
+#define MQ_Q8_BLOCK MQ_BLOCK_BYTES(MQ_Q8_HEADER, MQ_Q8_GROUP, MQ_Q8_BITS)
+#define MQ_Q6_BLOCK MQ_BLOCK_BYTES(MQ_Q6_HEADER, MQ_Q6_GROUP, MQ_Q6_BITS)
+#define MQ_Q4_BLOCK MQ_BLOCK_BYTES(MQ_Q4_HEADER, MQ_Q4_GROUP, MQ_Q4_BITS)
+#define MQ_Q3_BLOCK MQ_BLOCK_BYTES(MQ_Q3_HEADER, MQ_Q3_GROUP, MQ_Q3_BITS)
+#define MQ_Q2C_BLOCK MQ_BLOCK_BYTES(MQ_Q2C_HEADER, MQ_Q2C_GROUP, MQ_Q2C_BITS)
+#define MQ_Q5G_BLOCK MQ_BLOCK_BYTES(MQ_Q5G_HEADER, MQ_Q5G_GROUP, MQ_Q5G_BITS)
+
+/* the sizes the kernels' shuffle tables and the bpw in docs/formats.md were written for */
+_Static_assert(MQ_Q8_BLOCK == 34, "q8 block: 2 + 32 bytes (8.5 bpw)");
+_Static_assert(MQ_Q6_BLOCK == 26, "q6 block: 2 + 24 bytes (6.5 bpw)");
+_Static_assert(MQ_Q4_BLOCK == 20, "q4 block: 4 + 16 bytes (5.0 bpw)");
+_Static_assert(MQ_Q3_BLOCK == 28, "q3u/q3p block: 4 + 2 x 12 bytes (3.5 bpw)");
+_Static_assert(MQ_Q2C_BLOCK == 40, "q2c block: 8 + 4 x 8 bytes (2.5 bpw)");
+_Static_assert(MQ_Q5G_BLOCK == 20, "q5g block: 20 bytes, no header");
+_Static_assert(MQ_Q2C_LUT + 4 == MQ_Q2C_HEADER, "q2c header: d, m, lut[4]");
+_Static_assert(MQ_Q3P_NLEVELS == 1 << MQ_Q3_BITS, "one q3p level per 3-bit code");
+
+/* ---------------------------------------------------------------- the table */
+typedef struct {
+    const char *name;
+    int bits;          /* code bits (plain formats: bits per value) */
+    int group;         /* weights per block (plain: 1) */
+    int header;        /* header bytes per block */
+    int block_bytes;   /* bytes per block (plain: bytes per value) */
+    int trailer;       /* bytes after all rows */
+    int off;           /* level offset of the integer kernels */
+} mq_fmt_spec;
+
+static const mq_fmt_spec MQ_FORMATS[MQ_NFMT] = {
+    [MQ_Q8] = {"q8", MQ_Q8_BITS, MQ_Q8_GROUP, MQ_Q8_HEADER, MQ_Q8_BLOCK, 0, MQ_Q8_OFF},
+    [MQ_Q6] = {"q6", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF},
+    [MQ_Q4] = {"q4", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0},
+    [MQ_Q3U] = {"q3u", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0},
+    [MQ_Q3P] = {"q3p", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0},
+    [MQ_Q2C] = {"q2c", MQ_Q2C_BITS, MQ_Q2C_GROUP, MQ_Q2C_HEADER, MQ_Q2C_BLOCK, 0, 0},
+    [MQ_Q5G] = {"q5g", MQ_Q5G_BITS, MQ_Q5G_GROUP, MQ_Q5G_HEADER, MQ_Q5G_BLOCK, MQ_Q5G_TRAILER, 0},
+    [MQ_F32] = {"f32", 32, 1, 0, 4, 0, 0},
+    [MQ_F16] = {"f16", 16, 1, 0, 2, 0, 0},
+    [MQ_BF16] = {"bf16", 16, 1, 0, 2, 0, 0},
+};
+
+/* bytes of one row of k weights (trailer excluded); -1 for an unknown id */
+static inline int64_t mq_row_bytes(int fmt, int64_t k) {
+    if (fmt < 0 || fmt >= MQ_NFMT) return -1;
+    const mq_fmt_spec *f = &MQ_FORMATS[fmt];
+    return (k + f->group - 1) / f->group * f->block_bytes;
+}
+
+/* ---------------------------------------------------------------- fp16 / bf16 (little-endian) */
+static inline uint16_t mq_get16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static inline void mq_put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+
+/* round to nearest even, subnormals exact (as numpy's float16 cast) */
+static inline uint16_t mq_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);          /* >= 65520 rounds to Inf */
+    if (ax < 0x38800000u) {                                             /* below 2^-14: subnormal */
+        if (ax < 0x33000000u) return (uint16_t)sign;                    /* <= 2^-25 ties to 0 */
+        uint32_t e = ax >> 23, mant = (ax & 0x7fffffu) | 0x800000u, shift = 126 - e;
+        uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t r = ax - 0x38000000u, q = r >> 13, rem = r & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+static inline float mq_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) {
+        if (m == 0) x = sign;
+        else {                                              /* subnormal: normalise */
+            e = 113;
+            while (!(m & 0x400u)) { m <<= 1; e--; }
+            x = sign | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) x = sign | 0x7f800000u | (m << 13);
+    else x = sign | ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline float mq_bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ---------------------------------------------------------------- portable pack / unpack (format.c) */
+void mq_pack_chunk(const uint8_t *c, int bits, uint8_t *dst);     /* 32 codes -> bits*4 bytes */
+void mq_unpack_chunk(const uint8_t *src, int bits, uint8_t *c);   /* inverse (q8: int8 bits) */
+
+/* The one dequantizer: row of k weights in `fmt` -> out[k] float32 (w = d*L + m, layout.py).
+ * levels: the q3p table (MQ_Q3P_NLEVELS bytes; may be NULL for other formats); q5_lo/q5_step:
+ * the decoded q5g trailer (step = (hi - lo) / 31). Uses the F16C tier for f16 where available. */
+void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *levels,
+                    float q5_lo, float q5_step);
+
+/* F16C tier (f16_avx2.c; compiled to nothing off x86, never selected there) */
+void mq_f32_to_f16_avx2(const float *x, uint8_t *out, int64_t n);
+void mq_f16_to_f32_avx2(const uint8_t *h, float *out, int64_t n);
+#endif
