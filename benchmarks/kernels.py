@@ -382,12 +382,13 @@ off by default: four alternated end-to-end A/Bs on the 7B 2356 file at 2 threads
 (`benchmarks/decode_ab.py`, best rounds) went both ways, hot vs not 10.91 vs 11.63, 8.93 vs 9.71, 9.90
 vs 8.92 tok/s, and 7.69 vs 7.29 in a contended window: within the noise, and spinning costs a core
 when other processes want it (an earlier global hot mode made 2-thread decode much *slower* then).
-One job at a time (mutex): a caller that finds the pool busy runs its job inline. Per call, `threads=`
-(matmul, attention; accepted and ignored by the single-threaded float ops): `None` = the pool, `1` = on
-the calling thread without touching the pool (GIL released: several Python threads can run products
-concurrently), `n` = at most n parts. Default thread count:
-`MIXQRT_NUM_THREADS`, else min(affinity CPUs, ceil(cgroup cpu.max quota)). While the pool has more than
-one thread, threadpoolctl limits numpy's BLAS to one thread.
+One job at a time (mutex): a caller that finds the pool busy runs its job inline. Per Python thread,
+`ops.local_threads(n)` (matmul, attention; the float ops always run on the caller): `None` = the pool,
+`1` = on the calling thread without touching the pool (GIL released: several Python threads can run
+products concurrently), `n` = at most n parts. The pool starts on first use, not at import. Default
+thread count: `MIXQRT_NUM_THREADS`, else `runtime.topology.usable_cpus()` (affinity CPUs capped by the
+cgroup quota, floored; what `mixqrt doctor` reports). While the pool has more than one thread,
+threadpoolctl limits numpy's BLAS to one thread.
 
 **Other ops** (`src/ops/misc_impl.h`, compiled once per tier and auto-vectorized without reassociation, so
 all tiers give identical results): RMSNorm (float64 sum of squares), RoPE (HF rotate-half, cos/sin in
@@ -460,7 +461,7 @@ written with a 16-lane masked store (N tails; no masked loads anywhere: rows pas
 zero levels and zero dw/mm in the scratch tile). isum stays exact (u8 x s8, q8 as code ^ 0x80 with
 mm = -128 dw, q2c levels up to 255). Threads split N as before (64-row units).
 
-Single-thread matmul, T = 512, GOP/s = 2NKT / *thread CPU time* (`time.thread_time`, `threads=1`;
+Single-thread matmul, T = 512, GOP/s = 2NKT / *thread CPU time* (`time.thread_time`, `ops.local_threads(1)`;
 wall time on the shared box was 2-3x noisier), old 4-row tile vs new, interleaved runs, medians of 5:
 
 | shape N x K | q3p old | q3p new | q6 old | q6 new | q8 old | q8 new | q2c old | q2c new |

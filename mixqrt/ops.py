@@ -1,15 +1,17 @@
 """Public ops used by the model graph. Signatures are those of mixqrt.ops_ref (the numpy spec);
-the C kernels of mixqrt._kernels._ops do the work, on a native thread pool (started at import,
-``set_num_threads`` / ``get_num_threads``; MIXQRT_NUM_THREADS overrides the default, which respects
-os.sched_getaffinity and the cgroup CPU quota). Where no kernel exists the reference runs.
+the C kernels of mixqrt._kernels._ops do the work, on a native thread pool (started on first use,
+``set_num_threads`` / ``get_num_threads``; MIXQRT_NUM_THREADS overrides the default,
+runtime.topology.usable_cpus: the affinity set capped by the cgroup CPU quota). A thread can keep
+its ops off the pool with ``local_threads(1)`` (the core-slicing scheduler's stage threads do).
 
-Extras over the reference: ``out=`` on the hot ops, ``matmul`` on a list of weights sharing x
-(fused QKV / gate-up without repacking), ``softmax(fast=...)`` and f16 KV caches in ``attention``.
+Extras over the reference: ``out=`` on the hot ops, ``softmax(fast=...)`` and f16 KV caches in
+``attention``.
 """
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -17,6 +19,7 @@ from mixqrt import ops_ref
 from mixqrt.errors import KernelError
 from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
 from mixqrt.quant import layout
+from mixqrt.runtime import topology
 
 try:
     from mixqrt._kernels import _ops
@@ -30,36 +33,8 @@ ATTN_C_MAX_T = 8
 
 
 # ----------------------------------------------------------------------------- threads
-def _cgroup_cpus() -> float | None:
-    """CPU quota of this cgroup (v2 cpu.max, or v1 cfs files), in CPUs; None if unlimited."""
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            q, p = f.read().split()[:2]
-        if q != "max":
-            return int(q) / int(p)
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
-            q = int(f.read())
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
-            p = int(f.read())
-        if q > 0 and p > 0:
-            return q / p
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(os.cpu_count() or 1))
-
-
 def default_num_threads() -> int:
-    """MIXQRT_NUM_THREADS if set, else min(CPUs in our affinity mask, ceil(cgroup quota))."""
+    """MIXQRT_NUM_THREADS if set, else runtime.topology.usable_cpus() (the one CPU-count policy)."""
     env = os.environ.get("MIXQRT_NUM_THREADS")
     if env:
         try:
@@ -69,11 +44,7 @@ def default_num_threads() -> int:
         except ValueError:
             pass
         raise KernelError(f"MIXQRT_NUM_THREADS={env!r} is not a positive integer")
-    n = len(_allowed_cpus())
-    quota = _cgroup_cpus()
-    if quota is not None:
-        n = min(n, max(1, math.ceil(quota)))
-    return max(1, n)
+    return topology.usable_cpus()
 
 
 _blas_limiter = None
@@ -103,13 +74,54 @@ def set_num_threads(n: int) -> int:
         raise KernelError(f"set_num_threads: need at least 1 thread, got {n}")
     if _ops is None:
         return 1
-    got = _ops.pool_start(n, _allowed_cpus())
+    global _pool_started
+    got = _ops.pool_start(n, topology.allowed_cpus())
+    _pool_started = True
     _limit_blas(got)
     return got
 
 
+_pool_started = False
+
+
+def _start_pool() -> None:
+    """Importing ops starts nothing: the pool starts on the first op that uses it."""
+    if not _pool_started and _ops is not None:
+        set_num_threads(default_num_threads())
+
+
 def get_num_threads() -> int:
+    _start_pool()
     return _ops.pool_size() if _ops is not None else 1
+
+
+_local = threading.local()
+
+
+class local_threads:
+    """Pool parts for the ops the *calling thread* runs: 1 = on this thread only, the pool untouched
+    (the GIL is released, so several Python threads can run products at once); n = at most n pool
+    parts; None = the whole pool (the default). ``ops.local_threads(1)`` sets it for the rest of the
+    thread; ``with ops.local_threads(1):`` restores the previous setting on exit."""
+
+    def __init__(self, n: int | None):
+        self._before = getattr(_local, "parts", 0)
+        _local.parts = _threads(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _local.parts = self._before
+        return False
+
+
+def _parts() -> int:
+    """This thread's pool parts (0: the whole pool); starts the pool when it will be used."""
+    p = getattr(_local, "parts", 0)
+    if p != 1 and not _pool_started:
+        _start_pool()
+    return p
 
 
 class hot:
@@ -186,11 +198,9 @@ def _weight_args_uncached(w):
     return fid, raw, n, k, lv, lo, step
 
 
-def matmul(w, x, out=None, threads: int | None = None):
+def matmul(w, x, out=None):
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
-
-    threads: None = the whole pool; 1 = on the calling thread only, without touching the pool (the
-    GIL is released, so several Python threads can run products at once); n = at most n pool parts."""
+    Runs on the pool (or this thread: local_threads)."""
     if _ops is None:
         return ops_ref.matmul(w, x)
     fid, raw, n, k, lv, lo, step = _weight_args(w)
@@ -205,25 +215,19 @@ def matmul(w, x, out=None, threads: int | None = None):
         y = np.empty((x2.shape[0], n), dtype=np.float32)
     else:
         y = out.reshape(1, n) if vec else out
-    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _threads(threads))
+    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts())
     return y.reshape(n) if vec else y
 
 
 def _threads(threads) -> int:
     if threads is None:
         return 0
-    threads = int(threads)
-    if threads < 1:
-        raise KernelError(f"threads must be >= 1 (or None for the whole pool), got {threads}")
-    return threads
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+        raise KernelError(f"threads must be an int >= 1 (or None for the whole pool), got {threads!r}")
+    return int(threads)
 
 
-def matmul_many(ws, x, threads: int | None = None):
-    """[matmul(w, x) for w in ws] (fused QKV / gate-up): x is quantized once per weight."""
-    return [matmul(w, x, threads=threads) for w in ws]
-
-
-def embed(w, ids, threads: int | None = None) -> np.ndarray:
+def embed(w, ids) -> np.ndarray:
     """Rows `ids` of the table w ([V, D]) as float32 [T, D]."""
     ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
     if _ops is None:
@@ -236,8 +240,8 @@ def embed(w, ids, threads: int | None = None) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- float ops
-# The float ops below run on the calling thread; their `threads` keyword exists for a uniform API.
-def rmsnorm(x, weight, eps: float, out=None, threads: int | None = None) -> np.ndarray:
+# The float ops below run on the calling thread.
+def rmsnorm(x, weight, eps: float, out=None) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if out is None:
@@ -245,20 +249,14 @@ def rmsnorm(x, weight, eps: float, out=None, threads: int | None = None) -> np.n
     return _ops.rmsnorm(x, weight, float(eps), out)
 
 
-def rope(x, positions, theta: float, threads: int | None = None) -> np.ndarray:
+def rope(x, positions, theta: float) -> np.ndarray:
     """Rotate-half RoPE on x [T, H, Dh] at `positions` [T]; returns a new array."""
     y = np.array(x, dtype=np.float32, order="C", copy=True)
     pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
     return _ops.rope_(y, pos, float(theta))
 
 
-def rope_(x, positions, theta: float, threads: int | None = None) -> np.ndarray:
-    """In-place rope on a C-contiguous float32 x [T, H, Dh]."""
-    pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
-    return _ops.rope_(x, pos, float(theta))
-
-
-def silu_mul(gate, up, out=None, threads: int | None = None) -> np.ndarray:
+def silu_mul(gate, up, out=None) -> np.ndarray:
     if (isinstance(gate, np.ndarray) and isinstance(up, np.ndarray) and gate.ndim == 2 and gate.shape == up.shape
             and gate.dtype == np.float32 and up.dtype == np.float32 and gate.strides[1] == 4 and up.strides[1] == 4
             and not (gate.flags.c_contiguous and up.flags.c_contiguous) and out is None):
@@ -273,7 +271,7 @@ def silu_mul(gate, up, out=None, threads: int | None = None) -> np.ndarray:
     return _ops.silu_mul(gate, up, out)
 
 
-def softmax(x, axis: int = -1, fast: bool = True, threads: int | None = None) -> np.ndarray:
+def softmax(x, axis: int = -1, fast: bool = True) -> np.ndarray:
     """Softmax; fast=True is the hybrid-precision path (fast exp in range, libm exp outside)."""
     x = np.asarray(x, dtype=np.float32)
     if axis not in (-1, x.ndim - 1):
@@ -315,7 +313,7 @@ def _attention_blas(q, k_cache, v_cache, pos0, threads=0):
     return out.reshape(t, hq, dh)
 
 
-def attention(q, k_cache, v_cache, pos0: int, out=None, threads: int | None = None) -> np.ndarray:
+def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
     """Causal GQA attention; q [T,Hq,Dh]; caches [Hkv,S,Dh] float32 or float16 -> [T,Hq,Dh]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     if q.ndim != 3 or k_cache.ndim != 3 or q.shape[1] % k_cache.shape[0]:
@@ -323,7 +321,7 @@ def attention(q, k_cache, v_cache, pos0: int, out=None, threads: int | None = No
     if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
         raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")
     if q.shape[0] > ATTN_C_MAX_T:
-        o = _attention_blas(q, k_cache, v_cache, pos0, _threads(threads))
+        o = _attention_blas(q, k_cache, v_cache, pos0, _parts())
         if out is not None:
             out[...] = o
             return out
@@ -334,7 +332,7 @@ def attention(q, k_cache, v_cache, pos0: int, out=None, threads: int | None = No
         v_cache = np.ascontiguousarray(v_cache, dtype=k_cache.dtype)
     if out is None:
         out = np.empty_like(q)
-    return _ops.attention(q, k_cache, v_cache, int(pos0), out, _threads(threads))
+    return _ops.attention(q, k_cache, v_cache, int(pos0), out, _parts())
 
 
 def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> float:
@@ -342,8 +340,6 @@ def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> fl
     return _ops.read_bandwidth(int(nbytes), int(threads), int(reps))
 
 
-if _ops is not None:
-    set_num_threads(default_num_threads())
-else:  # kernels not built: the numpy reference serves every op
+if _ops is None:  # kernels not built: the numpy reference serves every op
     rmsnorm, silu_mul, attention = ops_ref.rmsnorm, ops_ref.silu_mul, ops_ref.attention  # noqa: F811
     rope, softmax = ops_ref.rope, ops_ref.softmax  # noqa: F811

@@ -124,8 +124,9 @@ def test_default_threads(monkeypatch):
     monkeypatch.delenv("MIXQRT_NUM_THREADS")
     n = ops.default_num_threads()
     assert 1 <= n <= len(os.sched_getaffinity(0))
-    monkeypatch.setattr(ops, "_cgroup_cpus", lambda: 0.5)
-    assert ops.default_num_threads() == 1
+    from mixqrt.runtime import topology
+    monkeypatch.setattr(topology, "cgroup_cpu_limit", lambda *a, **k: 0.5)
+    assert ops.default_num_threads() == 1 == topology.usable_cpus()   # one policy: doctor and the pool agree
     monkeypatch.setenv("MIXQRT_NUM_THREADS", "zero")
     with pytest.raises(ValueError):
         ops.default_num_threads()
@@ -136,3 +137,20 @@ def test_default_threads(monkeypatch):
 def test_read_bandwidth():
     bw = ops.read_bandwidth(1 << 24, 2, 1)
     assert 1e8 < bw < 1e13
+
+
+def test_import_starts_no_threads():
+    """Importing mixqrt.ops starts nothing; the pool starts on the first op that uses it."""
+    import subprocess
+    import sys
+    code = ("import os, numpy as np\n"
+            "n0 = len(os.listdir('/proc/self/task'))\n"
+            "import mixqrt.ops as ops\n"
+            "assert len(os.listdir('/proc/self/task')) == n0, 'import started threads'\n"
+            "assert not ops._pool_started\n"
+            "with ops.local_threads(1):\n"
+            "    ops.matmul(np.ones((4, 8), np.float32), np.ones(8, np.float32))\n"
+            "assert not ops._pool_started, 'a thread-local op started the pool'\n"
+            "ops.matmul(np.ones((4, 8), np.float32), np.ones(8, np.float32))\n"
+            "assert ops._pool_started and ops.get_num_threads() == ops.default_num_threads()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -192,8 +192,8 @@ def test_extreme_levels_no_saturation(tier, fmt, t):
     np.testing.assert_array_equal(y, ye.astype(np.float32))
 
 
-def test_threads_keyword_and_concurrent_callers(tier):
-    """threads=1 runs on the calling thread (pool untouched) with the same bits as the pool; several
+def test_local_threads_and_concurrent_callers(tier):
+    """local_threads(1) runs on the calling thread (pool untouched) with the same bits as the pool; several
     Python threads may run products at once (the kernels release the GIL; a busy pool runs the
     job inline); hot mode changes nothing in the results."""
     import threading
@@ -202,22 +202,29 @@ def test_threads_keyword_and_concurrent_callers(tier):
     x1 = rng.standard_normal(896).astype(np.float32)
     x5 = rng.standard_normal((5, 896)).astype(np.float32)
     ref1, ref5 = ops.matmul(w, x1), ops.matmul(w, x5)
-    np.testing.assert_array_equal(ops.matmul(w, x1, threads=1), ref1)
-    np.testing.assert_array_equal(ops.matmul(w, x5, threads=1), ref5)
-    np.testing.assert_array_equal(ops.matmul(w, x5, threads=2), ref5)
-    with pytest.raises(Exception):
-        ops.matmul(w, x1, threads=0)
+    with ops.local_threads(1):
+        np.testing.assert_array_equal(ops.matmul(w, x1), ref1)
+        np.testing.assert_array_equal(ops.matmul(w, x5), ref5)
+        with ops.local_threads(2):
+            np.testing.assert_array_equal(ops.matmul(w, x5), ref5)
+        assert ops._parts() == 1
+    assert ops._parts() == 0
+    with pytest.raises(ValueError):
+        ops.local_threads(0)
     q = rng.standard_normal((12, 4, 16)).astype(np.float32)
     kc = rng.standard_normal((2, 20, 16)).astype(np.float32)
     a_ref = ops.attention(q, kc, kc, 3)
-    np.testing.assert_allclose(ops.attention(q, kc, kc, 3, threads=1), a_ref, rtol=1e-6, atol=1e-7)
+    with ops.local_threads(1):
+        np.testing.assert_allclose(ops.attention(q, kc, kc, 3), a_ref, rtol=1e-6, atol=1e-7)
     errs = []
 
     def work(tid):
         try:
+            if tid:
+                ops.local_threads(1)    # for the rest of this thread
             for _ in range(20):
                 xx = x5 if tid % 2 else x1
-                got = ops.matmul(w, xx, threads=None if tid == 0 else 1)
+                got = ops.matmul(w, xx)
                 np.testing.assert_array_equal(got, ref5 if tid % 2 else ref1)
         except Exception as e:  # pragma: no cover - reported below
             errs.append(e)

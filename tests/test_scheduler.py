@@ -121,7 +121,7 @@ def test_close_stops_threads_and_restores_pool(model):
     before = ops.get_num_threads()
     n0 = threading.active_count()
     cs = CoreSlicingRunner(model, A, B)
-    assert ops.get_num_threads() == (before if cs.threads_kw else 1)
+    assert ops.get_num_threads() == before      # stage kernels run on the stage threads: pool untouched
     assert cs.alive and threading.active_count() == n0 + 2
     cs.decode_batch([(5, model.make_cache(4))])
     cs.close()
@@ -141,13 +141,13 @@ def test_many_runners_no_leak(model):
 
 def test_stage_error_is_raised_and_shuts_down(model):
     cs = CoreSlicingRunner(model, A, B)
-    orig = cs.steps.ffn
+    orig = cs.ffn
 
-    def boom(li, x):
+    def boom(li, it):
         if li == 1:
             raise RuntimeError("ffn exploded")
-        return orig(li, x)
-    cs.steps.ffn = boom
+        return orig(li, it)
+    cs.ffn = boom
     with pytest.raises(KernelError, match="ffn exploded"):
         cs.decode_batch([(3, model.make_cache(4))])
     assert not cs.alive
@@ -201,3 +201,35 @@ def test_bell_wakes_sleeping_consumer():
             time.sleep(0.001)                    # let the consumer fall asleep now and then
     th.join(30)
     assert not th.is_alive() and got == list(range(n)) and bell.wakes > 0
+
+
+def test_model_decode_batch(model):
+    """Model.decode_batch (the engine's entry): one [B, D] product per weight, per-sequence caches;
+    the row-split runner is the same code (bit-exact); the per-sequence model within tolerance."""
+    prompts = [_ids(n, 30 + n) for n in (4, 9, 2)]
+    nxt = [_ids(3, 40 + i) for i in range(3)]
+    refs = []
+    for p, q in zip(prompts, nxt):
+        c = model.make_cache(16)
+        model(p, c, 0)
+        refs.append([model(q[j:j + 1], c, last_only=True) for j in range(3)])
+    c1, c2 = [model.make_cache(16) for _ in prompts], [model.make_cache(16) for _ in prompts]
+    for p, a, b in zip(prompts, c1, c2):
+        model(p, a, 0)
+        model(p, b, 0)
+    rs = RowSplitRunner(model)
+    for j in range(3):
+        got = model.decode_batch([int(q[j]) for q in nxt], c1)
+        assert got.shape == (3, model.vocab_size) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, rs.decode_batch([(q[j], c) for q, c in zip(nxt, c2)]))
+        for b in range(3):
+            np.testing.assert_allclose(got[b], refs[b][j], **_tol(model))
+    assert [c.offset for c in c1] == [len(p) + 3 for p in prompts]
+    c = model.make_cache(2)
+    for bad in (([], []), ([1, 2], [c]), ([1, 1], [c, c]), ([10**6], [c]), ([1], [object()])):
+        with pytest.raises(GenerationError):
+            model.decode_batch(*bad)
+    full = model.make_cache(1)
+    model([1], full, 0)
+    with pytest.raises(GenerationError):
+        model.decode_batch([1], [full])

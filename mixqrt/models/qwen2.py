@@ -262,34 +262,120 @@ class Model:
             h = self._forward_hidden(ids[s:e], cache, pos0 + s)                 # [t, D]
             if last_only:
                 if e == t:
-                    return ops.matmul(self.lm_head, ops.rmsnorm(h[-1:], self.norm, self.args.rms_norm_eps))[0]
+                    return self.head(h[-1:])[0]
             else:
-                out[s:e] = ops.matmul(self.lm_head, ops.rmsnorm(h, self.norm, self.args.rms_norm_eps))
+                out[s:e] = self.head(h)
         return out
 
-    def _forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int) -> np.ndarray:
-        a = self.args
-        t, nq, nkv = ids.size, self.n_q, self.n_kv
-        hq, hkv, dh, eps, theta = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps, a.rope_theta
-        positions = np.arange(pos0, pos0 + t, dtype=np.int64)                 # [t]
-        x = ops.embed(self.embed_tokens, ids)                                   # [t, D]
-        for li, L in enumerate(self.layers):
-            h = ops.rmsnorm(x, L.input_norm, eps)                               # [t, D]
-            qkv = _proj(L.qkv, h)                                               # [t, Nq+2Nkv]
-            if L.qkv_bias is not None:
-                qkv += L.qkv_bias
-            qk = ops.rope(qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), positions, theta)  # q, k heads in one call
-            q, k = qk[:, :hq], qk[:, hq:]                                       # [t, Hq, Dh], [t, Hkv, Dh]
-            cache.write(li, k, qkv[:, nq + nkv:].reshape(t, hkv, dh), pos0)
-            att = ops.attention(q, cache.keys[li], cache.values[li], pos0)     # [t, Hq, Dh]
-            x += ops.matmul(L.o_proj, att.reshape(t, nq))
-            if L.o_bias is not None:
-                x += L.o_bias
-            h = ops.rmsnorm(x, L.post_norm, eps)
-            gu = _proj(L.gate_up, h)                                            # [t, 2I]
-            x += ops.matmul(L.down, ops.silu_mul(gu[:, :a.intermediate_size], gu[:, a.intermediate_size:]))
-        cache.advance(pos0 + t)
+    def _forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int, before_layer=None) -> np.ndarray:
+        """Hidden states [t, D] of ids at positions pos0..; writes the KV cache and advances it.
+        before_layer(li), if given, runs before each layer (RowSplitRunner's prefetcher)."""
+        positions = np.arange(pos0, pos0 + ids.size, dtype=np.int64)          # [t]
+        x = self.embed(ids)                                                     # [t, D]
+        for li in range(len(self.layers)):
+            if before_layer is not None:
+                before_layer(li)
+            self.attn_stage(li, x, cache, pos0, positions)
+            self.ffn_stage(li, x)
+        cache.advance(pos0 + ids.size)
         return x
+
+    # ------------------------------------------------------------------ batched decode
+    def decode_batch(self, tokens, caches) -> np.ndarray:
+        """One decode step for B sequences: tokens[b] at position caches[b].offset -> logits [B, V]
+        float32; every cache advances by one. The projections run as [B, D] products (one sweep
+        over the packed weights serves every sequence); attention runs per sequence on its own cache."""
+        ids, caches = self.check_batch(tokens, caches)
+        if ids.size <= HOT_MAX_T and not ops.is_hot():
+            with ops.hot():
+                return self._decode_batch(ids, caches)
+        return self._decode_batch(ids, caches)
+
+    def check_batch(self, tokens, caches) -> tuple[np.ndarray, list]:
+        """-> (ids int64 [B], caches) for decode_batch: B >= 1 distinct caches, each with room for one more."""
+        caches = list(caches)
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0 or ids.size != len(caches) or not np.issubdtype(ids.dtype, np.integer):
+            raise GenerationError(f"decode_batch wants B >= 1 integer tokens and B caches, got tokens of shape "
+                                  f"{ids.shape} ({ids.dtype}) and {len(caches)} caches")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size:
+            raise GenerationError(f"token ids must be in [0, {self.args.vocab_size}), got "
+                                  f"[{int(ids.min())}, {int(ids.max())}]")
+        if len({id(c) for c in caches}) != len(caches):
+            raise GenerationError("decode_batch: two sequences share one KV cache")
+        for c in caches:
+            if not isinstance(c, KVCache):
+                raise GenerationError(f"decode_batch: caches must be KVCache objects, got {type(c).__name__}")
+            c.check_room(c.offset, 1)
+        return ids.astype(np.int64), caches
+
+    def _decode_batch(self, ids: np.ndarray, caches: list, before_layer=None) -> np.ndarray:
+        pos = np.asarray([c.offset for c in caches], dtype=np.int64)          # [B]
+        x = self.embed(ids)                                                    # [B, D]
+        att = np.empty((ids.size, self.args.num_attention_heads, self.args.head_dim), dtype=np.float32)
+        for li in range(len(self.layers)):
+            if before_layer is not None:
+                before_layer(li)
+            q, k, v = self.qkv(li, x, pos)                                     # row b at position pos[b]
+            for b, c in enumerate(caches):
+                p = int(pos[b])
+                c.write(li, k[b:b + 1], v[b:b + 1], p)
+                att[b:b + 1] = ops.attention(q[b:b + 1], c.keys[li], c.values[li], p)
+            self.attn_out(li, x, att)
+            self.ffn_stage(li, x)
+        for b, c in enumerate(caches):
+            c.advance(int(pos[b]) + 1)
+        return self.head(x)
+
+    # ------------------------------------------------------------------ layer functions
+    # The one layer graph: the forward, decode_batch and the runners of runtime/scheduler.py (which
+    # run "stage A" = attn_stage and "stage B" = ffn_stage of a layer on separate cores) call these.
+    # x [T, D] float32 is the residual stream, updated in place.
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        return ops.embed(self.embed_tokens, ids)                                # [T, D]
+
+    def qkv(self, li: int, x: np.ndarray, positions: np.ndarray):
+        """-> q [T, Hq, Dh], k [T, Hkv, Dh] (both rotated at positions [T]), v [T, Hkv, Dh]."""
+        a, L, t = self.args, self.layers[li], x.shape[0]
+        nq, nkv, hq, hkv, dh = self.n_q, self.n_kv, a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        qkv = _proj(L.qkv, ops.rmsnorm(x, L.input_norm, a.rms_norm_eps))      # [T, Nq+2Nkv]
+        if L.qkv_bias is not None:
+            qkv += L.qkv_bias
+        qk = ops.rope(qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), positions, a.rope_theta)  # q, k heads in one call
+        return qk[:, :hq], qk[:, hq:], qkv[:, nq + nkv:].reshape(t, hkv, dh)
+
+    def attn_out(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
+        """x += o_proj(att) (+ bias); att [T, Hq, Dh]."""
+        L = self.layers[li]
+        x += ops.matmul(L.o_proj, att.reshape(x.shape[0], self.n_q))
+        if L.o_bias is not None:
+            x += L.o_bias
+
+    def attn_stage(self, li: int, x: np.ndarray, cache: KVCache, pos0: int, positions=None) -> None:
+        """Stage A of layer li: norm, qkv, rope, KV write at pos0.., attention, o_proj, residual."""
+        if positions is None:
+            positions = np.arange(pos0, pos0 + x.shape[0], dtype=np.int64)
+        q, k, v = self.qkv(li, x, positions)
+        cache.write(li, k, v, pos0)
+        self.attn_out(li, x, ops.attention(q, cache.keys[li], cache.values[li], pos0))
+
+    def ffn_in(self, li: int, x: np.ndarray) -> np.ndarray:
+        """The FFN's input: post-attention norm of x."""
+        return ops.rmsnorm(x, self.layers[li].post_norm, self.args.rms_norm_eps)
+
+    def ffn_out(self, li: int, x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
+        """x += down(silu(gate) * up)."""
+        x += ops.matmul(self.layers[li].down, ops.silu_mul(gate, up))
+
+    def ffn_stage(self, li: int, x: np.ndarray) -> None:
+        """Stage B of layer li: norm, gate_up, silu, down, residual."""
+        i = self.args.intermediate_size
+        gu = _proj(self.layers[li].gate_up, self.ffn_in(li, x))               # [T, 2I]
+        self.ffn_out(li, x, gu[:, :i], gu[:, i:])
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Final norm and lm_head: logits [T, V]."""
+        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps))
 
     def logits(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] float32 of every position, from position 0 with a fresh cache."""

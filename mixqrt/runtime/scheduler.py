@@ -21,8 +21,9 @@ so core-slicing cannot beat one core on it. ``split="balanced"`` moves the gate 
 gate_up projection into stage A (A: attention + gate, B: up + silu + down), because the FFN holds
 ~7x the attention's weights and the plain attention/FFN cut leaves stage A idle.
 
-The sub-steps below mirror ``Model._forward_hidden`` op for op (same kernels, same order), so the
-logits equal the plain model's up to float rounding of kernel tiling.
+Both runners are clients of the model's own layer functions (``Model.embed / attn_stage / ffn_stage /
+head``, and ``ffn_in`` / ``ffn_out`` for the balanced cut): there is one layer graph, in models/qwen2.py.
+Stage threads run their kernels on themselves (``ops.local_threads(1)``), leaving the pool alone.
 """
 from __future__ import annotations
 
@@ -41,83 +42,16 @@ __all__ = ["RowSplitRunner", "CoreSlicingRunner", "OP_ATTN", "OP_FFN", "OP_HEAD"
 OP_ATTN, OP_FFN, OP_HEAD, OP_DONE, OP_STOP, OP_ERROR = 1, 2, 3, 4, 5, 6
 
 
-def _has_threads_kw() -> bool:
-    """True when mixqrt.ops takes ``threads=`` (1 = run on the calling thread, pool untouched)."""
-    import inspect
-    try:
-        return all("threads" in inspect.signature(f).parameters
-                   for f in (ops.matmul, ops.rmsnorm, ops.rope, ops.attention, ops.silu_mul, ops.embed))
-    except (TypeError, ValueError):
-        return False
-
-
-# ============================================================================ sub-steps
-def _proj(ws: list, x: np.ndarray, kw: dict) -> np.ndarray:
-    if len(ws) == 1:
-        return ops.matmul(ws[0], x, **kw)
-    return np.concatenate([ops.matmul(w, x, **kw) for w in ws], axis=-1)
-
-
-class _Steps:
-    """The graph's pieces, on one item of rows x [T, D] (float32, updated in place)."""
-
-    def __init__(self, model, gate_split: bool = False, kw: dict | None = None):
-        self.kw = kw = dict(kw or {})        # {"threads": 1} in core-slicing stages, when ops supports it
-        a = model.args
-        self.m, self.a, self.layers = model, a, model.layers
-        self.nq, self.nkv, self.inter = model.n_q, model.n_kv, a.intermediate_size
-        self.hq, self.hkv, self.dh, self.eps, self.theta = (a.num_attention_heads, a.num_key_value_heads,
-                                                            a.head_dim, a.rms_norm_eps, a.rope_theta)
-        self.gate = self.up = None
-        if gate_split:
-            self.gate, self.up = [], []
-            for L in self.layers:
-                if len(L.gate_up) == 1:
-                    self.gate.append(_row_slice(L.gate_up[0], 0, self.inter))
-                    self.up.append(_row_slice(L.gate_up[0], self.inter, 2 * self.inter))
-                else:
-                    self.gate.append(L.gate_up[0])
-                    self.up.append(L.gate_up[1])
-
-    def embed(self, ids) -> np.ndarray:
-        return ops.embed(self.m.embed_tokens, ids, **self.kw)                              # [T, D]
-
-    def qkv(self, li: int, x: np.ndarray, positions: np.ndarray):
-        """-> q [T, Hq, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh] (rope applied to q and k)."""
-        L, t = self.layers[li], x.shape[0]
-        h = ops.rmsnorm(x, L.input_norm, self.eps, **self.kw)
-        qkv = _proj(L.qkv, h, self.kw)                                                   # [T, Nq+2Nkv]
-        if L.qkv_bias is not None:
-            qkv += L.qkv_bias
-        qk = ops.rope(qkv[:, :self.nq + self.nkv].reshape(t, self.hq + self.hkv, self.dh), positions, self.theta, **self.kw)
-        return qk[:, :self.hq], qk[:, self.hq:], qkv[:, self.nq + self.nkv:].reshape(t, self.hkv, self.dh)
-
-    def attn_out(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
-        L = self.layers[li]
-        x += ops.matmul(L.o_proj, att.reshape(x.shape[0], self.nq), **self.kw)
-        if L.o_bias is not None:
-            x += L.o_bias
-
-    def attn(self, li: int, x: np.ndarray, cache, pos0: int, positions: np.ndarray) -> None:
-        q, k, v = self.qkv(li, x, positions)
-        cache.write(li, k, v, pos0)
-        self.attn_out(li, x, ops.attention(q, cache.keys[li], cache.values[li], pos0, **self.kw))
-
-    def ffn(self, li: int, x: np.ndarray) -> None:
-        L, i = self.layers[li], self.inter
-        gu = _proj(L.gate_up, ops.rmsnorm(x, L.post_norm, self.eps, **self.kw), self.kw)             # [T, 2I]
-        x += ops.matmul(L.down, ops.silu_mul(gu[:, :i], gu[:, i:], **self.kw), **self.kw)
-
-    def ffn_gate(self, li: int, x: np.ndarray):
-        """Balanced split, stage A half: -> (h, gate) for ffn_rest."""
-        h = ops.rmsnorm(x, self.layers[li].post_norm, self.eps, **self.kw)
-        return h, ops.matmul(self.gate[li], h, **self.kw)
-
-    def ffn_rest(self, li: int, x: np.ndarray, h: np.ndarray, g: np.ndarray) -> None:
-        x += ops.matmul(self.layers[li].down, ops.silu_mul(g, ops.matmul(self.up[li], h, **self.kw), **self.kw), **self.kw)
-
-    def head(self, x: np.ndarray) -> np.ndarray:
-        return ops.matmul(self.m.lm_head, ops.rmsnorm(x, self.m.norm, self.eps, **self.kw), **self.kw)   # [T, V]
+# ============================================================================ balanced split
+def _gate_up_halves(model):
+    """Per layer (gate, up) weights: row views of a fused gate_up, or its two unfused parts."""
+    inter, out = model.args.intermediate_size, []
+    for L in model.layers:
+        if len(L.gate_up) == 1:
+            out.append((_row_slice(L.gate_up[0], 0, inter), _row_slice(L.gate_up[0], inter, 2 * inter)))
+        else:
+            out.append((L.gate_up[0], L.gate_up[1]))
+    return out
 
 
 def _check_ids(model, tokens) -> np.ndarray:
@@ -130,7 +64,7 @@ def _check_ids(model, tokens) -> np.ndarray:
 
 
 def _check_seqs(model, seqs) -> tuple[np.ndarray, list]:
-    """seqs: [(token, KVCache), ...] -> (ids [B], caches); each cache must have room for one more."""
+    """seqs: [(token, KVCache), ...] -> (ids [B], caches), checked by Model.check_batch."""
     if not seqs:
         raise GenerationError("decode_batch needs at least one (token, cache) pair")
     toks, caches = [], []
@@ -139,12 +73,9 @@ def _check_seqs(model, seqs) -> tuple[np.ndarray, list]:
             tok, cache = s
         except (TypeError, ValueError):
             raise GenerationError(f"decode_batch: each sequence is (token, cache), got {s!r}") from None
-        cache.check_room(cache.offset, 1)
         toks.append(int(tok))
         caches.append(cache)
-    if len({id(c) for c in caches}) != len(caches):
-        raise GenerationError("decode_batch: two sequences share one KV cache")
-    return _check_ids(model, np.asarray(toks, dtype=np.int64)), caches
+    return model.check_batch(np.asarray(toks, dtype=np.int64), caches)
 
 
 # ============================================================================ row-split
@@ -158,7 +89,6 @@ class RowSplitRunner:
     def __init__(self, model, threads: int | None = None, *, prefetcher=None, batch: bool = True,
                  chunk: int = 512):
         self.model, self.prefetcher, self.batch, self.chunk = model, prefetcher, bool(batch), int(chunk)
-        self.steps = _Steps(model)
         if threads is not None:
             ops.set_num_threads(int(threads))
 
@@ -169,7 +99,7 @@ class RowSplitRunner:
     def prefill(self, tokens, cache=None, pos0: int | None = None, *, last_only: bool = True,
                 chunk: int | None = None) -> np.ndarray:
         """Like ``model(tokens, cache, pos0, last_only=...)``: logits [V] (last_only) or [T, V]."""
-        m, st = self.model, self.steps
+        m = self.model
         ids = _check_ids(m, tokens)
         t = ids.size
         if cache is None:
@@ -180,43 +110,23 @@ class RowSplitRunner:
         chunk = int(chunk or self.chunk)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
-            x, positions = st.embed(ids[s:e]), np.arange(pos0 + s, pos0 + e, dtype=np.int64)
-            for li in range(len(st.layers)):
-                self._advance(li)
-                st.attn(li, x, cache, pos0 + s, positions)
-                st.ffn(li, x)
+            x = m._forward_hidden(ids[s:e], cache, pos0 + s, before_layer=self._advance)
             if not last_only:
-                outs.append(st.head(x))
+                outs.append(m.head(x))
             elif e == t:
-                outs.append(st.head(x[-1:])[0])
-        cache.advance(pos0 + t)
+                outs.append(m.head(x[-1:])[0])
         return outs[0] if last_only else np.concatenate(outs)
 
     def decode_batch(self, seqs) -> np.ndarray:
         """One token for each (token, cache) in ``seqs`` -> logits [B, V]; every cache advances by 1.
 
-        batch=True runs one [B, D] matmul per weight (attention per sequence); batch=False runs the
-        sequences one after another (what calling the model per sequence does).
+        batch=True is ``Model.decode_batch`` (one [B, D] matmul per weight, attention per sequence);
+        batch=False runs the sequences one after another (what calling the model per sequence does).
         """
         ids, caches = _check_seqs(self.model, seqs)
         if not self.batch:
             return np.stack([self.prefill(ids[b:b + 1], c) for b, c in enumerate(caches)])
-        st = self.steps
-        pos = np.asarray([c.offset for c in caches], dtype=np.int64)             # [B]
-        x = st.embed(ids)                                                        # [B, D]
-        att = np.empty((ids.size, st.hq, st.dh), dtype=np.float32)               # [B, Hq, Dh]
-        for li in range(len(st.layers)):
-            self._advance(li)
-            q, k, v = st.qkv(li, x, pos)
-            for b, c in enumerate(caches):
-                p = int(pos[b])
-                c.write(li, k[b:b + 1], v[b:b + 1], p)
-                att[b:b + 1] = ops.attention(q[b:b + 1], c.keys[li], c.values[li], p)
-            st.attn_out(li, x, att)
-            st.ffn(li, x)
-        for b, c in enumerate(caches):
-            c.advance(int(pos[b]) + 1)
-        return st.head(x)
+        return self.model._decode_batch(ids, caches, before_layer=self._advance)
 
     def close(self) -> None:
         pass
@@ -243,9 +153,8 @@ class CoreSlicingRunner:
 
     ``cores_a`` / ``cores_b``: CPU sets of stage A (attention, final norm + lm_head) and stage B (FFN).
     The same set for both (e.g. 1 core) runs both stages on it (time-shared; the n/a case).
-    Stage kernels run on the stage threads with ``threads=1`` (mixqrt.ops leaves the shared pool alone);
-    with an older ops without that keyword the pool is set to 1 thread while the runner is open (the
-    pool is not reentrant). numpy's BLAS is limited to 1 thread; ``close()`` restores both.
+    Stage kernels run on the stage threads themselves (``ops.local_threads(1)``: the shared pool is left
+    alone). numpy's BLAS is limited to 1 thread while the runner is open; ``close()`` restores it.
     ``split``: "attn-ffn" (the issue's cut) or "balanced" (gate projection moved to stage A).
     ``chunk``: prompt rows per wavefront item in ``prefill``.
     """
@@ -259,18 +168,12 @@ class CoreSlicingRunner:
             raise KernelError(f"CoreSlicingRunner: chunk must be a positive int, got {chunk!r}")
         self.model, self.split, self.chunk, self.prefetcher = model, split, chunk, prefetcher
         self.cores_a, self.cores_b = tuple(cores_a), tuple(cores_b)
-        # kernels on the stage threads themselves: threads=1 where ops has it, else a 1-thread pool
-        self.threads_kw = _has_threads_kw()
-        self.steps = _Steps(model, gate_split=(split == "balanced"), kw={"threads": 1} if self.threads_kw else None)
+        self._halves = _gate_up_halves(model) if split == "balanced" else None
         self.n_layers = len(model.layers)
         self._spin = float(spin_us)
         self._ring = _ring
         self.max_items = ring_capacity // 2
-        # threads: pool -> 1 (restored at close), BLAS -> 1
-        self._old_threads = 1 if self.threads_kw else ops.get_num_threads()
-        if self._old_threads != 1:
-            ops.set_num_threads(1)
-        self._blas = None
+        self._blas = None   # numpy's BLAS -> 1 thread while open
         try:
             from threadpoolctl import threadpool_limits
             self._blas = threadpool_limits(limits=1, user_api="blas")
@@ -312,24 +215,41 @@ class CoreSlicingRunner:
             self._errors.append(KernelError(f"stage {who}: {e}"))
 
     def _enter_stage(self, cpus, who) -> bool:
-        """Pin this stage thread and wait for the other stage and the constructor; False: abandoned."""
+        """Pin this stage thread (its kernels run on it: ops.local_threads(1)) and wait for the other
+        stage and the constructor; False: abandoned."""
         self._pin(cpus, who)
+        ops.local_threads(1)
         try:
             self._ready.wait(10.0)
             return True
         except threading.BrokenBarrierError:
             return False
 
+    # ------------------------------------------------------------------ the two stages of a layer
+    def attn(self, li: int, it: "_Item") -> None:
+        """Stage A of layer li on one item (balanced: also the FFN norm and gate projection)."""
+        self.model.attn_stage(li, it.x, it.cache, it.pos0, it.positions)
+        if self._halves is not None:
+            it.h = self.model.ffn_in(li, it.x)
+            it.g = ops.matmul(self._halves[li][0], it.h)
+
+    def ffn(self, li: int, it: "_Item") -> None:
+        """Stage B of layer li on one item."""
+        if self._halves is None:
+            self.model.ffn_stage(li, it.x)
+            return
+        self.model.ffn_out(li, it.x, it.g, ops.matmul(self._halves[li][1], it.h))
+        it.h = it.g = None
+
     def _stage_a(self):
         if not self._enter_stage(self.cores_a, "A"):
             return
-        st, items, nl = self.steps, self._items, self.n_layers
+        m, items, nl = self.model, self._items, self.n_layers
         rings = (self.rings["B->A"], self.rings["main->A"])
         to_b, bell, spin = self.rings["A->B"], self._bell_a, self._spin
         pop_any = self._ring.pop_any
         deferred: deque = deque()
         last_adv = -1
-        balanced = self.split == "balanced"
         pf = self.prefetcher
         clock = time.perf_counter
         busy_s = self.busy_s
@@ -349,7 +269,7 @@ class CoreSlicingRunner:
                 if op == OP_HEAD:
                     it = items[slot]
                     if it.want:
-                        it.logits = st.head(it.x if it.want == 2 else it.x[-1:])
+                        it.logits = m.head(it.x if it.want == 2 else it.x[-1:])
                     self.rings["A->main"].push(seq, OP_DONE, nl, slot, rows)
                     busy_s["A"] += clock() - t0
                     continue
@@ -366,10 +286,8 @@ class CoreSlicingRunner:
                         if pf is not None and li != last_adv:
                             pf.advance(li)
                             last_adv = li
-                        st.attn(li, it.x, it.cache, it.pos0, it.positions)
+                        self.attn(li, it)
                         it.attn_done = li + 1
-                        if balanced:
-                            it.h, it.g = st.ffn_gate(li, it.x)
                         to_b.push(seq, OP_FFN, li, slot, rows)
                         progress = True
                 busy_s["A"] += clock() - t0
@@ -381,10 +299,9 @@ class CoreSlicingRunner:
     def _stage_b(self):
         if not self._enter_stage(self.cores_b, "B"):
             return
-        st, items, nl = self.steps, self._items, self.n_layers
+        items, nl = self._items, self.n_layers
         rings, to_a, bell, spin = (self.rings["A->B"],), self.rings["B->A"], self._bell_b, self._spin
         pop_any = self._ring.pop_any
-        balanced = self.split == "balanced"
         clock = time.perf_counter
         busy_s = self.busy_s
         try:
@@ -396,12 +313,7 @@ class CoreSlicingRunner:
                 if op == OP_STOP:
                     return
                 t0 = clock()
-                it = items[slot]
-                if balanced:
-                    st.ffn_rest(li, it.x, it.h, it.g)
-                    it.h = it.g = None
-                else:
-                    st.ffn(li, it.x)
+                self.ffn(li, items[slot])
                 if li + 1 < nl:
                     to_a.push(seq, OP_ATTN, li + 1, slot, rows)
                 else:
@@ -444,7 +356,7 @@ class CoreSlicingRunner:
     def decode_batch(self, seqs) -> np.ndarray:
         """One token for each (token, cache) in ``seqs`` -> logits [B, V]; every cache advances by 1."""
         ids, caches = _check_seqs(self.model, seqs)
-        x = self.steps.embed(ids)                                                # [B, D] (main thread)
+        x = self.model.embed(ids)                                                # [B, D] (main thread)
         items = []
         for b, c in enumerate(caches):
             it = _Item()
@@ -466,7 +378,7 @@ class CoreSlicingRunner:
             cache = m.make_cache(t if pos0 is None else int(pos0) + t)
         pos0 = cache.offset if pos0 is None else int(pos0)
         cache.check_room(pos0, t)
-        x = self.steps.embed(ids)                                                # [T, D]
+        x = self.model.embed(ids)                                                # [T, D]
         items = []
         for c, s in enumerate(range(0, t, self.chunk)):
             e = min(t, s + self.chunk)
@@ -491,7 +403,7 @@ class CoreSlicingRunner:
         return out
 
     def close(self) -> None:
-        """Stop and join both stage threads; restore the pool and BLAS thread counts. Idempotent."""
+        """Stop and join both stage threads; restore numpy's BLAS thread count. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -506,8 +418,6 @@ class CoreSlicingRunner:
         if self._blas is not None:
             self._blas.restore_original_limits()
             self._blas = None
-        if self._old_threads != 1:
-            ops.set_num_threads(self._old_threads)
 
     @property
     def alive(self) -> bool:
