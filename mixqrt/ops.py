@@ -154,17 +154,30 @@ _ARGS_CACHE: dict = {}
 
 def _weight_args(w):
     """-> (fmt id, raw uint8, N, K, q3p levels, q5 lo, q5 step); cached per QTensor (keyed by id,
-    validated by the identity of its raw buffer, format and shape)."""
+    validated by the identity of its raw buffer and meta mapping, its format and shape: a QTensor's
+    meta is read-only, so replacing it is the only change, and that misses the cache)."""
     if isinstance(w, np.ndarray):
         return _weight_args_uncached(w)
+    meta = getattr(w, "meta", None)
     hit = _ARGS_CACHE.get(id(w))
-    if hit is not None and hit[0] is w.raw and hit[1] == w.fmt and hit[2] == w.shape:
-        return hit[3]
+    if hit is not None and hit[0] is w.raw and hit[1] is meta and hit[2] == w.fmt and hit[3] == w.shape:
+        return hit[4]
     args = _weight_args_uncached(w)
     if len(_ARGS_CACHE) > 4096:
         _ARGS_CACHE.clear()
-    _ARGS_CACHE[id(w)] = (w.raw, w.fmt, w.shape, args)
+    _ARGS_CACHE[id(w)] = (w.raw, meta, w.fmt, w.shape, args)
     return args
+
+
+def _q3p_levels(lv) -> bytes:
+    """A q3p level table from a tensor's meta, checked as the kernels need it (8 values in
+    [0, Q3P_LEVEL_MAX]): a short table would make them read past it."""
+    a = np.asarray(lv)
+    if a.shape != (layout.Q3P_LEVELS.size,) or not np.issubdtype(a.dtype, np.integer) \
+            or a.min() < 0 or a.max() > layout.Q3P_LEVEL_MAX:
+        raise KernelError(f"q3p level table must be {layout.Q3P_LEVELS.size} integers in "
+                          f"[0, {layout.Q3P_LEVEL_MAX}], got {str(lv)[:80]}")
+    return a.astype(np.uint8).tobytes()
 
 
 def _weight_args_uncached(w):
@@ -191,7 +204,7 @@ def _weight_args_uncached(w):
     meta = getattr(w, "meta", None) or {}
     if fmt == "q3p":
         lv = meta.get("q3p_levels")
-        lv = _Q3P_DEFAULT if lv is None else bytes(np.asarray(lv, dtype=np.uint8).tobytes())
+        lv = _Q3P_DEFAULT if lv is None else _q3p_levels(lv)
     elif fmt == "q5g":
         lo32, hi32 = np.frombuffer(raw[-8:].tobytes(), dtype="<f4")
         lo, step = float(lo32), float((hi32 - lo32) / np.float32(31))

@@ -7,7 +7,9 @@ from hypothesis import HealthCheck, given, settings as _settings, strategies as 
 import mixqrt.isa as isa
 from mixqrt import ops
 from mixqrt._kernels import _ops
+from mixqrt.errors import KernelError
 from mixqrt.quant import layout
+from mixqrt.quant.qtensor import QTensor
 
 from test_kernels_ref import (FakeQT, PACKED_FMTS, emulate_matmul, exact_activations, quantize_act_ref,
                         random_qtensor)
@@ -334,3 +336,35 @@ def test_avx512_decode_paths(fmt, lean, n, k, seed):
     finally:
         _ops.set_lean_mv(old)
         isa.set_isa(before)
+
+
+@pytest.mark.parametrize("levels", [b"", b"\x05", list(range(7)), [0, 1, 2, 3, 4, 5, 6, 300], [-1] * 8,
+                                    [0, 12, 20, 28, 35, 43, 51, 200]])
+def test_bad_q3p_level_table_is_refused(levels):
+    """A q3p table the kernels cannot use (short: they would read past it; > 127: int16 saturation on
+    AVX2) is a KernelError in embed and matmul, never an out-of-bounds read."""
+    rng = np.random.default_rng(11)
+    w = random_qtensor("q3p", 8, 64, rng)
+    bad = QTensor("q3p", w.shape, w.raw, {"q3p_levels": levels})
+    with pytest.raises(KernelError, match="q3p level table"):
+        ops.embed(bad, [0, 3])
+    with pytest.raises(KernelError, match="q3p level table"):
+        ops.matmul(bad, np.ones(64, np.float32))
+    with pytest.raises(ValueError, match="q3p"):       # the C boundary checks it too
+        _ops.dequant_rows(layout.FMT_ID["q3p"], w.raw, 8, 64, np.zeros(1, np.int64), np.zeros((1, 64), np.float32), b"\x01")
+
+
+def test_meta_change_after_first_matmul_is_seen():
+    """Kernel arguments are cached per tensor; meta is read-only, and a new meta misses the cache."""
+    rng = np.random.default_rng(12)
+    w = QTensor("q3p", (16, 128), random_qtensor("q3p", 16, 128, rng).raw)
+    x = rng.standard_normal(128).astype(np.float32)
+    y0, e0 = ops.matmul(w, x), ops.embed(w, [1])
+    with pytest.raises(TypeError):
+        w.meta["q3p_levels"] = [0, 1, 2, 3, 4, 5, 6, 7]
+    lv = [0, 9, 18, 27, 36, 45, 54, 63]
+    w.meta = {"q3p_levels": lv}
+    fresh = QTensor("q3p", w.shape, w.raw.copy(), {"q3p_levels": lv})
+    np.testing.assert_array_equal(ops.matmul(w, x), ops.matmul(fresh, x))
+    np.testing.assert_array_equal(ops.embed(w, [1]), ops.embed(fresh, [1]))
+    assert not np.array_equal(ops.matmul(w, x), y0) and not np.array_equal(ops.embed(w, [1]), e0)

@@ -8,7 +8,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
 from mixqrt._kernels.format cimport (MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P, MQ_Q3P_NLEVELS,
-                                     mq_row_bytes)
+                                     MQ_Q3P_LEVEL_MAX, mq_row_bytes)
 
 cnp.import_array()
 
@@ -99,6 +99,8 @@ cdef const uint8_t *_levels(int fmt, q3p_levels, str who) except? NULL:
         return NULL
     if not isinstance(q3p_levels, bytes) or len(q3p_levels) != MQ_Q3P_NLEVELS:
         raise ValueError(f"{who}: q3p needs its {MQ_Q3P_NLEVELS}-byte level table, got {q3p_levels!r}")
+    if max(q3p_levels) > MQ_Q3P_LEVEL_MAX:
+        raise ValueError(f"{who}: q3p levels must be <= {MQ_Q3P_LEVEL_MAX}, got {list(q3p_levels)}")
     return <const uint8_t*><bytes>q3p_levels
 
 

@@ -1,6 +1,8 @@
 """QTensor: a packed tensor (format + shape + bytes). The bytes may be a zero-copy view of an mmap."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 
 from mixqrt.errors import QuantError
@@ -14,7 +16,7 @@ class QTensor:
     described in mixqrt.quant.layout. For plain formats (f32/f16/bf16) the bytes are the values.
     """
 
-    __slots__ = ("fmt", "shape", "raw", "meta")
+    __slots__ = ("fmt", "shape", "raw", "_meta")
 
     def __init__(self, fmt: str, shape, raw: np.ndarray, meta: dict | None = None):
         from mixqrt.quant.formats import FORMATS  # local: formats imports this module
@@ -30,7 +32,17 @@ class QTensor:
         self.fmt = fmt
         self.shape = shape
         self.raw = raw
-        self.meta = meta or {}
+        self.meta = meta
+
+    @property
+    def meta(self):
+        """Per-tensor metadata, read-only: the kernels cache arguments derived from it (q3p levels),
+        so a change must be a new mapping (``qt.meta = {...}``), which they notice."""
+        return self._meta
+
+    @meta.setter
+    def meta(self, value) -> None:
+        self._meta = MappingProxyType(dict(value or {}))
 
     # ------------------------------------------------------------------ sizes
     @property

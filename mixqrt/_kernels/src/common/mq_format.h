@@ -42,6 +42,7 @@ enum mq_fmt {
 #define MQ_HDR_M 2                               /* fp16 m (formats with a 4+ byte header) */
 #define MQ_Q2C_LUT 4                             /* q2c: u8 lut[4], L[q] = lut[q] */
 #define MQ_Q3P_NLEVELS 8                         /* q3p: L[q] = levels[q], a u8 table passed in */
+#define MQ_Q3P_LEVEL_MAX 127                     /* keeps AVX2 vpmaddubsw pairs (2 x 127 x 127) below int16 saturation */
 #define MQ_Q5G_TRAILER 8                         /* q5g: float32 lo, hi after all rows */
 
 /* per format: bits, weights per block, header bytes, bytes per block, level offset (the kernels'
