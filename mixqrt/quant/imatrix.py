@@ -101,14 +101,13 @@ class Collector:
             ops.matmul = orig
 
 
-def collect(model_path, text: str, *, recipe: str | None = "q8", chunks: int = 8, ctx: int = 512,
-            progress: bool = True, source_label: str = "") -> dict:
-    """Run the model over up to `chunks` chunks of `ctx` tokens of `text`; returns the JSON document."""
-    from mixqrt.pipeline import load
-
+def collect(m, text: str, *, chunks: int = 8, ctx: int = 512, progress: bool = True, source_label: str = "",
+            model_label: str | None = None) -> dict:
+    """Run a loaded model (mixqrt.load(...): .model, .tokenizer, .logits) over up to `chunks` chunks
+    of `ctx` tokens of `text`; returns the JSON document. Loading is the caller's (the CLI's): this
+    module sits below the pipeline."""
     if ctx < 2 or chunks < 1:
         raise QuantError(f"imatrix needs ctx >= 2 and chunks >= 1, got ctx={ctx}, chunks={chunks}")
-    m = load(model_path, None if str(model_path).endswith(".mxq") else recipe, progress=progress)
     toks = list(m.tokenizer.encode(text, add_special_tokens=False))
     bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
     n = min(chunks, len(toks) // ctx)
@@ -123,8 +122,9 @@ def collect(model_path, text: str, *, recipe: str | None = "q8", chunks: int = 8
                 ids[0] = bos
             m.logits(ids)
     res = col.result()
-    m.close()
-    return {"format": FORMAT, "version": 1, "model": str(model_path), "recipe": m.recipe, "text": source_label,
+    label = model_label if model_label is not None else str(getattr(m, "path", ""))
+    return {"format": FORMAT, "version": 1, "model": label, "recipe": getattr(m, "recipe", None),
+            "text": source_label,
             "chunks": n, "ctx": ctx, "tokens": n * ctx,
             "tensors": {k: {"count": int(c), "values": [float(v) for v in vals]} for k, (c, vals) in sorted(res.items())}}
 
