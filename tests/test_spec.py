@@ -49,6 +49,15 @@ def test_shapes_roles_and_groups_from_the_config():
     assert "model.layers.0.self_attn.o_proj.bias" in lb and "model.layers.0.self_attn.q_proj.bias" in lb
 
 
+@pytest.mark.parametrize("key,bad", [("hidden_size", "64"), ("num_hidden_layers", 0), ("head_dim", -8),
+                                     ("vocab_size", True), ("num_key_value_heads", 1.5)])
+def test_config_sizes_must_be_positive_ints(key, bad):
+    with pytest.raises(ModelError, match=key):
+        spec.ModelSpec(_cfg(**{key: bad}), "qwen2")
+    with pytest.raises(ModelError, match="unknown architecture"):
+        spec.ModelSpec(_cfg(), "gpt2")
+
+
 def test_check_names_missing_misshapen_and_extra_tensors():
     s = spec.ModelSpec(_cfg(), "qwen2")
     good = dict(s.shapes())

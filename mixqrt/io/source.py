@@ -122,11 +122,6 @@ def check_config(config: dict, where: str) -> None:
                          f"num_attention_heads={config['num_attention_heads']}")
 
 
-def expected_shapes(config: dict, arch: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor the graph needs, with its HF shape, from the config alone (models/spec.py)."""
-    return ModelSpec(config, arch).shapes()
-
-
 def check_layout(src: Source) -> None:
     """ModelError for a missing tensor, one whose shape disagrees with the config, or one the graph
     has no place for (the rules are models/spec.py's)."""
