@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from mixqrt.errors import QuantError
+from mixqrt.models.spec import group_of
 
 FORMAT = "mixqrt-imatrix"
 MAX_BYTES = 1 << 30
@@ -36,19 +37,15 @@ def _targets(model) -> dict[int, list[str]]:
 
     for i, L in enumerate(model.layers):
         p = f"model.layers.{i}."
-        qkv = [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v")]
-        if len(L.qkv) == 1:
-            add(L.qkv[0], qkv)
-        else:
-            for w, n in zip(L.qkv, qkv):
-                add(w, [n])
+        # the parts of a fusion group (models/spec.py) see one input, fused or not
+        for ws, part in ((L.qkv, "self_attn.q_proj.weight"), (L.gate_up, "mlp.gate_proj.weight")):
+            names = list(group_of(p + part)[1])
+            if len(ws) == 1:
+                add(ws[0], names)
+            else:
+                for w, n in zip(ws, names):
+                    add(w, [n])
         add(L.o_proj, [p + "self_attn.o_proj.weight"])
-        gu = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        if len(L.gate_up) == 1:
-            add(L.gate_up[0], gu)
-        else:
-            for w, n in zip(L.gate_up, gu):
-                add(w, [n])
         add(L.down, [p + "mlp.down_proj.weight"])
     if id(model.lm_head) in out:      # never: lm_head is not a layer weight
         raise QuantError("lm_head shares a weight object with a layer")
