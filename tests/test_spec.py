@@ -146,6 +146,8 @@ def test_every_format_pair_quantizes_writes_loads_and_runs(tiny_src, tmp_path, m
     one = f1 == f2 and f1 != "q5g"
     assert len(m.model.layers[0].gate_up) == (1 if one else 2)
     assert len(m.model.layers[1].qkv) == (1 if one else 3)
+    if one:                              # stored fused: the model runs on the file's mapping, no copy
+        assert m.model.layers[0].gate_up[0].raw is m.file.tensors["model.layers.0.mlp.gate_up_proj.weight"].raw
     ids = [3, 17, 42, 5, 99]
     got = m.logits(ids)
     f, cfg, w = _split_reference(out)
