@@ -175,7 +175,7 @@ def table_levels(samples) -> list[str]:
 # ----------------------------------------------------------------------------- (b) FFN KL
 def tokens_for(model: Model, text: str, n: int) -> tuple[np.ndarray, str]:
     try:
-        from mixqrt.io.source import open_source
+        from mixqrt.io import open_source
         tok = open_source(str(MODEL)).tokenizer
         ids = tok.encode(text)[:n]
         if len(ids) == n:

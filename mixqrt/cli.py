@@ -68,11 +68,16 @@ def cmd_quantize(a):
 
 
 def cmd_imatrix(a):
+    from mixqrt.pipeline import load
     from mixqrt.quant.imatrix import collect, save
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
-    doc = collect(a.model, text, recipe=a.recipe, chunks=a.chunks, ctx=a.ctx, progress=not a.quiet,
-                  source_label=os.path.basename(a.text))
+    m = load(a.model, None if str(a.model).endswith(".mxq") else a.recipe, progress=not a.quiet)
+    try:
+        doc = collect(m, text, chunks=a.chunks, ctx=a.ctx, progress=not a.quiet,
+                      source_label=os.path.basename(a.text), model_label=str(a.model))
+    finally:
+        m.close()
     save(doc, a.output)
     print(f"wrote {a.output}: {len(doc['tensors'])} tensors, {doc['tokens']} tokens in {doc['chunks']} chunks "
           f"of {doc['ctx']} from {a.text}")

@@ -99,3 +99,13 @@ def test_bench_peak_rss_excludes_freed_probe_buffer():
     assert bench._reset_peak_rss()
     after = bench._vm_hwm_bytes()
     assert before is not None and after is not None and after < before - (32 << 20)
+
+
+def test_q5g_gate_and_up_quantize_and_run(tiny, tmp_path, capsys):
+    # issue #14: a q5g gate/up pair (a per-tensor range, so no fused tensor) used to fail midway
+    # through quantization; the parts are now written separately and run as two matmuls
+    out = tmp_path / "q5.mxq"
+    assert main(["quantize", str(tiny), "-o", str(out), "-q", "--tensor-type", "ffn_gate=q5g",
+                 "--tensor-type", "ffn_up=q5g"]) == 0
+    assert main(["generate", str(out), "-p", "hello", "-n", "3", "--temperature", "0", "-q"]) == 0
+    capsys.readouterr()

@@ -27,7 +27,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def test_collect_matches_a_manual_forward(tiny, tmp_path):
-    doc = collect(str(tiny), TEXT, recipe="f32", chunks=2, ctx=16, progress=False)
+    doc = collect(mixqrt.load(str(tiny), "f32", progress=False), TEXT, chunks=2, ctx=16, progress=False)
     assert doc["format"] == "mixqrt-imatrix" and doc["chunks"] == 2 and doc["tokens"] == 32
     t = doc["tensors"]
     cfg = json.loads((tiny / "config.json").read_text())
@@ -53,7 +53,7 @@ def test_collect_matches_a_manual_forward(tiny, tmp_path):
 
 
 def test_file_round_trip_and_validation(tiny, tmp_path):
-    doc = collect(str(tiny), TEXT, recipe="f32", chunks=1, ctx=16, progress=False)
+    doc = collect(mixqrt.load(str(tiny), "f32", progress=False), TEXT, chunks=1, ctx=16, progress=False)
     save(doc, tmp_path / "im.json")
     im = load_imatrix(tmp_path / "im.json")
     assert all(v.dtype == np.float32 for v in im.values())
@@ -69,7 +69,7 @@ def test_file_round_trip_and_validation(tiny, tmp_path):
 
 
 def test_quantize_model_with_imatrix_changes_only_covered_search_formats(tiny, tmp_path):
-    doc = collect(str(tiny), TEXT, recipe="f32", chunks=2, ctx=16, progress=False)
+    doc = collect(mixqrt.load(str(tiny), "f32", progress=False), TEXT, chunks=2, ctx=16, progress=False)
     save(doc, tmp_path / "im.json")
     a = quantize_model(str(tiny), "2356", tmp_path / "a.mxq", progress=False)
     b = quantize_model(str(tiny), "2356", tmp_path / "b.mxq", progress=False, imatrix=tmp_path / "im.json")

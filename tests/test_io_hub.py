@@ -10,7 +10,7 @@ from mixqrt.errors import FormatError, ModelError
 from mixqrt.io import open_source, resolve_hub
 from mixqrt.io.hf import HFSource
 from mixqrt.io.hub import ALLOW_PATTERNS
-from mixqrt.io.source import _looks_like_repo_id
+from mixqrt.io.dispatch import _looks_like_repo_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

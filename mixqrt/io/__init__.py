@@ -1,5 +1,6 @@
 """Model sources (GGUF, HF safetensors folders, hub snapshots) behind one contract; see source.py."""
-from mixqrt.io.source import Source, open_source  # noqa: F401
+from mixqrt.io.dispatch import open_source  # noqa: F401
+from mixqrt.io.source import Source  # noqa: F401
 
 
 def resolve_hub(repo_id, *, offline=None, progress=True, cache_dir=None):

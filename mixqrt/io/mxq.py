@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mixqrt.errors import FormatError, MixqrtError
 from mixqrt.quant import layout
-from mixqrt.runtime.arena import ALIGN, PAGE, Arena, align_up, is_pow2
+from mixqrt.io.arena import ALIGN, PAGE, Arena, align_up, is_pow2
 
 MAGIC = b"MXQ\0"
 VERSION = 1
@@ -263,7 +263,7 @@ class MxqFile:
     info:          name -> TensorInfo (fmt, shape, offset, nbytes, layer)
     spans:         layer (int) or non-layer tensor name (str) -> (offset, nbytes); page aligned
     header_bytes:  int, every byte that is not tensor data: prefix + blobs + JSON header
-    arena:         the mixqrt.runtime.arena.Arena (arena.prefetch(*spans[i]) reads a layer ahead)
+    arena:         the mixqrt.io.arena.Arena (arena.prefetch(*spans[i]) reads a layer ahead)
     """
 
     def __init__(self, path, *, hugepages: bool = False, willneed: bool = False):

@@ -16,7 +16,6 @@ only headers are read); NaN/Inf is found by .get (reading the data is the only w
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -123,11 +122,6 @@ def check_config(config: dict, where: str) -> None:
                          f"num_attention_heads={config['num_attention_heads']}")
 
 
-def expected_shapes(config: dict, arch: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor the graph needs, with its HF shape, from the config alone (models/spec.py)."""
-    return ModelSpec(config, arch).shapes()
-
-
 def check_layout(src: Source) -> None:
     """ModelError for a missing tensor, one whose shape disagrees with the config, or one the graph
     has no place for (the rules are models/spec.py's)."""
@@ -136,50 +130,7 @@ def check_layout(src: Source) -> None:
 
 # -- dispatch --------------------------------------------------------------------------------
 
-def _looks_like_repo_id(s: str) -> bool:
-    # "org/name" with no filesystem hints; anything else that does not exist is a bad path.
-    parts = s.split("/")
-    return (len(parts) == 2 and all(parts) and not s.startswith((".", "~"))
-            and not os.path.isabs(s) and "\\" not in s)
-
-
 def refuse_pickle(path: Path) -> None:
     raise FormatError(f"{path}: pickle checkpoints ({', '.join(PICKLE_SUFFIXES)}) are refused — loading "
                       "them can run arbitrary code. Convert to safetensors (e.g. transformers' "
                       "save_pretrained(..., safe_serialization=True)) or use a GGUF file")
-
-
-def open_source(path_or_id, *, offline: bool | None = None, progress: bool = True,
-                cache_dir=None) -> Source:
-    """Open a .gguf file, an HF folder (config.json + *.safetensors) or a hub id ("Qwen/Qwen2-0.5B").
-
-    offline=None follows HF_HUB_OFFLINE; progress controls the hub's download bars.
-    """
-    from mixqrt.io.gguf import GGUFSource
-    from mixqrt.io.hf import HFSource
-
-    s = os.fspath(path_or_id)
-    p = Path(s).expanduser()
-    if p.is_file():
-        suffix = p.suffix.lower()
-        if suffix in PICKLE_SUFFIXES:
-            refuse_pickle(p)
-        if suffix == ".gguf" or _has_gguf_magic(p):
-            return GGUFSource(p)
-        if suffix == ".safetensors":
-            return HFSource(p.parent)
-        if p.name == "config.json":
-            return HFSource(p.parent)
-        raise FormatError(f"{p}: not a model source mixqrt can open (want a .gguf file, an HF folder "
-                          "with config.json + *.safetensors, or a hub id)")
-    if p.is_dir():
-        return HFSource(p)
-    if _looks_like_repo_id(s):
-        from mixqrt.io.hub import resolve_hub
-        return HFSource(resolve_hub(s, offline=offline, progress=progress, cache_dir=cache_dir))
-    raise ModelError(f"{s}: no such file or folder, and not a hub id of the form 'org/name'")
-
-
-def _has_gguf_magic(p: Path) -> bool:
-    with open(p, "rb") as f:
-        return f.read(4) == b"GGUF"

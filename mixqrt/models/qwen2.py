@@ -200,9 +200,13 @@ class Model:
         for i in range(a.num_hidden_layers):
             for target, parts in ms.groups(i):
                 vector = len(ms.fused_shape(target)) == 1     # biases: float32, so they always fuse
-                ts = [take(target, vector)] if target in w else [take(p, vector) for p in parts]
-                fused = spec.fuse(ts)
-                out[target] = fused if vector else ([fused] if fused is not None else ts)
+                if target in w:                                # stored fused: the mmap view as is
+                    t = take(target, vector)
+                    out[target] = t if vector else [t]
+                else:
+                    ts = [take(p, vector) for p in parts]
+                    fused = spec.fuse(ts)
+                    out[target] = fused if vector else ([fused] if fused is not None else ts)
                 grouped.update(dict.fromkeys(parts))
         for name, shape in shapes.items():
             if name not in grouped and name not in out:

@@ -115,21 +115,28 @@ def arch_biases(arch: str, config: dict) -> tuple[bool, bool]:
     raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHS)}")
 
 
-class ModelSpec:
-    """The tensors of one checkpoint, derived from its config: ModelSpec(config, arch).
+def _pos_int(config: dict, key: str, default=None) -> int:
+    v = config.get(key)
+    if v is None and default is not None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ModelError(f"config {key} must be a positive integer, got {v!r}")
+    return int(v)
 
-    The config must already be validated (positive integers: io/source.check_config, ModelArgs)."""
+
+class ModelSpec:
+    """The tensors of one checkpoint, derived from its config: ModelSpec(config, arch). The sizes it
+    reads must be positive integers (ModelError naming the key otherwise)."""
 
     def __init__(self, config: dict, arch: str):
         self.arch = arch
         self.qkv_bias, self.o_bias = arch_biases(arch, config)
-        h = int(config["hidden_size"])
-        nh = int(config["num_attention_heads"])
-        nkv = int(config.get("num_key_value_heads") or nh)
-        hd = int(config.get("head_dim") or h // nh)
-        self.hidden, self.n_layers = h, int(config["num_hidden_layers"])
+        h, nh = _pos_int(config, "hidden_size"), _pos_int(config, "num_attention_heads")
+        nkv = _pos_int(config, "num_key_value_heads", nh)
+        hd = _pos_int(config, "head_dim", h // nh)
+        self.hidden, self.n_layers = h, _pos_int(config, "num_hidden_layers")
         self.n_q, self.n_kv = nh * hd, nkv * hd
-        self.inter, self.vocab = int(config["intermediate_size"]), int(config["vocab_size"])
+        self.inter, self.vocab = _pos_int(config, "intermediate_size"), _pos_int(config, "vocab_size")
         self.tied = bool(config.get("tie_word_embeddings", False))
 
     def layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:

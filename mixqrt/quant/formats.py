@@ -31,7 +31,7 @@ import numpy as np
 from mixqrt.errors import QuantError
 from mixqrt.quant import kmeans, layout
 from mixqrt.quant.kmeans import F32, h_rne, h_rtz, snap
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.quant.qtensor import QTensor, register_dequantizer
 
 FP16_MAX = 65504.0
 _BF16_INF_FROM = np.array([0x7F7F8000], dtype=np.uint32).view(np.float32)[0]  # rounds up to bf16 Inf
@@ -496,3 +496,4 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     _make("q8", 8, "symmetric"), _make("f16", 16, "plain"), _make("bf16", 16, "plain"),
     _make("f32", 32, "plain"),
 )}
+register_dequantizer(dequantize)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from mixqrt.errors import QuantError
+from mixqrt.models.spec import group_of
 
 FORMAT = "mixqrt-imatrix"
 MAX_BYTES = 1 << 30
@@ -36,19 +37,15 @@ def _targets(model) -> dict[int, list[str]]:
 
     for i, L in enumerate(model.layers):
         p = f"model.layers.{i}."
-        qkv = [p + f"self_attn.{x}_proj.weight" for x in ("q", "k", "v")]
-        if len(L.qkv) == 1:
-            add(L.qkv[0], qkv)
-        else:
-            for w, n in zip(L.qkv, qkv):
-                add(w, [n])
+        # the parts of a fusion group (models/spec.py) see one input, fused or not
+        for ws, part in ((L.qkv, "self_attn.q_proj.weight"), (L.gate_up, "mlp.gate_proj.weight")):
+            names = list(group_of(p + part)[1])
+            if len(ws) == 1:
+                add(ws[0], names)
+            else:
+                for w, n in zip(ws, names):
+                    add(w, [n])
         add(L.o_proj, [p + "self_attn.o_proj.weight"])
-        gu = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        if len(L.gate_up) == 1:
-            add(L.gate_up[0], gu)
-        else:
-            for w, n in zip(L.gate_up, gu):
-                add(w, [n])
         add(L.down, [p + "mlp.down_proj.weight"])
     if id(model.lm_head) in out:      # never: lm_head is not a layer weight
         raise QuantError("lm_head shares a weight object with a layer")
@@ -101,14 +98,13 @@ class Collector:
             ops.matmul = orig
 
 
-def collect(model_path, text: str, *, recipe: str | None = "q8", chunks: int = 8, ctx: int = 512,
-            progress: bool = True, source_label: str = "") -> dict:
-    """Run the model over up to `chunks` chunks of `ctx` tokens of `text`; returns the JSON document."""
-    from mixqrt.pipeline import load
-
+def collect(m, text: str, *, chunks: int = 8, ctx: int = 512, progress: bool = True, source_label: str = "",
+            model_label: str | None = None) -> dict:
+    """Run a loaded model (mixqrt.load(...): .model, .tokenizer, .logits) over up to `chunks` chunks
+    of `ctx` tokens of `text`; returns the JSON document. Loading is the caller's (the CLI's): this
+    module sits below the pipeline."""
     if ctx < 2 or chunks < 1:
         raise QuantError(f"imatrix needs ctx >= 2 and chunks >= 1, got ctx={ctx}, chunks={chunks}")
-    m = load(model_path, None if str(model_path).endswith(".mxq") else recipe, progress=progress)
     toks = list(m.tokenizer.encode(text, add_special_tokens=False))
     bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
     n = min(chunks, len(toks) // ctx)
@@ -123,8 +119,9 @@ def collect(model_path, text: str, *, recipe: str | None = "q8", chunks: int = 8
                 ids[0] = bos
             m.logits(ids)
     res = col.result()
-    m.close()
-    return {"format": FORMAT, "version": 1, "model": str(model_path), "recipe": m.recipe, "text": source_label,
+    label = model_label if model_label is not None else str(getattr(m, "path", ""))
+    return {"format": FORMAT, "version": 1, "model": label, "recipe": getattr(m, "recipe", None),
+            "text": source_label,
             "chunks": n, "ctx": ctx, "tokens": n * ctx,
             "tensors": {k: {"count": int(c), "values": [float(v) for v in vals]} for k, (c, vals) in sorted(res.items())}}
 

@@ -9,6 +9,20 @@ from mixqrt.errors import QuantError
 from mixqrt.quant import layout
 
 
+def _no_dequantizer(qt):
+    raise QuantError("no dequantizer registered (mixqrt.quant.formats registers it on import)")
+
+
+# Set by mixqrt.quant.formats when it loads (always before a QTensor exists: mixqrt.quant's
+# __init__ imports it), so that this module depends on layout only and formats on this module.
+_dequantizer = _no_dequantizer
+
+
+def register_dequantizer(fn) -> None:
+    global _dequantizer
+    _dequantizer = fn
+
+
 class QTensor:
     """A tensor in one of mixqrt's formats.
 
@@ -19,9 +33,8 @@ class QTensor:
     __slots__ = ("fmt", "shape", "raw", "_meta")
 
     def __init__(self, fmt: str, shape, raw: np.ndarray, meta: dict | None = None):
-        from mixqrt.quant.formats import FORMATS  # local: formats imports this module
-        if fmt not in FORMATS:
-            raise QuantError(f"unknown format {fmt!r}; known: {', '.join(sorted(FORMATS))}")
+        if fmt not in layout.PACKED and fmt not in layout.PLAIN:
+            raise QuantError(f"unknown format {fmt!r}; known: {', '.join(sorted((*layout.PACKED, *layout.PLAIN)))}")
         shape = tuple(int(s) for s in shape)
         want = layout.expected_nbytes(fmt, shape)
         raw = np.asarray(raw)
@@ -80,8 +93,7 @@ class QTensor:
 
     # ------------------------------------------------------------------ values
     def dequantize(self) -> np.ndarray:
-        from mixqrt.quant.formats import FORMATS
-        return FORMATS[self.fmt].dequantize(self)
+        return _dequantizer(self)
 
     def __repr__(self) -> str:
         return f"QTensor(fmt={self.fmt!r}, shape={self.shape}, nbytes={self.nbytes}, bpw={self.bits_per_weight:.3f})"
