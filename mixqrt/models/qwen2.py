@@ -17,6 +17,7 @@ import numpy as np
 from mixqrt import ops
 from mixqrt.cache import KVCache
 from mixqrt.errors import GenerationError, ModelError
+from mixqrt.limits import check_config_limits
 from mixqrt.models.base import fuse_rows, tensor_shape, to_f32
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -60,6 +61,8 @@ class ModelArgs:
         return args
 
     def validate(self) -> None:
+        check_config_limits(vars(self), "model config")   # bounds first: nothing is sized from a lie
+
         def pos_int(name):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
