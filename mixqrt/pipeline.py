@@ -100,7 +100,12 @@ def prepare(name_or_path, recipe: str | None = None, *, offline=None, progress=T
     src = _source_for(res, offline, progress)
     out = cached_mxq_path(res.label, src, rec.spec())
     if not out.exists():
-        quantize_model(src, rec, out, progress=progress, offline=offline)
+        from mixqrt.io.atomic import clean_stale_temps, file_lock
+        # one quantization per cache entry: a second process waits here and reuses the result
+        with file_lock(out):
+            clean_stale_temps(out.parent)
+            if not out.exists():
+                quantize_model(src, rec, out, progress=progress, offline=offline)
     return out
 
 
@@ -165,18 +170,21 @@ class Pipeline:
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:
         """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
+        from mixqrt.io.atomic import file_lock, mkstemp_for
         path = Path(path)
         if path.resolve() == Path(self.path).resolve():
             return path
-        tmp = path.with_name(path.name + f".{os.getpid()}.part")
-        try:
-            shutil.copyfile(self.path, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        with file_lock(path):                        # concurrent saves to one path take turns
+            fd, tmp = mkstemp_for(path)
+            try:
+                with os.fdopen(fd, "wb") as f, open(self.path, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 22)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         return path
 
     def __repr__(self) -> str:

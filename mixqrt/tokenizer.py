@@ -13,6 +13,7 @@ special=false), which is what untrusted user text should get.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 from pathlib import Path
 
@@ -72,18 +73,59 @@ def _pre_tokenizer(pre: str, where: str):
     return gpt2
 
 
+def _is_panic(e: BaseException) -> bool:
+    # pyo3 turns a Rust panic into pyo3_runtime.PanicException, a BaseException that no
+    # `except Exception` catches; its class cannot be imported, so it is recognised by name
+    return type(e).__name__ == "PanicException" and type(e).__module__ == "pyo3_runtime"
+
+
+@contextlib.contextmanager
+def _no_panic(what: str, err=ModelError):
+    """Turn a panic inside the tokenizers library into `err` (a typed, catchable mixqrt error)."""
+    try:
+        yield
+    except BaseException as e:
+        if _is_panic(e):
+            raise err(f"tokenizer failed while {what} (the tokenizers library panicked: "
+                      f"{str(e)[:200]})") from None
+        raise
+
+
 def _scalar(meta, key, default=None):
     v = meta.get(key, default)
     return v.item() if hasattr(v, "item") else v
 
 
-def eos_ids_from_gguf(meta: dict) -> set[int]:
+def _token_id(meta, key, where, n_tokens=None):
+    """An integer token id from GGUF metadata (None when absent); FormatError naming the key."""
+    v = meta.get(key)
+    if v is None:
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0 or \
+            (n_tokens is not None and v >= n_tokens):
+        raise FormatError(f"{where}: {key} must be a token id in [0, {n_tokens or 'vocab'}), got {str(v)[:40]!r}")
+    return int(v)
+
+
+def _gguf_tokens(meta, where):
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and (not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens)):
+        raise FormatError(f"{where}: tokenizer.ggml.tokens must be an array of strings")
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None:
+        if not isinstance(types, np.ndarray) or types.dtype.kind not in "iu":
+            raise FormatError(f"{where}: tokenizer.ggml.token_type must be an array of integers")
+        if tokens is not None and len(types) != len(tokens):
+            raise FormatError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+    return tokens, types
+
+
+def eos_ids_from_gguf(meta: dict, where: str = "GGUF") -> set[int]:
     """eos/eot/eom ids from the metadata plus control tokens whose text ends a turn (as llama.cpp)."""
-    ids = {int(_scalar(meta, f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")
-           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None}
-    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    tokens, types = _gguf_tokens(meta, where)
+    ids = {_token_id(meta, f"tokenizer.ggml.{k}_token_id", where) for k in ("eos", "eot", "eom")} - {None}
     if tokens is not None and types is not None:
-        for i in np.flatnonzero(np.isin(np.asarray(types), (_CONTROL, _USER_DEFINED))):
+        for i in np.flatnonzero(np.isin(types, (_CONTROL, _USER_DEFINED))):
             if tokens[i] in _EOG_TEXTS:
                 ids.add(int(i))
     return ids
@@ -110,13 +152,13 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict, where: str = "GGUF") -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise ModelError(f"{where}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+            raise ModelError(f"{where}: tokenizer model {str(kind)[:40]!r} is not supported (only byte-level BPE, 'gpt2')")
+        tokens, types = _gguf_tokens(meta, where)
+        merges = meta.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
             raise FormatError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.merges missing")
-        types = meta.get("tokenizer.ggml.token_type")
-        if types is not None and len(types) != len(tokens):
-            raise FormatError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
+        if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+            raise FormatError(f"{where}: tokenizer.ggml.merges must be an array of strings")
         vocab = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)                  # a duplicate keeps its first id, like llama.cpp
@@ -127,32 +169,40 @@ class Tokenizer:
                 raise FormatError(f"{where}: merge {m!r} is not 'left right'")
             pairs.append((a, b))
         pre = meta.get("tokenizer.ggml.pre", "default")
-        try:
-            bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
-                             ignore_merges=_PRE_FAMILIES.get(pre) == "llama3")
-        except Exception as e:                      # tokenizers reports e.g. a merge of unknown tokens
-            raise FormatError(f"{where}: tokenizer vocabulary is inconsistent: {e}") from None
-        tk = _HFTokenizer(bpe)
-        tk.pre_tokenizer = _pre_tokenizer(pre, where)
-        tk.decoder = decoders.ByteLevel()
-        if types is not None:
-            types = np.asarray(types)
-            special = [AddedToken(tokens[i], special=True, normalized=False)
-                       for i in np.flatnonzero(types == _CONTROL)]
-            user = [AddedToken(tokens[i], special=False, normalized=False)
-                    for i in np.flatnonzero(types == _USER_DEFINED)]
-            tk.add_special_tokens(special)
-            tk.add_tokens(user)
-        bos = _scalar(meta, "tokenizer.ggml.bos_token_id")
+        if not isinstance(pre, str):
+            raise FormatError(f"{where}: tokenizer.ggml.pre must be a string")
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise FormatError(f"{where}: tokenizer.chat_template must be a string")
+        bos = _token_id(meta, "tokenizer.ggml.bos_token_id", where, len(tokens))
+        pad = _token_id(meta, "tokenizer.ggml.padding_token_id", where)
         add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-        if add_bos:
-            name = tokens[int(bos)]
-            tk.post_processor = processors.TemplateProcessing(
-                single=f"{name} $A", pair=f"{name} $A {name} $B", special_tokens=[(name, int(bos))])
-        pad = _scalar(meta, "tokenizer.ggml.padding_token_id")
-        return cls(tk, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids_from_gguf(meta),
-                   pad_token_id=None if pad is None else int(pad),
-                   chat_template=meta.get("tokenizer.chat_template"), add_bos_token=add_bos)
+        with _no_panic("building the GGUF vocabulary", FormatError):
+            try:
+                bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
+                                 ignore_merges=_PRE_FAMILIES.get(pre) == "llama3")
+            except Exception as e:                  # tokenizers reports e.g. a merge of unknown tokens
+                raise FormatError(f"{where}: tokenizer vocabulary is inconsistent: {str(e)[:200]}") from None
+            tk = _HFTokenizer(bpe)
+            tk.pre_tokenizer = _pre_tokenizer(pre, where)
+            tk.decoder = decoders.ByteLevel()
+            if types is not None:
+                special = [AddedToken(tokens[i], special=True, normalized=False)
+                           for i in np.flatnonzero(types == _CONTROL)]
+                user = [AddedToken(tokens[i], special=False, normalized=False)
+                        for i in np.flatnonzero(types == _USER_DEFINED)]
+                tk.add_special_tokens(special)
+                tk.add_tokens(user)
+            if add_bos:
+                name = tokens[bos]
+                try:
+                    tk.post_processor = processors.TemplateProcessing(
+                        single=f"{name} $A", pair=f"{name} $A {name} $B", special_tokens=[(name, bos)])
+                except Exception as e:
+                    raise FormatError(f"{where}: bos token {name[:40]!r} cannot start a template: "
+                                      f"{str(e)[:200]}") from None
+        return cls(tk, bos_token_id=bos, eos_token_ids=eos_ids_from_gguf(meta, where),
+                   pad_token_id=pad, chat_template=template, add_bos_token=add_bos)
 
     @classmethod
     def from_folder(cls, folder, *, extra_eos_ids=()) -> "Tokenizer":
@@ -162,17 +212,20 @@ class Tokenizer:
         if not path.is_file():
             raise ModelError(f"{folder}: no tokenizer.json (mixqrt needs the fast-tokenizer file; "
                              "transformers' tokenizer.save_pretrained() writes it)")
-        try:
-            tk = _HFTokenizer.from_file(str(path))
-        except Exception as e:
-            raise FormatError(f"{path}: not a valid tokenizer.json: {e}") from None
+        with _no_panic(f"reading {path}", FormatError):
+            try:
+                tk = _HFTokenizer.from_file(str(path))
+            except Exception as e:
+                raise FormatError(f"{path}: not a valid tokenizer.json: {str(e)[:200]}") from None
         cfg = {}
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
                 cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise FormatError(f"{cfg_path}: not valid JSON: {e}") from None
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                raise FormatError(f"{cfg_path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+            if not isinstance(cfg, dict):
+                raise FormatError(f"{cfg_path}: expected a JSON object")
 
         def tok_id(entry):
             text = entry.get("content") if isinstance(entry, dict) else entry
@@ -198,12 +251,14 @@ class Tokenizer:
 
     @classmethod
     def from_meta(cls, meta) -> "Tokenizer":
-        try:
-            backend = _HFTokenizer.from_str(meta["tokenizer"])
-        except KeyError:
-            raise FormatError("model file has no 'tokenizer' entry") from None
-        except Exception as e:
-            raise FormatError(f"model file's 'tokenizer' entry is not a valid tokenizer.json: {e}") from None
+        with _no_panic("reading the model file's tokenizer", FormatError):
+            try:
+                backend = _HFTokenizer.from_str(meta["tokenizer"])
+            except KeyError:
+                raise FormatError("model file has no 'tokenizer' entry") from None
+            except Exception as e:
+                raise FormatError(f"model file's 'tokenizer' entry is not a valid tokenizer.json: "
+                                  f"{str(e)[:200]}") from None
         info = dict(meta.get("tokenizer_info") or {})
         return cls(backend, bos_token_id=info.get("bos_token_id"), eos_token_ids=info.get("eos_token_ids") or (),
                    pad_token_id=info.get("pad_token_id"), chat_template=meta.get("chat_template"),
@@ -218,21 +273,27 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() wants str, got {type(text).__name__}")
         tk = self.backend
-        if not parse_special:
-            if self._plain is None:
-                self._plain = _HFTokenizer.from_str(self.backend.to_str())
-                self._plain.encode_special_tokens = True
-            tk = self._plain
-        return tk.encode(text, add_special_tokens=add_special_tokens).ids
+        with _no_panic("encoding"):
+            if not parse_special:
+                if self._plain is None:
+                    self._plain = _HFTokenizer.from_str(self.backend.to_str())
+                    self._plain.encode_special_tokens = True
+                tk = self._plain
+            return tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        with _no_panic("decoding"):
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str):
-        return self.backend.token_to_id(token)
+        with _no_panic("looking up a token"):
+            return self.backend.token_to_id(token)
 
     def id_to_token(self, i: int):
-        return self.backend.id_to_token(int(i))
+        i = int(i)
+        with _no_panic("looking up a token id"):
+            return self.backend.id_to_token(i)
 
     @property
     def bos_token(self):

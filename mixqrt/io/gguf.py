@@ -22,10 +22,12 @@ from gguf.quants import dequantize
 
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.io.source import SUPPORTED_ARCHS, Source, check_config, check_layout
+from mixqrt.limits import check_config_limits
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
 MAX_STRING = 1 << 30
+MAX_NESTING = 4          # arrays of arrays: llama.cpp writes none deeper than 2
 
 # value type code -> (struct format, size); 8 = string and 9 = array are handled by hand
 _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
@@ -131,7 +133,7 @@ class _Cursor:
             # llama.cpp stores some vocab entries as raw bytes; keep them round-trippable
             return raw.decode("utf-8", errors="surrogateescape")
 
-    def value(self, vtype: int, what: str):
+    def value(self, vtype: int, what: str, depth: int = 0):
         if vtype in _SCALARS:
             return self.scalar(vtype, what)
         if vtype == 8:
@@ -151,7 +153,11 @@ class _Cursor:
                     self.need(n * 8, what)
                 return [self.string(what) for _ in range(n)]
             if etype == 9:
-                return [self.value(9, what) for _ in range(n)]
+                if depth >= MAX_NESTING:
+                    raise FormatError(f"{self.path}: {what}: arrays nested deeper than {MAX_NESTING}")
+                if n > (self.size - self.pos) // 12:  # each inner array costs at least 12 bytes
+                    self.need(n * 12, what)
+                return [self.value(9, what, depth + 1) for _ in range(n)]
             raise FormatError(f"{self.path}: {what}: unknown array element type {etype}")
         raise FormatError(f"{self.path}: {what}: unknown value type {vtype}")
 
@@ -212,36 +218,87 @@ def read_gguf_header(buf, path: Path):
 
 # -- metadata -> HF config -------------------------------------------------------------------
 
+# HF config key -> GGUF metadata key (after "{arch}."), for reading and for error messages
+_HF_TO_GGUF_KEY = {
+    "num_hidden_layers": "block_count", "max_position_embeddings": "context_length",
+    "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+}
+
+
+def meta_int(meta: dict, key: str, path, default=None, required=True):
+    """An integer GGUF metadata value; ModelError naming the key for a string, float, bool or array."""
+    v = meta.get(key, default)
+    if v is None:
+        if required:
+            raise ModelError(f"{path}: GGUF metadata key {key} is missing")
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ModelError(f"{path}: GGUF metadata key {key} must be an integer, got {type(v).__name__} "
+                         f"{str(v)[:40]!r}")
+    return int(v)
+
+
+def meta_float(meta: dict, key: str, path, default=None, required=True):
+    """A finite float GGUF metadata value; ModelError naming the key otherwise."""
+    v = meta.get(key, default)
+    if v is None:
+        if required:
+            raise ModelError(f"{path}: GGUF metadata key {key} is missing")
+        return None
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(v):
+        raise ModelError(f"{path}: GGUF metadata key {key} must be a finite number, got {type(v).__name__} "
+                         f"{str(v)[:40]!r}")
+    return float(v)
+
+
+def meta_str(meta: dict, key: str, path, default=None):
+    v = meta.get(key, default)
+    if v is not None and not isinstance(v, str):
+        raise ModelError(f"{path}: GGUF metadata key {key} must be a string, got {type(v).__name__}")
+    return v
+
+
 def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: unknown architecture {arch} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
+        raise ModelError(f"{path}: unknown architecture {str(arch)[:40]} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    names = {hf: f"{arch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()}
 
-    def key(k, default=None, required=True):
-        v = meta.get(f"{arch}.{k}", default)
-        if v is None and required:
-            raise ModelError(f"{path}: GGUF metadata key {arch}.{k} is missing")
-        return v.item() if isinstance(v, np.generic) else v
+    def key_int(hf, default=None, required=True):
+        return meta_int(meta, names[hf], path, default, required)
 
-    n_head = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    n_head = key_int("num_attention_heads")
+    hidden = key_int("hidden_size")
+    # bounds before any arithmetic: head_count=0 is a named error, not a ZeroDivisionError
+    check_config_limits({"num_attention_heads": n_head, "hidden_size": hidden}, str(path), names)
     tokens = meta.get("tokenizer.ggml.tokens")
     emb = tensors.get("token_embd.weight")
-    vocab = len(tokens) if tokens is not None else (emb[0][1] if emb else key("vocab_size"))
+    if tokens is not None:
+        if not isinstance(tokens, list):
+            raise ModelError(f"{path}: GGUF metadata key tokenizer.ggml.tokens must be an array of strings")
+        vocab = len(tokens)
+    elif emb is not None and len(emb[0]) == 2:
+        vocab = int(emb[0][1])
+    else:
+        vocab = meta_int(meta, f"{arch}.vocab_size", path)
     cfg = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": arch,
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": key_int("intermediate_size"),
+        "num_hidden_layers": key_int("num_hidden_layers"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(key("attention.head_count_kv", n_head)),
-        "head_dim": int(key("attention.key_length", hidden // n_head)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
-        "vocab_size": int(vocab),
+        "num_key_value_heads": key_int("num_key_value_heads", n_head),
+        "head_dim": key_int("head_dim", hidden // n_head),
+        "rms_norm_eps": meta_float(meta, names["rms_norm_eps"], path),
+        "rope_theta": meta_float(meta, names["rope_theta"], path, 10000.0),
+        "max_position_embeddings": key_int("max_position_embeddings"),
+        "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
@@ -249,32 +306,33 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     else:
         cfg["use_sliding_window"] = False
-    scaling = key("rope.scaling.type", required=False)
+    scaling = meta_str(meta, f"{arch}.rope.scaling.type", path)
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"type": scaling, "rope_type": scaling,
-                               "factor": float(key("rope.scaling.factor", 1.0))}
-        orig = key("rope.scaling.original_context_length", required=False)
+                               "factor": meta_float(meta, f"{arch}.rope.scaling.factor", path, 1.0)}
+        orig = meta_int(meta, f"{arch}.rope.scaling.original_context_length", path, required=False)
         if orig:
-            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+            cfg["rope_scaling"]["original_max_position_embeddings"] = orig
     for tok in ("bos", "eos", "padding"):
-        v = meta.get(f"tokenizer.ggml.{tok}_token_id")
+        v = meta_int(meta, f"tokenizer.ggml.{tok}_token_id", path, required=False)
         if v is not None:
-            cfg["pad_token_id" if tok == "padding" else f"{tok}_token_id"] = int(v)
+            cfg["pad_token_id" if tok == "padding" else f"{tok}_token_id"] = v
+    check_config_limits(cfg, str(path), names)
     return cfg
 
 
-def generation_config_from_metadata(meta: dict, eos_ids) -> dict:
+def generation_config_from_metadata(meta: dict, eos_ids, path="GGUF") -> dict:
     gen = {"eos_token_id": sorted(eos_ids) if len(eos_ids) > 1 else next(iter(eos_ids), None)}
     for k in ("bos_token_id", "padding_token_id"):
-        v = meta.get(f"tokenizer.ggml.{k}")
+        v = meta_int(meta, f"tokenizer.ggml.{k}", path, required=False)
         if v is not None:
-            gen["pad_token_id" if k.startswith("padding") else k] = int(v)
+            gen["pad_token_id" if k.startswith("padding") else k] = v
     # newer converters copy generation_config.json's sampling defaults into general.sampling.*
     for gk, hk in (("top_k", "top_k"), ("top_p", "top_p"), ("temp", "temperature"),
                    ("min_p", "min_p"), ("penalty_repeat", "repetition_penalty")):
-        v = meta.get(f"general.sampling.{gk}")
-        if v is not None:
-            gen[hk] = float(v) if hk != "top_k" else int(v)
+        key = f"general.sampling.{gk}"
+        if meta.get(key) is not None:
+            gen[hk] = meta_float(meta, key, path) if hk != "top_k" else meta_int(meta, key, path)
     if "temperature" in gen or "top_p" in gen or "top_k" in gen:
         gen["do_sample"] = True
     return gen
@@ -297,7 +355,8 @@ class GGUFSource(Source):
             self.metadata, self._gguf = read_gguf_header(self._map, self.path)
             self.config = config_from_metadata(self.metadata, self._gguf, self.path)
             self.arch = self.config["model_type"]
-            check_config(self.config, str(self.path))
+            check_config(self.config, str(self.path),
+                         {hf: f"{self.arch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()})
             self._names = {}                        # HF name -> GGUF name
             self.unmapped = []                      # GGUF tensors the graphs do not use
             for gname, (dims, qtype, _, _) in self._gguf.items():
@@ -310,7 +369,7 @@ class GGUFSource(Source):
             check_layout(self)
             from mixqrt.tokenizer import eos_ids_from_gguf
             self.generation_config = generation_config_from_metadata(
-                self.metadata, eos_ids_from_gguf(self.metadata))
+                self.metadata, eos_ids_from_gguf(self.metadata, str(self.path)), self.path)
         except BaseException:
             self.close()
             raise

@@ -21,6 +21,7 @@ from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_c
                               refuse_pickle)
 
 MAX_HEADER = 100 * 1024 * 1024          # the limit safetensors itself enforces
+MAX_DIMS = 8
 
 # safetensors dtype -> (item size, numpy dtype to read, or None for "cannot be a weight")
 DTYPES = {"F64": (8, "<f8"), "F32": (4, "<f4"), "F16": (2, "<f2"), "BF16": (2, "<u2"),
@@ -40,19 +41,24 @@ class SafetensorsFile:
             if size < 8:
                 raise FormatError(f"{self.path}: truncated safetensors file ({size} bytes, header length needs 8)")
             n = struct.unpack("<Q", self._file.read(8))[0]
+            # the messages never print n: for a file that is not safetensors it is 8 bytes of its content
             if n > MAX_HEADER:
-                raise FormatError(f"{self.path}: header length {n} exceeds the {MAX_HEADER}-byte limit")
+                raise FormatError(f"{self.path}: not a safetensors file (header length field exceeds the "
+                                  f"{MAX_HEADER}-byte limit)")
             if 8 + n > size:
-                raise FormatError(f"{self.path}: truncated safetensors file: header claims {n} bytes, "
-                                  f"file has {size - 8} after the length")
+                raise FormatError(f"{self.path}: truncated safetensors file: the header length field runs "
+                                  f"past the end of the file ({size} bytes)")
             raw = self._file.read(n)
             try:
                 header = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise FormatError(f"{self.path}: header is not valid UTF-8 JSON: {e}") from None
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+                raise FormatError(f"{self.path}: header is not valid UTF-8 JSON ({type(e).__name__} "
+                                  f"at byte {getattr(e, 'pos', getattr(e, 'start', '?'))})") from None
             if not isinstance(header, dict):
                 raise FormatError(f"{self.path}: header is not a JSON object")
             self.metadata = header.pop("__metadata__", None) or {}
+            if not isinstance(self.metadata, dict):
+                raise FormatError(f"{self.path}: __metadata__ is not a JSON object")
             self.data_start = 8 + n
             self.tensors = self._check(header, size - self.data_start)
             self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size > self.data_start else None
@@ -63,18 +69,19 @@ class SafetensorsFile:
     def _check(self, header: dict, data_len: int) -> dict:
         out, spans = {}, []
         for name, e in header.items():
-            where = f"{self.path}: tensor {name!r}"
+            where = f"{self.path}: tensor {name[:200]!r}"
             if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
                 raise FormatError(f"{where}: entry needs dtype, shape and data_offsets")
             dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-            if dtype not in DTYPES:
-                raise FormatError(f"{where}: unknown dtype {dtype!r}")
-            if (not isinstance(shape, list) or
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise FormatError(f"{where}: unknown dtype {str(dtype)[:40]!r}")
+            if (not isinstance(shape, list) or len(shape) > MAX_DIMS or
                     not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-                raise FormatError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+                raise FormatError(f"{where}: shape {str(shape)[:80]} is not a list of at most {MAX_DIMS} "
+                                  "non-negative integers")
             if (not isinstance(offs, list) or len(offs) != 2 or
                     not all(isinstance(o, int) and not isinstance(o, bool) for o in offs) or not 0 <= offs[0] <= offs[1]):
-                raise FormatError(f"{where}: data_offsets {offs!r} must be [begin, end] with 0 <= begin <= end")
+                raise FormatError(f"{where}: data_offsets {str(offs)[:80]} must be [begin, end] with 0 <= begin <= end")
             want = DTYPES[dtype][0]
             for d in shape:
                 want *= d                          # Python ints: no overflow to check
@@ -136,13 +143,18 @@ class SafetensorsFile:
         self._file.close()
 
 
+MAX_JSON = 64 << 20                     # config / index / generation_config: a few KB in practice
+
+
 def _read_json(path: Path, what: str) -> dict:
     try:
+        if path.stat().st_size > MAX_JSON:
+            raise FormatError(f"{path}: {path.stat().st_size} bytes is too large for a JSON config file")
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelError(f"{path.parent}: no {path.name} ({what})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{path}: expected a JSON object")
     return data
@@ -177,18 +189,38 @@ class HFSource(Source):
             weight_map = _read_json(index, "").get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise FormatError(f"{index}: no weight_map")
-            files = sorted({self.path / f for f in weight_map.values()})
-            for f in files:
-                if not f.is_file():
-                    raise ModelError(f"{index}: shard {f.name} is listed but missing from the folder")
+            files = sorted({self._shard(index, f) for f in weight_map.values()})
             return files, weight_map
-        files = sorted(self.path.glob("*.safetensors"))
+        files = [self._shard(None, f.name) for f in sorted(self.path.glob("*.safetensors"))]
         if not files:
             pickles = sorted(p.name for p in self.path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
             if pickles:
                 refuse_pickle(self.path / pickles[0])
             raise ModelError(f"{self.path}: no *.safetensors weights in the folder")
         return files, None
+
+    def _shard(self, index, name) -> Path:
+        """The folder's file `name`, refusing anything that leads out of the model folder: an
+        absolute path, "..", a subfolder, a symlink whose target is elsewhere (except into the
+        hub cache's blobs/ folder, where snapshot files link by design) or a non-regular file."""
+        where = index or self.path
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
+                or "\0" in name:
+            raise FormatError(f"{where}: shard {str(name)[:80]!r} must be a file name inside the model folder")
+        f = self.path / name
+        try:
+            real = f.resolve(strict=True)
+        except FileNotFoundError:
+            raise ModelError(f"{where}: shard {name[:80]} is listed but missing from the folder") from None
+        except (OSError, RuntimeError) as e:            # symlink loops
+            raise FormatError(f"{where}: shard {name[:80]}: cannot resolve ({type(e).__name__})") from None
+        roots = [self.path.resolve()]
+        if self.path.parent.name == "snapshots":         # hub cache: snapshots/<rev>/x -> ../../blobs/<sha>
+            roots.append(self.path.parent.parent.resolve() / "blobs")
+        if not any(real.parent == r for r in roots) or not real.is_file():
+            raise FormatError(f"{where}: shard {name[:80]} resolves outside the model folder or is not a "
+                              "regular file; refused")
+        return f
 
     def _open_weights(self) -> None:
         files, weight_map = self._weight_files()

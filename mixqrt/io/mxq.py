@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mixqrt.errors import FormatError, MixqrtError
+from mixqrt.io.atomic import mkstemp_for, umask as _umask
 from mixqrt.quant import layout
 from mixqrt.io.arena import ALIGN, PAGE, Arena, align_up, is_pow2
 
@@ -337,17 +337,6 @@ def validate(path, *, deep: bool = False) -> dict:
 
 
 # ============================================================================ writer
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
 class MxqWriter:
     """Streams tensors into `path` atomically.
 
@@ -375,8 +364,7 @@ class MxqWriter:
             del self._meta[k]
         self.path = os.fspath(path)
         self.page = page
-        d = os.path.dirname(os.path.abspath(self.path))
-        fd, self._tmp = tempfile.mkstemp(prefix="." + os.path.basename(self.path) + ".", suffix=".tmp", dir=d)
+        fd, self._tmp = mkstemp_for(self.path)      # unique, pid-named: see io/atomic.py
         self._f = os.fdopen(fd, "wb")
         self._tensors: dict[str, dict] = {}
         self._spans: list[dict] = []

@@ -16,11 +16,13 @@ only headers are read); NaN/Inf is found by .get (reading the data is the only w
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
+from mixqrt.limits import check_config_limits
 from mixqrt.models.spec import ARCHS as SUPPORTED_ARCHS
 from mixqrt.models.spec import ModelSpec
 
@@ -110,22 +112,43 @@ def arch_from_config(config: dict, where: str) -> str:
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def check_config(config: dict, where: str) -> None:
-    """The config keys the graph needs must be present positive integers."""
+def check_config(config: dict, where: str, names: dict | None = None) -> None:
+    """The config keys the graph needs must be present integers inside mixqrt.limits' bounds
+    (`names`: HF key -> the file's own name for it, for the messages)."""
+    names = names or {}
     for key in _REQUIRED_KEYS:
         v = config.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ModelError(f"{where}: config key {key!r} must be a positive integer, got {v!r}")
-    kv = config.get("num_key_value_heads", config["num_attention_heads"])
-    if not isinstance(kv, int) or kv <= 0 or config["num_attention_heads"] % kv:
+            raise ModelError(f"{where}: config key {names.get(key, key)!r} must be a positive integer, "
+                             f"got {str(v)[:40]!r}")
+    check_config_limits(config, where, names)
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    if config["num_attention_heads"] % kv:
         raise ModelError(f"{where}: num_key_value_heads={kv!r} must divide "
                          f"num_attention_heads={config['num_attention_heads']}")
 
 
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_layer_count(config: dict, names, where) -> None:
+    """The tensor table must hold exactly layers 0 .. num_hidden_layers-1: checked before
+    anything is sized from the config, so a lying layer count costs nothing."""
+    layers = {int(m.group(1)) for n in names if (m := _LAYER_INDEX.match(n))}
+    n = config["num_hidden_layers"]
+    if layers != set(range(n)):
+        have = f"layers 0..{max(layers)}" if layers == set(range(len(layers))) and layers else \
+            f"{len(layers)} distinct layer indices"
+        raise ModelError(f"{where}: config says {n} layers, the tensor table holds {have}")
+
+
 def check_layout(src: Source) -> None:
     """ModelError for a missing tensor, one whose shape disagrees with the config, or one the graph
-    has no place for (the rules are models/spec.py's)."""
-    ModelSpec(src.config, src.arch).check({n: src.tensor_info(n)[0] for n in src.tensor_names()}, str(src.path))
+    has no place for (the rules are models/spec.py's). The layer count is checked against the
+    tensor table first, so a lying config sizes nothing."""
+    names = list(src.tensor_names())
+    check_layer_count(src.config, names, src.path)
+    ModelSpec(src.config, src.arch).check({n: src.tensor_info(n)[0] for n in names}, str(src.path))
 
 
 # -- dispatch --------------------------------------------------------------------------------

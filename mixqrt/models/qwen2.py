@@ -17,6 +17,7 @@ import numpy as np
 from mixqrt import ops
 from mixqrt.cache import KVCache
 from mixqrt.errors import GenerationError, ModelError
+from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
 from mixqrt.models.base import tensor_shape, to_f32
 
@@ -61,6 +62,8 @@ class ModelArgs:
         return args
 
     def validate(self) -> None:
+        check_config_limits(vars(self), "model config")   # bounds first: nothing is sized from a lie
+
         def pos_int(name):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:

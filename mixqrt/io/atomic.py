@@ -1,0 +1,99 @@
+"""Atomic file writes that survive concurrency and crashes: unique temp names, lock files, and
+cleanup of the temps a killed writer leaves behind.
+
+Every writer creates its temp file next to the target (same filesystem, so os.replace is atomic)
+named ``.<target>.<pid>.<random>.tmp``: two writers never share a temp, and the pid tells a later
+run whether the writer is still alive. A SIGKILL skips every `finally`, so the temp of a killed
+writer stays; `clean_stale_temps` removes those whose writer is gone.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+# .<target>.<pid>.<random>.tmp (mkstemp's random part has no dots)
+_TEMP = re.compile(r"^\.(?P<target>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+STALE_AGE_S = 24 * 3600        # a temp without a live pid is also stale once this old
+
+
+def umask() -> int:
+    """The process umask, read without os.umask()'s set-and-restore race between threads."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+def mkstemp_for(path) -> tuple[int, str]:
+    """(fd, temp path) for an atomic write of `path`: same folder, unique, pid in the name, and
+    the permissions a plain open() would give (mkstemp's 0600 would survive the rename)."""
+    path = os.path.abspath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.{os.getpid()}.", suffix=".tmp",
+                               dir=os.path.dirname(path))
+    os.fchmod(fd, 0o666 & ~umask())
+    return fd, tmp
+
+
+def file_lock(path, timeout: float = -1):
+    """An inter-process lock (filelock.FileLock on ``<path>.lock``) serialising writers of `path`.
+    The lock is an fcntl lock, released by the kernel when its holder dies, even by SIGKILL."""
+    from filelock import FileLock
+    return FileLock(os.fspath(path) + ".lock", timeout=timeout)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # exists, owned by someone else
+        return True
+    return True
+
+
+def clean_stale_temps(folder, *, max_age_s: float = STALE_AGE_S) -> list[Path]:
+    """Remove writer temps in `folder` whose writer is gone; returns what was removed.
+
+    A temp is stale when its pid is not running (and it is not ours), or, for a pid that is
+    running (pids get reused), when it is older than max_age_s and the target's lock is free.
+    A temp whose target's lock is held is never touched: its writer may still be working.
+    """
+    from filelock import Timeout
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for e in entries:
+        m = _TEMP.match(e.name)
+        if not m or not e.is_file(follow_symlinks=False):
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid():
+            continue
+        try:
+            old = now - e.stat(follow_symlinks=False).st_mtime > max_age_s
+        except OSError:
+            continue
+        if _pid_alive(pid) and not old:
+            continue
+        lock = file_lock(os.path.join(folder, m.group("target")), timeout=0)
+        try:
+            with lock:
+                os.unlink(e.path)
+                removed.append(Path(e.path))
+        except Timeout:
+            continue              # someone is writing that target right now
+        except OSError:
+            continue
+    return removed
