@@ -175,7 +175,9 @@ def cmd_bench(a):
         print(format_rows(rows, f"{a.model} [{m.recipe}]"))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
+    """with_serve=False leaves out `serve`, whose module (HTTP server) costs start-up time that the
+    other commands do not need."""
     p = argparse.ArgumentParser(prog="mixqrt", description="Pure-CPU LLM runtime with mixed-bit ('2356') quantization.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -263,14 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--offline", action="store_true")
     s.set_defaults(fn=cmd_bench)
 
-    from mixqrt.server import add_serve_parser
-    add_serve_parser(sub)
+    if with_serve:
+        from mixqrt.server import add_serve_parser
+        add_serve_parser(sub)
     return p
 
 
 def main(argv=None) -> int:
     from mixqrt.errors import MixqrtError
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    light = build_parser(with_serve=False)
+    known = next(a for a in light._actions if isinstance(a, argparse._SubParsersAction)).choices
+    args = (light if argv and argv[0] in known else build_parser()).parse_args(argv)
     if args.cmd == "quantize" and not args.dry_run and not args.output:
         build_parser().error("quantize needs -o OUTPUT (or --dry-run)")
     if args.cmd == "quantize" and (args.recipe == "auto") != (args.budget_bytes is not None):

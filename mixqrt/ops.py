@@ -349,8 +349,16 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
 
 
 def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> float:
-    """Measured streaming-read bandwidth, bytes/s (C probe)."""
+    """Measured read bandwidth, bytes/s: the best of every read pattern of the C probe
+    (:func:`read_bandwidth_patterns` reports each)."""
     return _ops.read_bandwidth(int(nbytes), int(threads), int(reps))
+
+
+def read_bandwidth_patterns(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> dict[str, float]:
+    """Bytes/s per read pattern of the probe (one stream, several prefetched streams, AVX2 /
+    AVX-512 wide and non-temporal loads where the CPU has them; hugepage-advised buffer, pinned
+    threads)."""
+    return _ops.read_bandwidth_all(int(nbytes), int(threads), int(reps))
 
 
 if _ops is None:  # kernels not built: the numpy reference serves every op

@@ -154,3 +154,21 @@ def test_import_starts_no_threads():
             "ops.matmul(np.ones((4, 8), np.float32), np.ones(8, np.float32))\n"
             "assert ops._pool_started and ops.get_num_threads() == ops.default_num_threads()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_read_bandwidth_patterns():
+    from mixqrt import isa
+    pats = ops.read_bandwidth_patterns(1 << 22, 2, 1)
+    assert "scalar-1stream" in pats and all(1e8 < v < 1e13 for v in pats.values())
+    # wide-load patterns only where the CPU runs them (never a SIGILL on an older CPU)
+    if "avx512" not in isa.available():
+        assert not any(k.startswith("avx512") for k in pats)
+    with pytest.raises(ValueError, match="pattern"):
+        ops._ops.read_bandwidth_pattern("no-such-pattern", 1 << 20, 1, 1)
+
+
+def test_honest_bound():
+    from mixqrt.bench import honest_bound
+    assert honest_bound(50e9, [40e9, float("nan")]) == (50e9, None)
+    bw, note = honest_bound(50e9, [57e9])
+    assert bw == 57e9 and "probe is wrong" in note

@@ -221,10 +221,42 @@ def pool_stop():
 
 
 def read_bandwidth(size_t nbytes=1 << 28, int threads=1, int reps=3):
-    """Streaming-read bandwidth in bytes/s: `threads` threads sum a buffer of nbytes `reps` times."""
+    """Read bandwidth in bytes/s: the best of every probe pattern this CPU runs (src/ops/bw.c)."""
     cdef double r
     with nogil:
         r = mq_read_bandwidth(nbytes, threads, reps)
+    return r
+
+
+def bw_patterns():
+    """Names of the probe's read patterns this CPU can run, in probe order."""
+    return [mq_bw_pattern_name(i).decode() for i in range(mq_bw_npatterns()) if mq_bw_pattern_available(i)]
+
+
+def read_bandwidth_all(size_t nbytes=1 << 28, int threads=1, int reps=3):
+    """{pattern: bytes/s} for every probe pattern this CPU runs, all on one buffer."""
+    cdef int n = mq_bw_npatterns(), i
+    cdef double *out = <double*>malloc(sizeof(double) * n)
+    if out == NULL:
+        raise MemoryError()
+    with nogil:
+        mq_read_bandwidth_all(nbytes, threads, reps, out)
+    r = {mq_bw_pattern_name(i).decode(): out[i] for i in range(n) if mq_bw_pattern_available(i)}
+    free(out)
+    return r
+
+
+def read_bandwidth_pattern(str name, size_t nbytes=1 << 28, int threads=1, int reps=3):
+    """Read bandwidth in bytes/s of one probe pattern (see bw_patterns)."""
+    cdef int i, idx = -1
+    cdef double r
+    for i in range(mq_bw_npatterns()):
+        if mq_bw_pattern_name(i).decode() == name and mq_bw_pattern_available(i):
+            idx = i
+    if idx < 0:
+        raise ValueError(f"unknown or unavailable bandwidth pattern {name!r}; have {bw_patterns()}")
+    with nogil:
+        r = mq_read_bandwidth_pattern(nbytes, threads, reps, idx)
     return r
 
 
