@@ -46,14 +46,16 @@ class LoadedModel:
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
         if levels is not None:
-            from mixqrt.quant.layout import Q3P_LEVELS
-            if len(levels) != 8 or not all(isinstance(v, int) and 0 <= v <= 255 for v in levels):
-                raise ModelError(f"{path}: bad q3p_levels {levels!r} in the header")
+            from mixqrt.quant.layout import Q3P_LEVEL_MAX, Q3P_LEVELS
+            if not isinstance(levels, list) or len(levels) != Q3P_LEVELS.size or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q3P_LEVEL_MAX for v in levels):
+                raise ModelError(f"{path}: bad q3p_levels {str(levels)[:80]} in the header (want "
+                                 f"{Q3P_LEVELS.size} ints in [0, {Q3P_LEVEL_MAX}])")
             if list(levels) != [int(v) for v in Q3P_LEVELS]:   # written with another table: decode with it
                 table = np.asarray(levels, dtype=np.uint8)
                 for qt in tensors.values():
                     if qt.fmt == "q3p":
-                        qt.meta["q3p_levels"] = table
+                        qt.meta = {**qt.meta, "q3p_levels": table}   # meta is read-only: a new mapping
         self.model = cls(cls.args_class.from_dict(meta["config"]), tensors, generation_config=self.generation_config)
         if threads is not None:
             from mixqrt import ops

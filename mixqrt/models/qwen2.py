@@ -241,13 +241,7 @@ class Model:
         Returns logits [vocab] for the last position when last_only, else [T, vocab] float32.
         The prompt is processed chunk_size tokens at a time so activations stay bounded.
         """
-        ids = np.asarray(tokens)
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise GenerationError(f"tokens must be a non-empty 1-D integer array, got shape {ids.shape} "
-                                  f"dtype {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size:
-            raise GenerationError(f"token ids must be in [0, {self.args.vocab_size}), got "
-                                  f"[{int(ids.min())}, {int(ids.max())}]")
+        ids = self.check_tokens(tokens)
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
             raise GenerationError(f"chunk_size must be a positive int, got {chunk_size!r}")
         t = ids.size
@@ -260,6 +254,17 @@ class Model:
             with ops.hot():                      # decode-sized step, hot mode opted into (HOT_MAX_T)
                 return self._run(ids, cache, int(pos0), last_only, chunk_size)
         return self._run(ids, cache, int(pos0), last_only, chunk_size)
+
+    def check_tokens(self, tokens) -> np.ndarray:
+        """tokens -> int64 [T]: a non-empty 1-D integer array of ids in [0, vocab)."""
+        ids = np.asarray(tokens)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise GenerationError(f"tokens must be a non-empty 1-D integer array, got shape {ids.shape} "
+                                  f"dtype {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size:
+            raise GenerationError(f"token ids must be in [0, {self.args.vocab_size}), got "
+                                  f"[{int(ids.min())}, {int(ids.max())}]")
+        return ids.astype(np.int64, copy=False)
 
     def _run(self, ids, cache, pos0, last_only, chunk_size):
         t = ids.size
@@ -301,20 +306,17 @@ class Model:
     def check_batch(self, tokens, caches) -> tuple[np.ndarray, list]:
         """-> (ids int64 [B], caches) for decode_batch: B >= 1 distinct caches, each with room for one more."""
         caches = list(caches)
-        ids = np.asarray(tokens)
-        if ids.ndim != 1 or ids.size == 0 or ids.size != len(caches) or not np.issubdtype(ids.dtype, np.integer):
-            raise GenerationError(f"decode_batch wants B >= 1 integer tokens and B caches, got tokens of shape "
-                                  f"{ids.shape} ({ids.dtype}) and {len(caches)} caches")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.args.vocab_size:
-            raise GenerationError(f"token ids must be in [0, {self.args.vocab_size}), got "
-                                  f"[{int(ids.min())}, {int(ids.max())}]")
+        ids = self.check_tokens(tokens)
+        if ids.size != len(caches):
+            raise GenerationError(f"decode_batch wants one cache per token, got {ids.size} tokens and "
+                                  f"{len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
             raise GenerationError("decode_batch: two sequences share one KV cache")
         for c in caches:
             if not isinstance(c, KVCache):
                 raise GenerationError(f"decode_batch: caches must be KVCache objects, got {type(c).__name__}")
             c.check_room(c.offset, 1)
-        return ids.astype(np.int64), caches
+        return ids, caches
 
     def _decode_batch(self, ids: np.ndarray, caches: list, before_layer=None) -> np.ndarray:
         pos = np.asarray([c.offset for c in caches], dtype=np.int64)          # [B]

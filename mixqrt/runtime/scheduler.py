@@ -54,15 +54,6 @@ def _gate_up_halves(model):
     return out
 
 
-def _check_ids(model, tokens) -> np.ndarray:
-    ids = np.asarray(tokens)
-    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise GenerationError(f"tokens must be a non-empty 1-D integer array, got shape {ids.shape}")
-    if int(ids.min()) < 0 or int(ids.max()) >= model.args.vocab_size:
-        raise GenerationError(f"token ids must be in [0, {model.args.vocab_size})")
-    return ids.astype(np.int64)
-
-
 def _check_seqs(model, seqs) -> tuple[np.ndarray, list]:
     """seqs: [(token, KVCache), ...] -> (ids [B], caches), checked by Model.check_batch."""
     if not seqs:
@@ -100,7 +91,7 @@ class RowSplitRunner:
                 chunk: int | None = None) -> np.ndarray:
         """Like ``model(tokens, cache, pos0, last_only=...)``: logits [V] (last_only) or [T, V]."""
         m = self.model
-        ids = _check_ids(m, tokens)
+        ids = m.check_tokens(tokens)
         t = ids.size
         if cache is None:
             cache = m.make_cache(t if pos0 is None else int(pos0) + t)
@@ -372,7 +363,7 @@ class CoreSlicingRunner:
     def prefill(self, tokens, cache=None, pos0: int | None = None, *, last_only: bool = True) -> np.ndarray:
         """Prompt in chunks of ``self.chunk`` rows, pipelined as a wavefront; logits [V] or [T, V]."""
         m = self.model
-        ids = _check_ids(m, tokens)
+        ids = m.check_tokens(tokens)
         t = ids.size
         if cache is None:
             cache = m.make_cache(t if pos0 is None else int(pos0) + t)
