@@ -229,11 +229,16 @@ class Tokenizer:
 
         def tok_id(entry):
             text = entry.get("content") if isinstance(entry, dict) else entry
+            if text is not None and not isinstance(text, str):
+                raise FormatError(f"{cfg_path}: special token {str(text)[:40]!r} is not a string")
             return None if text is None else tk.token_to_id(text)
 
         template = cfg.get("chat_template")
         if isinstance(template, list):              # [{"name": "default", "template": ...}, ...]
             template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+        if template is not None and not (isinstance(template, str) or (isinstance(template, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
+            raise FormatError(f"{cfg_path}: chat_template must be a string or a list of named templates")
         jinja = folder / "chat_template.jinja"
         if template is None and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")
