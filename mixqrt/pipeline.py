@@ -42,7 +42,7 @@ class LoadedModel:
         self._tokenizer = None          # built on first use: ~0.1-0.3 s and ~100 MiB for a 151k vocabulary
         self._tokenizer_lock = threading.Lock()
         self.generation_config = dict(meta.get("generation_config") or {})
-        cls = get_model_class(meta["arch"])
+        cls = get_model_class(meta.get("arch"))
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
         if levels is not None:
@@ -56,7 +56,7 @@ class LoadedModel:
                 for qt in tensors.values():
                     if qt.fmt == "q3p":
                         qt.meta = {**qt.meta, "q3p_levels": table}   # meta is read-only: a new mapping
-        self.model = cls(cls.args_class.from_dict(meta["config"]), tensors, generation_config=self.generation_config)
+        self.model = cls(cls.args_class.from_dict(meta.get("config")), tensors, generation_config=self.generation_config)
         if threads is not None:
             from mixqrt import ops
             if hasattr(ops, "set_num_threads"):

@@ -113,8 +113,10 @@ def _gguf_tokens(meta, where):
         raise FormatError(f"{where}: tokenizer.ggml.tokens must be an array of strings")
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None:
-        if not isinstance(types, np.ndarray) or types.dtype.kind not in "iu":
+        arr = np.asarray(types) if isinstance(types, (list, np.ndarray)) else None
+        if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise FormatError(f"{where}: tokenizer.ggml.token_type must be an array of integers")
+        types = arr.astype(np.int64)
         if tokens is not None and len(types) != len(tokens):
             raise FormatError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
     return tokens, types
@@ -153,10 +155,10 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelError(f"{where}: tokenizer model {str(kind)[:40]!r} is not supported (only byte-level BPE, 'gpt2')")
-        tokens, types = _gguf_tokens(meta, where)
-        merges = meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
+        tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+        if tokens is None or merges is None or (isinstance(tokens, list) and not tokens):
             raise FormatError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.merges missing")
+        tokens, types = _gguf_tokens(meta, where)
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
             raise FormatError(f"{where}: tokenizer.ggml.merges must be an array of strings")
         vocab = {}
@@ -229,11 +231,16 @@ class Tokenizer:
 
         def tok_id(entry):
             text = entry.get("content") if isinstance(entry, dict) else entry
+            if text is not None and not isinstance(text, str):
+                raise FormatError(f"{cfg_path}: special token {str(text)[:40]!r} is not a string")
             return None if text is None else tk.token_to_id(text)
 
         template = cfg.get("chat_template")
         if isinstance(template, list):              # [{"name": "default", "template": ...}, ...]
             template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+        if template is not None and not (isinstance(template, str) or (isinstance(template, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
+            raise FormatError(f"{cfg_path}: chat_template must be a string or a list of named templates")
         jinja = folder / "chat_template.jinja"
         if template is None and jinja.is_file():
             template = jinja.read_text(encoding="utf-8")

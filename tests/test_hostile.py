@@ -438,3 +438,42 @@ def test_mxq_prefix_lies_about_size(tmp_path, tiny_mxq):
 def test_typed_errors_are_value_errors():
     assert issubclass(FormatError, MixqrtError) and issubclass(ModelError, ValueError)
     write_safetensors  # noqa: B018
+
+
+_TRUNCATE_UNDER_MAP = r"""
+import os, sys
+sys.path[:0] = [sys.argv[1]]
+from mixqrt.io.mxq import MxqFile
+f = MxqFile(sys.argv[2])
+last = max(f.info.values(), key=lambda t: t.offset)
+os.truncate(sys.argv[2], 4096)              # another process cuts the file under the live map
+print(int(f.tensors[last.name].raw.sum()))  # touching a vanished page: SIGBUS
+"""
+
+
+def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_path, tiny_mxq):
+    """Documented limit (docs/format.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
+    own writers never do that: they replace by rename, and a map of the old file stays valid."""
+    import shutil
+    import signal
+
+    from mixqrt.io.mxq import MxqFile
+    from mixqrt.pipeline import Pipeline
+    victim = tmp_path / "v.mxq"
+    shutil.copyfile(tiny_mxq, victim)
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE_UNDER_MAP, str(TESTS.parent), str(victim)],
+                       capture_output=True, timeout=120)
+    assert r.returncode == -signal.SIGBUS
+    live = tmp_path / "live.mxq"
+    shutil.copyfile(tiny_mxq, live)
+    f = MxqFile(live)
+    before = {n: int(t.raw.sum()) for n, t in f.tensors.items()}
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.path = tiny_mxq
+    small = tmp_path / "small.mxq"
+    small.write_bytes(b"")
+    pipe.path = small                            # save() replaces `live` with a 0-byte file by rename
+    pipe.save(live)
+    assert live.stat().st_size == 0
+    assert {n: int(t.raw.sum()) for n, t in f.tensors.items()} == before
+    f.close()

@@ -202,7 +202,10 @@ def read_gguf_header(buf, path: Path):
         if name in infos:
             raise FormatError(f"{path}: tensor {name!r} appears twice")
         infos[name] = (dims, qtype, offset, nbytes)
-    align = int(meta.get("general.alignment", 32))
+    align = meta.get("general.alignment", 32)
+    if isinstance(align, (bool, np.bool_)) or not isinstance(align, (int, np.integer)):
+        raise FormatError(f"{path}: general.alignment must be an integer, got {type(align).__name__}")
+    align = int(align)
     if align <= 0 or align & (align - 1):
         raise FormatError(f"{path}: general.alignment={align} is not a power of two")
     data_start = (c.pos + align - 1) // align * align

@@ -254,7 +254,7 @@ class HFSource(Source):
         eos = []
         for d in (self.generation_config, self.config):
             v = d.get("eos_token_id")
-            eos += v if isinstance(v, list) else ([v] if isinstance(v, int) else [])
+            eos += [i for i in (v if isinstance(v, list) else [v]) if isinstance(i, int) and not isinstance(i, bool)]
         tk = Tokenizer.from_folder(self.path, extra_eos_ids=eos)
         if tk.bos_token_id is None and isinstance(self.config.get("bos_token_id"), int):
             tk.bos_token_id = self.config["bos_token_id"]

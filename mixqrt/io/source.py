@@ -100,12 +100,14 @@ class Source:
 def arch_from_config(config: dict, where: str) -> str:
     """'qwen2' or 'llama' from an HF config; ModelError naming anything else."""
     mt = config.get("model_type")
-    if mt in SUPPORTED_ARCHS:
+    if isinstance(mt, str) and mt in SUPPORTED_ARCHS:
         return mt
-    for cls in config.get("architectures") or ():
+    classes = config.get("architectures") or ()
+    classes = [c for c in classes if isinstance(c, str)] if isinstance(classes, list) else []
+    for cls in classes:
         if cls in _ARCH_CLASSES:
             return _ARCH_CLASSES[cls]
-    name = mt or ",".join(config.get("architectures") or ()) or "(none given)"
+    name = str(mt)[:40] if mt else ",".join(classes)[:80] or "(none given)"
     raise ModelError(f"{where}: unknown architecture {name} (supported: {', '.join(SUPPORTED_ARCHS)})")
 
 

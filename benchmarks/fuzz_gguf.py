@@ -1,0 +1,49 @@
+"""Long mutation fuzz of the GGUF reader (outside CI): N mutated files through GGUFSource, every
+tensor, the tokenizer and the model; each must end in FormatError/ModelError or a load that runs.
+Crashes, hangs and any other exception are failures (see benchmarks/_fuzz.py).
+
+    python benchmarks/fuzz_gguf.py -n 100000 [--seed 0] [--timeout 5] [--json out.json]
+
+Reproduce case i:  mutate_gguf(gguf_seeds()[s], ops) with (s, ops) from the failure report.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+import _fuzz  # noqa: E402
+
+
+def _case(seed: int, i: int):
+    import random
+
+    from model_fuzz import N_GGUF_OPS
+    r = random.Random(f"{seed}:{i}")
+    s = r.randrange(3)
+    return s, _fuzz.rand_ops(r, N_GGUF_OPS)
+
+
+def make_runner():
+    from model_fuzz import N_GGUF_OPS, check_gguf, gguf_seeds, mutate_gguf
+    seeds = gguf_seeds()
+    d = tempfile.mkdtemp(prefix="ggufzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    path = os.path.join(d, "case.gguf")
+
+    def run_case(r):
+        s = r.randrange(len(seeds))
+        data = mutate_gguf(seeds[s], _fuzz.rand_ops(r, N_GGUF_OPS))
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return check_gguf(path)
+    return run_case
+
+
+def describe(seed, i):
+    s, ops = _case(seed, i)
+    return {"seed_file": s, "ops": ops}
+
+
+if __name__ == "__main__":
+    sys.exit(_fuzz.main("GGUF", make_runner, describe))
