@@ -111,3 +111,28 @@ def test_qwen2_7b_tables_and_page_markers():
     page = (root / "docs" / "qwen2-7b.md").read_text()
     for name in blocks:
         assert page.count(f"<!-- BEGIN mixqrt:{name} -->") == 1 and page.count(f"<!-- END mixqrt:{name} -->") == 1
+
+
+def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
+    """benchmarks/formats.py rewrites only the marked tables of docs/formats.md (a copy here)."""
+    import argparse
+    import importlib.util
+    import shutil
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("formats_bench", root / "benchmarks" / "formats.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    page = tmp_path / "formats.md"
+    shutil.copy(root / "docs" / "formats.md", page)
+    before = page.read_text()
+    sec = {k: ["| x | y |", "|---|---|", f"| {k} | 1 |"] for k in "aglbcd"}
+    kl = {(0, "q3u"): 0.4, (0, "q3p"): 0.3, (12, "q3u"): 0.5, (12, "q3p"): 0.55}
+    mod.write_doc(argparse.Namespace(out=page, quick=True), sec, "16 tokens", kl, [0, 1], 16, 16, 1.0, (64, 896))
+    after = page.read_text()
+    assert "no markers" not in capsys.readouterr().err
+    assert after.count("<!-- BEGIN mixqrt:") == before.count("<!-- BEGIN mixqrt:") == 8
+    assert "layer 0: 25.0% lower, layer 12: -10.0% lower" in after and "| d | 1 |" in after
+    prose = [ln for ln in before.splitlines() if ln and not ln.startswith(("|", "- **", "<!--", "Slice:", "Lloyd",
+                                                                           "Speed-up", "q3p's KL"))]
+    assert all(ln in after for ln in prose)                       # the hand-written text is untouched
+    assert json.loads((tmp_path / "data" / "formats.json").read_text())["kl_mean"]["0/q3p"] == 0.3
