@@ -82,6 +82,14 @@ def set_lean_mv(on=None):
     return bool(mq_set_lean_mv(-1 if on is None else (1 if on else 0)))
 
 
+def set_float_mv(on=None):
+    """AVX-512 decode (T == 1) of f32/f16/bf16 weights 4 rows at a time with prefetched row streams
+    (on; MIXQRT_FLOAT_MV=1 starts a process with it on) or one row at a time (the default, faster
+    where measured: docs/kernels.md).
+    on=None only queries. Returns the previous state."""
+    return bool(mq_set_float_mv(-1 if on is None else (1 if on else 0)))
+
+
 cdef bytes _Q3P_DEFAULT = bytes([0, 8, 13, 16, 19, 22, 27, 35])
 
 
