@@ -81,6 +81,14 @@ def set_lean_mv(on=None):
     return bool(mq_set_lean_mv(-1 if on is None else (1 if on else 0)))
 
 
+def set_float_mv(on=None):
+    """AVX-512 decode (T == 1) of f32/f16/bf16 weights 4 rows at a time with prefetched row streams
+    (on; MIXQRT_FLOAT_MV=1 starts a process with it on) or one row at a time (the default, faster
+    where measured: docs/kernels.md).
+    on=None only queries. Returns the previous state."""
+    return bool(mq_set_float_mv(-1 if on is None else (1 if on else 0)))
+
+
 cdef size_t _row_geometry(int fmt, int K, mq_mm_job *j, str who) except 0:
     """Row bytes of a [*, K] tensor in fmt (mq_format.h); sets j.nc, the chunks per row."""
     if fmt < 0 or fmt >= MQ_NFMT:

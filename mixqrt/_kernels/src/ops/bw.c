@@ -52,7 +52,7 @@ static uint64_t sweep_scalar_ms(const uint8_t *b, size_t n) {
 
 typedef uint64_t (*bw_fn)(const uint8_t *, size_t);
 
-typedef struct { const char *name; bw_fn fn; int isa; } bw_pattern;
+typedef struct { const char *name; bw_fn fn; int isa; size_t il; } bw_pattern;
 
 static const bw_pattern PATTERNS[] = {
     {"scalar-1stream", sweep_scalar, MQ_ISA_GENERIC},
@@ -67,6 +67,9 @@ static const bw_pattern PATTERNS[] = {
     {"avx512-4stream-pf", mq_bw_sweep_avx512_4s_pf, MQ_ISA_AVX512},
     {"avx512-8stream-pf", mq_bw_sweep_avx512_8s_pf, MQ_ISA_AVX512},
     {"avx512-4stream-nt", mq_bw_sweep_avx512_4s_nt, MQ_ISA_AVX512},
+    {"avx512-1stream-il16k", mq_bw_sweep_avx512_1s, MQ_ISA_AVX512, 16 << 10},
+    {"avx512-1stream-il256k", mq_bw_sweep_avx512_1s, MQ_ISA_AVX512, 256 << 10},
+    {"avx512-1stream-pf-il16k", mq_bw_sweep_avx512_1s_pf, MQ_ISA_AVX512, 16 << 10},
 #endif
 };
 #define NPAT ((int)(sizeof PATTERNS / sizeof PATTERNS[0]))
@@ -81,11 +84,20 @@ typedef struct {
     bw_fn fn;
     const uint8_t *p;
     size_t n;
+    size_t il;          /* > 0: p is the whole buffer, this thread reads chunks idx, idx + step, ... of il bytes */
+    int idx, step;
     int reps, cpu;
     uint64_t sink;
     pthread_barrier_t *bar;
     double t0, t1;
 } bw_arg;
+
+static uint64_t run_once(const bw_arg *a) {
+    if (!a->il) return a->fn(a->p, a->n);
+    uint64_t s = 0;
+    for (size_t c = (size_t)a->idx; (c + 1) * a->il <= a->n; c += (size_t)a->step) s += a->fn(a->p + c * a->il, a->il);
+    return s;
+}
 
 static void *bw_thread(void *vp) {
     bw_arg *a = (bw_arg *)vp;
@@ -93,11 +105,11 @@ static void *bw_thread(void *vp) {
         cpu_set_t cs; CPU_ZERO(&cs); CPU_SET(a->cpu, &cs);
         pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
     }
-    a->sink = a->fn(a->p, a->n);    /* warm: TLB, page tables, prefetcher training */
+    a->sink = run_once(a);    /* warm: TLB, page tables, prefetcher training */
     pthread_barrier_wait(a->bar);
     /* each thread times itself: the caller may wake from the barrier after the work is done */
     a->t0 = now_s();
-    for (int r = 0; r < a->reps; r++) a->sink += a->fn(a->p, a->n);
+    for (int r = 0; r < a->reps; r++) a->sink += run_once(a);
     a->t1 = now_s();
     return NULL;
 }
@@ -123,8 +135,10 @@ static double probe(size_t nbytes, int threads, int reps, const int *want, doubl
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     if (reps < 1) reps = 1;
-    size_t per = nbytes / threads / 1024 * 1024;
-    if (per < 1024) per = 1024;
+    /* per thread: a multiple of the largest interleave chunk, so every byte counted is read */
+    const size_t unit = 256u << 10;
+    size_t per = nbytes / threads / unit * unit;
+    if (per < unit) per = unit;
     void *map; size_t maplen;
     uint8_t *buf = huge_alloc(per * threads, &map, &maplen);
     if (!buf) return -1.0;
@@ -143,7 +157,9 @@ static double probe(size_t nbytes, int threads, int reps, const int *want, doubl
         bw_arg a[64];
         int started = 0;
         for (int i = 0; i < threads; i++) {
-            a[i] = (bw_arg){PATTERNS[pat].fn, buf + (size_t)i * per, per, reps, ncpu ? cpus[i % ncpu] : -1, 0, &bar, 0, 0};
+            const size_t il = PATTERNS[pat].il;
+            a[i] = (bw_arg){PATTERNS[pat].fn, il ? buf : buf + (size_t)i * per, il ? per * threads : per, il, i, threads,
+                            reps, ncpu ? cpus[i % ncpu] : -1, 0, &bar, 0, 0};
             if (pthread_create(&th[i], NULL, bw_thread, &a[i]) != 0) break;
             started++;
         }

@@ -135,4 +135,5 @@ void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
 /* the tier files compile to nothing off x86: their tuning knobs still exist (and do nothing) */
 void mq_set_gemm_min_t(int t) { (void)t; }
 int mq_set_lean_mv(int on) { (void)on; return 0; }
+int mq_set_float_mv(int on) { (void)on; return 0; }
 #endif
