@@ -25,9 +25,6 @@ import traceback
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 
-INTERESTING_INTS = None
-
-
 class Hang(BaseException):
     pass
 
@@ -41,6 +38,12 @@ def rand_ops(r: random.Random, n_kinds: int):
     def num():
         return r.choice([r.randrange(300), r.randrange(1 << 24), r.choice(INTERESTING)])
     return [(r.randrange(n_kinds), num(), num()) for _ in range(r.choice([1, 1, 2, 3, 4]))]
+
+
+def case_ops(seed: int, i: int, n_seeds: int, n_kinds: int):
+    """(seed file index, ops) of case i: what run_case draws from random.Random(f"{seed}:{i}")."""
+    r = random.Random(f"{seed}:{i}")
+    return r.randrange(n_seeds), rand_ops(r, n_kinds)
 
 
 def _worker(conn, start, n, seed, timeout, mem_gb, make_runner):
@@ -78,6 +81,12 @@ def main(name: str, make_runner, describe, argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    import shutil
+    import tempfile
+    # workers make their case files under one scratch folder, removed at the end even after crashes
+    scratch = tempfile.mkdtemp(prefix=f"fuzz-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.environ["TMPDIR"] = scratch
+    tempfile.tempdir = None
     ctx = mp.get_context("fork")
     outcomes: collections.Counter = collections.Counter()
     failures, slowest, t0 = [], (0.0, None), time.perf_counter()
@@ -121,6 +130,7 @@ def main(name: str, make_runner, describe, argv=None) -> int:
                 nxt = args.n
                 break
         parent.close()
+    shutil.rmtree(scratch, ignore_errors=True)
     wall = time.perf_counter() - t0
     summary = {"fuzzer": name, "cases": args.n, "seed": args.seed, "timeout_s": args.timeout,
                "wall_s": round(wall, 1), "cases_per_s": round(args.n / wall, 1),

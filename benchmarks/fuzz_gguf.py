@@ -16,24 +16,15 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import _fuzz  # noqa: E402
 
 
-def _case(seed: int, i: int):
-    import random
-
-    from model_fuzz import N_GGUF_OPS
-    r = random.Random(f"{seed}:{i}")
-    s = r.randrange(3)
-    return s, _fuzz.rand_ops(r, N_GGUF_OPS)
-
-
 def make_runner():
     from model_fuzz import N_GGUF_OPS, check_gguf, gguf_seeds, mutate_gguf
     seeds = gguf_seeds()
-    d = tempfile.mkdtemp(prefix="ggufzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    d = tempfile.mkdtemp(prefix="ggufzz-")  # under the harness's scratch folder
     path = os.path.join(d, "case.gguf")
 
     def run_case(r):
-        s = r.randrange(len(seeds))
-        data = mutate_gguf(seeds[s], _fuzz.rand_ops(r, N_GGUF_OPS))
+        s, ops = r.randrange(len(seeds)), _fuzz.rand_ops(r, N_GGUF_OPS)
+        data = mutate_gguf(seeds[s], ops)
         with open(path, "wb") as fh:
             fh.write(data)
         return check_gguf(path)
@@ -41,7 +32,8 @@ def make_runner():
 
 
 def describe(seed, i):
-    s, ops = _case(seed, i)
+    from model_fuzz import N_GGUF_OPS
+    s, ops = _fuzz.case_ops(seed, i, 3, N_GGUF_OPS)
     return {"seed_file": s, "ops": ops}
 
 

@@ -17,31 +17,23 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import _fuzz  # noqa: E402
 
 
-def _case(seed: int, i: int):
-    import random
-
-    from model_fuzz import N_HF_OPS
-    r = random.Random(f"{seed}:{i}")
-    s = r.randrange(3)
-    return s, _fuzz.rand_ops(r, N_HF_OPS)
-
-
 def make_runner():
     from model_fuzz import N_HF_OPS, check_hf, hf_seeds, mutate_hf, write_folder
     seeds = hf_seeds()
-    root = tempfile.mkdtemp(prefix="stfuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root = tempfile.mkdtemp(prefix="stfuzz-")  # under the harness's scratch folder
     folder = os.path.join(root, "model")
     os.mkdir(folder)
 
     def run_case(r):
-        s = r.randrange(len(seeds))
-        write_folder(folder, mutate_hf(seeds[s], _fuzz.rand_ops(r, N_HF_OPS)))
+        s, ops = r.randrange(len(seeds)), _fuzz.rand_ops(r, N_HF_OPS)
+        write_folder(folder, mutate_hf(seeds[s], ops))
         return check_hf(folder)
     return run_case
 
 
 def describe(seed, i):
-    s, ops = _case(seed, i)
+    from model_fuzz import N_HF_OPS
+    s, ops = _fuzz.case_ops(seed, i, 3, N_HF_OPS)
     return {"seed_file": s, "ops": ops}
 
 
