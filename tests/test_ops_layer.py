@@ -172,16 +172,3 @@ def test_honest_bound():
     assert honest_bound(50e9, [40e9, float("nan")]) == (50e9, None)
     bw, note = honest_bound(50e9, [57e9])
     assert bw == 57e9 and "probe is wrong" in note
-
-
-def test_fuse_of_one_stored_part_is_zero_copy():
-    """A .mxq stores q/k/v and gate/up fused: the model must take that tensor as it is (a copy cost
-    ~106 MiB of RSS and ~0.1 s at load on the 0.5B model)."""
-    from mixqrt.models import spec
-    from mixqrt.quant.qtensor import QTensor
-    from mixqrt.quant import layout
-    raw = np.zeros(layout.PACKED["q8"].nbytes((4, 32)), np.uint8)
-    qt = QTensor("q8", (4, 32), raw, {})
-    assert spec.fuse([qt]) is qt
-    two = spec.fuse([qt, qt])
-    assert two.shape == (8, 32) and two.raw.size == 2 * raw.size

@@ -241,10 +241,7 @@ def fuse(parts: list):
     """Stack [N_i, K] tensors (or [N_i] vectors) into one, or None when fuse_refusal says they cannot.
 
     float arrays -> one float32 array; QTensors of one format -> one QTensor whose bytes are the
-    parts' bytes back to back (so it decodes to exactly the parts' rows). One part is returned as it
-    is (a group stored fused in a .mxq): copying it would cost the load a copy of the weights."""
-    if len(parts) == 1 and is_qtensor(parts[0]):
-        return parts[0]
+    parts' bytes back to back (so it decodes to exactly the parts' rows)."""
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.ascontiguousarray(np.concatenate([np.asarray(p, dtype=np.float32) for p in parts], axis=0))
     if not all(is_qtensor(p) for p in parts):
