@@ -110,7 +110,7 @@ TIER_SHAPES = [(4864, 896), (896, 4864), (3584, 3584)]
 TIER_FMTS = ["q3p", "q6", "q8", "q4", "q2c"]
 
 
-def lean_ab(rng, threads, rounds=7):
+def lean_ab(rng, threads, rounds=5):
     """AVX-512 decode: the lean fused path vs the generic unpack path, interleaved in one process
     (best of `rounds` per variant: noise on a shared box only slows a run down)."""
     from mixqrt._kernels import _ops
@@ -160,7 +160,7 @@ def tier_speeds(rng, threads, T=64):
                         continue            # the readable spec: its speed is not a goal
                     isa.set_isa(tier)
                     _, b1 = timeit(lambda: ops.matmul(w, x1), 0.2)
-                    _, bt = timeit(lambda: ops.matmul(w, xt), 0.2, 20)
+                    _, bt = timeit(lambda: ops.matmul(w, xt), 0.2, 20 if tier != "generic" else 3)
                     out[(fmt, n, k, tier, th)] = (w.raw.size / b1 / 1e9, 2 * n * k * T / bt / 1e9)
                     print(f"tier {tier} t{th} {fmt} {n}x{k}: decode {out[(fmt, n, k, tier, th)][0]:.1f} GB/s, "
                           f"T={T} {out[(fmt, n, k, tier, th)][1]:.0f} GOP/s", flush=True)
@@ -205,7 +205,7 @@ def gguf_type_and_bytes(path: str) -> tuple[str, int]:
     return typ, total
 
 
-def llamacpp_decode(paths, threads, tokens=32, rounds=3):
+def llamacpp_decode(paths, threads, tokens=16, rounds=2):
     """{(type, threads): (tok/s best of rounds, bytes per step)} for llama.cpp's decode of each GGUF."""
     from llama_cpp import Llama
     out = {}
@@ -373,7 +373,7 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
         L.append("")
     if lcpp:
         L.append("## llama.cpp decode in the same run\n")
-        L.append("Each GGUF decodes 32 tokens after a 16-token prompt, best of 3 rounds; GB/s = tok/s x the "
+        L.append("Each GGUF decodes 16 tokens after a 16-token prompt, best of 2 rounds; GB/s = tok/s x the "
                  "bytes one decode step reads (every tensor but token_embd, unless token_embd is the tied "
                  "output projection); ratio = that / the bound above. These rates count towards the bound.\n")
         L.append("| llama.cpp type | closest mixqrt format | MB per step | " + " | ".join(
@@ -421,7 +421,7 @@ def write_md(path, bw, mv, mm, bl, sm, exp_err, shapes, mm_shapes, mv_fmts, thre
     if ab:
         L.append("## AVX-512 decode: lean path vs unpack path\n")
         L.append("Same random packed weights, the two decode paths alternated in one process "
-                 "(`_ops.set_lean_mv(True/False)`, pool in hot mode), best of 7 rounds each; GB/s = packed "
+                 "(`_ops.set_lean_mv(True/False)`, pool in hot mode), best of 5 rounds each; GB/s = packed "
                  "bytes / time. The lean path is the default; `MIXQRT_LEAN_MV=0` (or `_ops.set_lean_mv(False)`) "
                  "selects the unpack path. q6 with an odd number of 32-chunks per row, or with rows short enough "
                  "that 4 rows fit in 4 KB (K = 896), always takes the unpack path, so both columns of those "
@@ -473,8 +473,26 @@ otherwise) with the int8 activations `a` (quantized once per call, per block of 
 (u8 × s8) do the multiply; the zero point / min / level offset is corrected from the block sums `s`.
 Non-uniform levels go through an in-register table: q3p's fixed 8-entry table (an argument, from
 `layout.Q3P_LEVELS` or `QTensor.meta["q3p_levels"]`) and q2c's per-block 4-entry codebook via vpshufb.
-T-MAC lookup was not implemented: the LUT+vpdpbusd path is compute-cheap enough that decode reaches the
-bandwidth roof at 2 threads on this machine (see tables), so there was nothing for T-MAC to win back.
+T-MAC lookup was not implemented. It had been dismissed because decode "reached the bandwidth roof", but
+that roof came from a one-pattern probe that under-read the machine (llama.cpp's F32 decode of the 0.5B
+model read ~57 GB/s at 2 threads against a 38-40 GB/s "bound"): against the honest bound below, q3p decode
+is not at the roof, so the dismissal no longer holds (see Open items).
+
+**Honest bandwidth bound** (`src/ops/bw.c`, `bw_avx2.c`, `bw_avx512.c`; `ops.read_bandwidth_patterns`).
+The probe reads one 2 MiB-aligned, `MADV_HUGEPAGE` buffer (pages written first, so no fault is timed)
+on threads pinned one per CPU, each thread timing itself from a common barrier, with several patterns:
+one sequential stream (scalar, AVX-512), 2/4/8 independent streams per thread with and without software
+prefetch, AVX2 and AVX-512 wide loads, non-temporal loads (vmovntdqa), and threads taking 16 / 256 KiB
+chunks in turn; wide-load patterns are offered only where cpuid + xgetbv say the CPU runs them (never a
+SIGILL on an older CPU, whatever `MIXQRT_ISA` forces). `ops.read_bandwidth` is the best pattern. The bound
+that `mixqrt bench` and the benchmarks divide by is that, or the best effective rate (bytes read per token
+x tok/s, or packed bytes / time for a matvec whose weights miss the LLC) any runtime reached in the same
+run, whichever is higher; a runtime above the probe is reported as the probe being wrong. Measured here
+(all under a load average of 10-15 from other jobs): one sequential stream per thread read *faster* than
+2-8 interleaved streams in every probe run (1 thread: 13.0 vs 3.5-8.1 GB/s in one run), and the same held
+for a 4-row float decode kernel (4 row streams sharing each x load, prefetched 0.5-4 KB ahead): 0.4-0.6x
+of the one-row loop on the 151936 x 896 f32/f16 lm_head at 1 and 2 threads, with and without software
+prefetch. It stays as an opt-in (`MIXQRT_FLOAT_MV=1`, `_ops.set_float_mv`) for a quiet re-measure.
 
 **AVX-512 tier** (`src/ops/kern_avx512.c`): two chunks (64 codes) per zmm, unpacked with vpermb (q3p, q6:
 one masked load of the block, vpermb places the 2-bit plane / nibbles / high-bit bytes per qword),
@@ -654,7 +672,13 @@ loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of 
   the bandwidth at 2 threads only when ~40 GB/s are available. What remains per 64 weights is mostly
   float work on the per-group fp16 (d, m): a layout with a block's scales stored together (one
   vcvtph2ps for 8 groups) would cut it, at the price of a format version.
-- T-MAC lookup for q2c/q3p was not tried.
+- T-MAC lookup for q2c/q3p was not tried; nor row repacking (Q4_0x8-style interleaving of 4-8 rows),
+  nor a bit-sliced q3p layout. With the honest bound, q3p decode (~14-22 GB/s per core) is compute-bound
+  below the roof, so these are the next candidates (#13). Note the measurement above: interleaving rows
+  costs read bandwidth on this machine unless the interleaved rows sit in one contiguous stream, which
+  is what a repacked layout gives and a 4-row tile over separate rows does not.
+- f32 decode: mixqrt's one-row AVX-512 loop vs llama.cpp's F32 is in the llama.cpp table of each run;
+  the 4-row variant lost (above).
 """
 
 

@@ -1,6 +1,7 @@
 """Load time and RSS of a quantized Qwen2.5-0.5B-shaped .mxq file.
 
     python benchmarks/load_mxq.py [--file F.mxq] [--runs 7] [--json out.json]
+    python benchmarks/load_mxq.py --file REAL.mxq --model      # + mixqrt.load and a cold `generate -n 1`
 
 Without --file it builds (once) a file with the real Qwen2.5-0.5B tensor names and shapes under the
 2356 recipe (q2c embedding, q6 attention, q3p FFN, q5g norms, f32 biases, q6 lm_head), random packed
@@ -112,13 +113,91 @@ def measure(path: str, cold: bool, hugepages: bool, willneed: bool) -> dict:
     return res
 
 
+def measure_model(path: str) -> dict:
+    """mixqrt.load(path) in this fresh process: seconds to a ready model, RSS added by the load, then the
+    RSS the first token adds (one forward of one token: what decode touches), and the CPU time."""
+    import numpy  # noqa: F401  (python start-up and numpy are not part of the load)
+    import mixqrt
+    before = _status()
+    c0 = time.process_time()
+    t = time.perf_counter()
+    m = mixqrt.load(path, progress=False)
+    dt = time.perf_counter() - t
+    after = _status()
+    cache = m.model.make_cache(8)
+    t = time.perf_counter()
+    m.model(numpy.array([1000]), cache, 0, last_only=True)
+    ft = time.perf_counter() - t
+    first = _status()
+    return {"load_s": dt, "load_cpu_s": time.process_time() - c0, "d_rss": after["VmRSS"] - before["VmRSS"],
+            "d_anon": after["RssAnon"] - before["RssAnon"], "d_file": after["RssFile"] - before["RssFile"],
+            "first_token_s": ft, "d_rss_first_token": first["VmRSS"] - after["VmRSS"]}
+
+
+def measure_generate(path: str, runs: int) -> list[dict]:
+    """Wall time of a cold `python -m mixqrt generate PATH -p hi -n 1` (interpreter start included)."""
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "mixqrt", "generate", path, "-p", "hi", "-n", "1"],
+                           capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if r.returncode != 0:
+            raise SystemExit(f"generate failed: {r.stderr[-2000:]}")
+        out.append({"wall_s": wall})
+    return out
+
+
+def model_main(path: str, runs: int) -> dict:
+    import resource
+    loads = []
+    for _ in range(runs):
+        o = subprocess.run([sys.executable, __file__, "--_model", path], check=True, capture_output=True,
+                           text=True).stdout
+        loads.append(json.loads(o.strip().splitlines()[-1]))
+    gens = []
+    for _ in range(runs):
+        c = resource.getrusage(resource.RUSAGE_CHILDREN)
+        g = measure_generate(path, 1)[0]
+        c2 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        g["cpu_s"] = (c2.ru_utime - c.ru_utime) + (c2.ru_stime - c.ru_stime)
+        gens.append(g)
+    med = statistics.median
+    res = {"file": path, "runs": runs, "load_s_median": med(r["load_s"] for r in loads),
+           "load_s_min": min(r["load_s"] for r in loads), "load_cpu_s_median": med(r["load_cpu_s"] for r in loads),
+           "d_rss_max": max(r["d_rss"] for r in loads), "d_rss_first_token_max": max(r["d_rss_first_token"] for r in loads),
+           "generate_wall_s_median": med(g["wall_s"] for g in gens), "generate_wall_s_min": min(g["wall_s"] for g in gens),
+           "generate_cpu_s_median": med(g["cpu_s"] for g in gens), "loadavg": os.getloadavg()}
+    print(f"mixqrt.load: {res['load_s_median'] * 1e3:.0f} ms median ({res['load_s_min'] * 1e3:.0f} min, "
+          f"{res['load_cpu_s_median'] * 1e3:.0f} ms CPU), +{res['d_rss_max'] / 2**20:.1f} MiB RSS; the first token "
+          f"then touches +{res['d_rss_first_token_max'] / 2**20:.1f} MiB")
+    print(f"cold `mixqrt generate -p hi -n 1`: {res['generate_wall_s_median']:.2f} s wall median "
+          f"({res['generate_wall_s_min']:.2f} min), {res['generate_cpu_s_median']:.2f} s CPU; load average "
+          f"{res['loadavg'][0]:.1f}")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", default=None)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", action="store_true", help="also time mixqrt.load and a cold generate -n 1 "
+                    "(needs a real model file: --file)")
     ap.add_argument("--_child", nargs=4, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--_model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args._model:
+        print(json.dumps(measure_model(args._model)))
+        return 0
+    if args.model:
+        if not args.file:
+            ap.error("--model needs --file REAL.mxq")
+        res = model_main(args.file, args.runs)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res, fh, indent=1)
+        return 0
     if args._child:
         path, cold, huge, willneed = args._child
         print(json.dumps(measure(path, cold == "1", huge == "1", willneed == "1")))

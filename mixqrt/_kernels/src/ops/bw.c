@@ -8,6 +8,7 @@
  * the bound belongs to the machine. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -88,7 +89,7 @@ typedef struct {
     int idx, step;
     int reps, cpu;
     uint64_t sink;
-    pthread_barrier_t *bar;
+    _Atomic int *ready, *go;    /* start line: each thread counts itself ready, then waits for go (1: run, -1: abort) */
     double t0, t1;
 } bw_arg;
 
@@ -106,8 +107,11 @@ static void *bw_thread(void *vp) {
         pthread_setaffinity_np(pthread_self(), sizeof cs, &cs);
     }
     a->sink = run_once(a);    /* warm: TLB, page tables, prefetcher training */
-    pthread_barrier_wait(a->bar);
-    /* each thread times itself: the caller may wake from the barrier after the work is done */
+    atomic_fetch_add(a->ready, 1);
+    int g;
+    while ((g = atomic_load(a->go)) == 0) sched_yield();
+    if (g < 0) return NULL;
+    /* each thread times itself: the caller may be descheduled after the start */
     a->t0 = now_s();
     for (int r = 0; r < a->reps; r++) a->sink += run_once(a);
     a->t1 = now_s();
@@ -151,27 +155,25 @@ static double probe(size_t nbytes, int threads, int reps, const int *want, doubl
     double best = -1.0;
     for (int pat = 0; pat < NPAT; pat++) {
         if (!want[pat] || !mq_bw_pattern_available(pat)) continue;
-        pthread_barrier_t bar;
-        pthread_barrier_init(&bar, NULL, threads + 1);
+        _Atomic int ready = 0, go = 0;
         pthread_t th[64];
         bw_arg a[64];
         int started = 0;
         for (int i = 0; i < threads; i++) {
             const size_t il = PATTERNS[pat].il;
             a[i] = (bw_arg){PATTERNS[pat].fn, il ? buf : buf + (size_t)i * per, il ? per * threads : per, il, i, threads,
-                            reps, ncpu ? cpus[i % ncpu] : -1, 0, &bar, 0, 0};
+                            reps, ncpu ? cpus[i % ncpu] : -1, 0, &ready, &go, 0, 0};
             if (pthread_create(&th[i], NULL, bw_thread, &a[i]) != 0) break;
             started++;
         }
-        if (started < threads) {
-            /* the barrier would never open: stop the started threads and give up */
-            for (int i = 0; i < started; i++) pthread_cancel(th[i]), pthread_join(th[i], NULL);
-            pthread_barrier_destroy(&bar);
+        if (started < threads) {    /* a thread could not start: release the others unmeasured, give up */
+            atomic_store(&go, -1);
+            for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
             break;
         }
-        pthread_barrier_wait(&bar);
+        while (atomic_load(&ready) < threads) sched_yield();
+        atomic_store(&go, 1);
         for (int i = 0; i < threads; i++) pthread_join(th[i], NULL);
-        pthread_barrier_destroy(&bar);
         double t0 = a[0].t0, t1 = a[0].t1;
         volatile uint64_t sink = 0;
         for (int i = 0; i < threads; i++) {
