@@ -57,7 +57,7 @@ def cmd_quantize(a):
     from mixqrt.convert import describe, dumps_report, quantize_model
     rep = quantize_model(a.src, a.recipe or "2356", a.output, overrides=a.tensor_type,
                          progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
-                         imatrix=a.imatrix, budget_bytes=a.budget_bytes)
+                         imatrix=a.imatrix, budget_bytes=a.budget_bytes, **_calibration(a))
     if a.json:
         print(dumps_report(rep))
         return
@@ -65,6 +65,15 @@ def cmd_quantize(a):
     if not a.dry_run:
         print(f"wrote {a.output}: {rep.total_bytes:,d} bytes of tensors, {rep.bits_per_weight:.3f} bits/weight, "
               f"{rep.seconds:.1f} s, peak RSS {rep.peak_rss_bytes / 2**20:.0f} MiB")
+
+
+def _calibration(a) -> dict:
+    if not a.calibrate:
+        return {}
+    with open(a.calibrate, encoding="utf-8") as f:
+        text = f.read()
+    return {"calibrate": text, "calib_tokens": a.calib_tokens, "calib_label": os.path.basename(a.calibrate),
+            "damp": a.damp}
 
 
 def cmd_imatrix(a):
@@ -195,6 +204,11 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="plan and size only; write nothing")
     s.add_argument("--imatrix", default=None, metavar="FILE",
                    help="importance matrix from `mixqrt imatrix`: activation-weighted quantization")
+    s.add_argument("--calibrate", default=None, metavar="TEXT",
+                   help="calibration text file: GPTQ error-compensating quantization (docs/quality.md); "
+                        "never the evaluation text")
+    s.add_argument("--calib-tokens", type=int, default=4096, metavar="N", help="calibration tokens (default 4096)")
+    s.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
     s.add_argument("--budget-bytes", type=int, default=None, metavar="N",
                    help="with --recipe auto: total tensor bytes to fit (formats picked by measured sensitivity)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -43,6 +43,7 @@ class QuantReport:
     tensors: list[TensorReport] = field(default_factory=list)
     seconds: float = 0.0
     peak_rss_bytes: int = 0
+    calibration: dict | None = None     # calibrated runs: text, tokens, ctx, damp, seconds per tensor
 
     @property
     def total_bytes(self) -> int:
@@ -65,7 +66,7 @@ class QuantReport:
     def to_dict(self) -> dict:
         return {"path": self.path, "recipe": self.recipe, "total_bytes": self.total_bytes,
                 "bits_per_weight": round(self.bits_per_weight, 4), "seconds": round(self.seconds, 2),
-                "peak_rss_bytes": self.peak_rss_bytes, "by_role": self.by_role(),
+                "peak_rss_bytes": self.peak_rss_bytes, "by_role": self.by_role(), "calibration": self.calibration,
                 "tensors": [{"name": t.name, "role": t.role, "fmt": t.fmt, "shape": list(t.shape),
                              "nbytes": t.nbytes, "bpw": round(t.bpw, 4)} for t in self.tensors]}
 
@@ -77,13 +78,17 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
 
 
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
-                   offline=None, imatrix=None, budget_bytes=None) -> QuantReport:
+                   offline=None, imatrix=None, budget_bytes=None, calibrate=None, calib_tokens: int = 4096,
+                   calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01) -> QuantReport:
     """Quantize a model source (path, hub id or an open Source) with a recipe into an .mxq file.
 
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
     imatrix: a file from `mixqrt imatrix` (or its {name: [K] array} dict): per-column weights for the
     error-minimising quantizer of every linear weight it covers (q6/q4/q3u/q3p).
     recipe="auto" needs budget_bytes: formats per tensor from the measured sensitivity (quant/auto.py).
+    calibrate: calibration text (str): every q3p/q3u/q4/q6/q8 linear weight is quantized by GPTQ with
+    the Hessian of its inputs over the first calib_tokens tokens, layer by layer through the already
+    quantized layers, and quantized norms are folded into the weights after them (quant/calibrate.py).
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
@@ -105,6 +110,9 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         rec = get_recipe(recipe, overrides)
     imat = load_imatrix(imatrix) if imatrix is not None else None
     plan = tensor_plan(source, rec)
+    if calibrate is not None:
+        rec.calibration = {"method": "gptq", "text": calib_label, "tokens": int(calib_tokens), "ctx": int(calib_ctx),
+                           "damp": float(damp)}
     report = QuantReport(str(out_path) if out_path else None, rec.spec())
     if dry_run:
         for name, role, fmt, shape in plan:
@@ -121,6 +129,32 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     tied = "lm_head.weight" not in source.tensor_names()
     from tqdm.auto import tqdm
 
+    fmt_of = {n: f for n, _, f, _ in plan}
+
+    def plain(name, fmt, arr):
+        opts = {"lo": q5_range[0], "hi": q5_range[1]} if (fmt == "q5g" and q5_range) else {}
+        imp = importance_for(imat, name, arr.shape[1]) if (imat and arr.ndim == 2) else None
+        if fmt in SEARCH_FORMATS and arr.ndim == 2 and (rec.search or imp is not None):
+            opts["search"] = True
+            opts["importance"] = imp
+        return quantize(arr, fmt, **opts)
+
+    cal = None
+    if calibrate is not None:
+        from mixqrt.models import get_model_class
+        from mixqrt.quant.calibrate import Calibrator, calibration_ids
+
+        def load(n):
+            a = source.get("model.embed_tokens.weight" if (tied and n == "lm_head.weight") else n)
+            return np.asarray(a, dtype=np.float32)
+
+        cls = get_model_class(source.arch)
+        args = cls.args_class.from_dict(dict(source.config), model_type=source.arch)
+        chunks = calibration_ids(source.tokenizer, calibrate, int(calib_tokens), int(calib_ctx))
+        cal = Calibrator(args, chunks, load, plain, damp=damp, progress=progress)
+        cal.fmts = fmt_of
+        rec.calibration["tokens"] = meta["recipe"]["calibration"]["tokens"] = cal.tokens
+        report.calibration = dict(rec.calibration)
     pending: dict[str, QTensor] = {}
     with MxqWriter(out_path, meta) as w:
         for name, role, fmt, shape in tqdm(plan, desc="quantizing", unit="tensor", disable=not progress):
@@ -128,12 +162,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
             _check_finite(name, arr)
             if tuple(arr.shape) != tuple(shape):
                 raise ModelError(f"tensor {name}: source says shape {shape} but holds {arr.shape}")
-            opts = {"lo": q5_range[0], "hi": q5_range[1]} if (fmt == "q5g" and q5_range) else {}
-            imp = importance_for(imat, name, arr.shape[1]) if (imat and arr.ndim == 2) else None
-            if fmt in SEARCH_FORMATS and arr.ndim == 2 and (rec.search or imp is not None):
-                opts["search"] = True
-                opts["importance"] = imp
-            qt = quantize(arr, fmt, **opts)
+            qt = cal.quantize(name, fmt, arr) if cal is not None else plain(name, fmt, arr)
             del arr
             report.tensors.append(TensorReport(name, role, fmt, shape, qt.nbytes))
             layer, _ = spec.split_layer(name)

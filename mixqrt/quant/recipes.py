@@ -89,6 +89,8 @@ class Recipe:
     search: bool = True
     # per-tensor formats by exact HF name (recipe "auto"); checked before the role table
     per_tensor: dict[str, str] = field(default_factory=dict)
+    # calibrated quantization (GPTQ, quant/calibrate.py): method, text label, tokens, ctx, damp
+    calibration: dict | None = None
 
     def format_for(self, name: str, role: str | None = None) -> str:
         role = role or role_of(name)
@@ -107,6 +109,8 @@ class Recipe:
             d["quantizer"] = "search-deshrink"
         if self.per_tensor:
             d["per_tensor"] = dict(self.per_tensor)
+        if self.calibration:
+            d["calibration"] = dict(self.calibration)
         return d
 
 
