@@ -31,6 +31,7 @@ LAYERS = [
     ("models", ["mixqrt.models", "mixqrt.cache"]),
     ("runtime", ["mixqrt.runtime"]),
     ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate", "mixqrt.convert",
+                  "mixqrt.quant.calibrate",                 # runs the model layer by layer
                   "mixqrt.engine"]),
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
