@@ -219,16 +219,16 @@ def test_prefused_tensors_accepted():
 
 def test_qtensor_fusion_is_byte_concatenation():
     pytest.importorskip("mixqrt.quant.formats")
-    from mixqrt.models.spec import fuse as fuse_rows
+    from mixqrt.models.spec import fuse
     from mixqrt.quant.formats import quantize
     rng = np.random.default_rng(0)
     parts = [rng.standard_normal((n, 40)).astype(np.float32) for n in (8, 4, 4)]
     for fmt in ("q8", "q6", "q4", "q3p", "f32"):
         qs = [quantize(p, fmt) for p in parts]
-        fused = fuse_rows(qs)
+        fused = fuse(qs)
         assert fused is not None and fused.shape == (16, 40) and fused.fmt == fmt
         np.testing.assert_array_equal(fused.dequantize(), np.concatenate([q.dequantize() for q in qs]))
-    assert fuse_rows([quantize(parts[0], "q8"), quantize(parts[1], "q6")]) is None
+    assert fuse([quantize(parts[0], "q8"), quantize(parts[1], "q6")]) is None
 
 
 # ---------------------------------------------------------------------------- validation

@@ -380,7 +380,7 @@ def test_mixqrt_isa_env_is_honoured():
 def test_q3p_level_table_from_meta_is_honoured():
     w = np.random.default_rng(8).standard_normal((3, 100)).astype(np.float32)
     qt = quantize(w, "q3p")
-    assert "q3p_levels" not in qt.meta        # the global table by default (models/base.fuse_rows needs meta-free parts)
+    assert "q3p_levels" not in qt.meta        # the global table by default (models/spec.fuse stacks parts whose meta is equal)
     other = QTensor("q3p", qt.shape, qt.raw, {"q3p_levels": [0, 1, 2, 3, 4, 5, 6, 7]})   # = q3u's levels
     q3u = QTensor("q3u", qt.shape, qt.raw)
     np.testing.assert_array_equal(dequantize(other), dequantize(q3u))
