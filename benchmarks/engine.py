@@ -9,12 +9,12 @@
 2. C concurrent requests (C = 1, 4, 8; distinct prompts; a consumer thread each): aggregate
    decode tok/s over the window where every request is decoding (after the last first token,
    until the first request finishes), and end to end (all tokens / submit-to-last-token seconds).
-Results go to docs/engine.md (section "throughput") and to a JSON file next to it.
+Tables go between the engine-throughput markers of docs/engine.md, raw results to
+docs/data/engine-throughput.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import machine_info  # noqa: E402
+from _common import machine_info, update_doc, write_json  # noqa: E402
 
 from mixqrt.engine import Engine  # noqa: E402
 from mixqrt.generate import stream_generate  # noqa: E402
@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--single-reps", type=int, default=6)
     ap.add_argument("--skip-concurrent", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "engine-throughput.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "engine-throughput.json"))
     a = ap.parse_args()
     if a.quick:
         a.tokens, a.reps, a.single_reps = 16, 1, 1
@@ -109,7 +109,7 @@ def main():
                 print(f"rep {rep} C={c}: decode {r['decode_tps']:.1f} tok/s, e2e {r['e2e_tps']:.1f} tok/s, "
                       f"last first-token {r['ttft_max_s']:.2f}s")
         res["stats"] = eng.stats()
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    write_json(a.out, res)
     write_doc(res)
 
 
@@ -117,8 +117,7 @@ def write_doc(res):
     med = statistics.median
     s = res["single"]
     m = res["machine"]
-    lines = ["## Throughput", "",
-             f"{m.get('cpu_model')}, {res['threads']} threads, {m['date_utc']}, commit {m['git_commit']}, "
+    lines = [f"{m.get('cpu_model')}, {res['threads']} threads, {m['date_utc']}, commit {m['git_commit']}, "
              f"model `{Path(res['model']).name}` (0.5B Qwen2.5-Coder, recipe 2356), {res['tokens']} new tokens "
              f"per request, greedy, eos off. Command: `{res['command']}`.", "",
              "Single request, alternated in one process (decode tok/s, median of "
@@ -139,19 +138,7 @@ def write_doc(res):
     for c, rs in res["concurrent"].items():
         d = med(r["decode_tps"] for r in rs)
         lines.append(f"| {c} | {d:.1f} | {d / base:.2f}x | {med(r['e2e_tps'] for r in rs):.1f} |")
-    replace_section(ROOT / "docs" / "engine.md", "## Throughput", "\n".join(lines) + "\n")
-
-
-def replace_section(path: Path, heading: str, body: str) -> None:
-    """Replace the '## ...' section starting with heading (or append it); keep the rest."""
-    text = path.read_text() if path.exists() else "# Engine: continuous batching and the prompt cache\n\n"
-    start = text.find(heading)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
-    else:
-        nxt = text.find("\n## ", start + len(heading))
-        text = text[:start] + body + (text[nxt + 1:] if nxt >= 0 else "")
-    path.write_text(text)
+    update_doc(ROOT / "docs" / "engine.md", {"engine-throughput": "\n".join(lines)})
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ Turn 1: a system prompt and a user message holding ~--turn1 tokens of tinyshakes
 with --answer greedy tokens. Turn 2: the whole conversation (the answer re-rendered by the chat
 template) plus a short new user message. Each rep runs both turns on a Pipeline whose engine has
 the prompt cache on (default kv_cache_bytes) and on one with it off (kv_cache_bytes=0),
-alternated; the TTFT of turn 2 is the number compared. Results go to docs/engine.md (section
-"Prompt cache") and a JSON file next to it.
+alternated; the TTFT of turn 2 is the number compared. Tables go between the
+engine-prompt-cache markers of docs/engine.md, raw results to docs/data/engine-prompt-cache.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -22,16 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import machine_info  # noqa: E402
-from engine import replace_section  # noqa: E402
+from _common import machine_info, update_doc, write_json  # noqa: E402
 
 import mixqrt  # noqa: E402
 
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def conversation(tok, n_tokens: int):
-    words = TEXT.read_text().split()
+def conversation(tok, n_tokens: int, text: str):
+    words = Path(text).read_text().split()
     lo, hi = 10, len(words)
     while lo < hi:                       # the longest excerpt whose turn-1 prompt fits n_tokens
         mid = (lo + hi + 1) // 2
@@ -61,12 +59,13 @@ def main():
     ap.add_argument("--answer", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "engine-prompt-cache.json"))
+    ap.add_argument("--text", default=str(TEXT), help="turn-1 text (not evaluation text)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "engine-prompt-cache.json"))
     a = ap.parse_args()
     if a.quick:
         a.turn1, a.answer, a.reps = 200, 4, 1
     pipe = mixqrt.Pipeline(a.model, threads=a.threads, progress=False)
-    msgs = conversation(pipe.tokenizer, a.turn1)
+    msgs = conversation(pipe.tokenizer, a.turn1, a.text)
     runs = {"on": [], "off": []}
     for rep in range(a.reps):
         for mode in ("on", "off"):
@@ -82,7 +81,7 @@ def main():
     pipe.close()
     res = {"machine": machine_info(), "model": a.model, "threads": a.threads, "runs": runs,
            "command": " ".join(["python"] + sys.argv)}
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    write_json(a.out, res)
     write_doc(res)
 
 
@@ -90,8 +89,7 @@ def write_doc(res):
     med = statistics.median
     m, on, off = res["machine"], res["runs"]["on"], res["runs"]["off"]
     t_on, t_off = med(r["turn2_ttft_s"] for r in on), med(r["turn2_ttft_s"] for r in off)
-    lines = ["## Prompt cache", "",
-             f"{m.get('cpu_model')}, {res['threads']} threads, {m['date_utc']}, commit {m['git_commit']}, "
+    lines = [f"{m.get('cpu_model')}, {res['threads']} threads, {m['date_utc']}, commit {m['git_commit']}, "
              f"model `{Path(res['model']).name}` (0.5B Qwen2.5-Coder, recipe 2356). Command: `{res['command']}`. "
              "Cache on and off alternated in one process; median of "
              f"{len(on)} runs.", "",
@@ -103,7 +101,7 @@ def write_doc(res):
                      f"{med(r['turn2_ttft_s'] for r in rs):.3f} |")
     lines += ["", f"Second-turn time to first token: {t_off / t_on:.1f}x faster with the cache "
                   f"({t_off:.3f} s -> {t_on:.3f} s)."]
-    replace_section(ROOT / "docs" / "engine.md", "## Prompt cache", "\n".join(lines) + "\n")
+    update_doc(ROOT / "docs" / "engine.md", {"engine-prompt-cache": "\n".join(lines)})
 
 
 if __name__ == "__main__":
