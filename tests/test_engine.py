@@ -335,6 +335,10 @@ def test_pipeline_and_api_go_through_the_engine(tiny_dir, tmp_path, monkeypatch)
     out2 = create_chat_completion(pipe, msgs2, max_tokens=4, temperature=0.0)
     assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert pipe.engine.stats()["requests"] == 4
+    # a subnormal temperature decodes greedily (it used to draw the last token of the vocabulary)
+    greedy = create_chat_completion(pipe, msgs, max_tokens=6, temperature=0.0)["choices"][0]["message"]
+    tiny_t = create_chat_completion(pipe, msgs, max_tokens=6, temperature=5e-324)["choices"][0]["message"]
+    assert tiny_t == greedy
     pipe.close()
     assert pipe("hello", max_new_tokens=2, do_sample=False)          # a new engine on demand
     pipe.close()
