@@ -205,7 +205,6 @@ class Engine:
             from mixqrt import ops
             ops.set_num_threads(_int("threads", threads, lo=1))
         self._cache = PromptCache(model, self.max_context, cap)
-        self._runner = None             # RowSplitRunner, for models without decode_batch
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
@@ -390,12 +389,7 @@ class Engine:
         m = self.model
         if len(toks) == 1:    # exactly the single-sequence path (model.__call__, hot mode and all)
             return m(np.asarray(toks, dtype=np.int64), caches[0], last_only=True)[None]
-        if hasattr(m, "decode_batch"):
-            return m.decode_batch(np.asarray(toks, dtype=np.int64), caches)
-        if self._runner is None:
-            from mixqrt.runtime.scheduler import RowSplitRunner
-            self._runner = RowSplitRunner(m)
-        return self._runner.decode_batch(list(zip(toks, caches)))
+        return m.decode_batch(np.asarray(toks, dtype=np.int64), caches)
 
     def _step(self, prefill: _Slot | None, decode: list[_Slot]) -> None:
         """Outside the lock: the model runs (kernels release the GIL), then sampling and hand-off."""
