@@ -9,4 +9,7 @@ def __getattr__(name):  # lazy: importing mixqrt stays cheap
     if name in ("Pipeline", "load"):
         from mixqrt import pipeline
         return getattr(pipeline, name)
+    if name in ("Engine", "EngineBusy"):
+        from mixqrt import engine
+        return getattr(engine, name)
     raise AttributeError(f"module 'mixqrt' has no attribute {name!r}")

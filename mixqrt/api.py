@@ -212,7 +212,9 @@ def _include_usage(stream_options) -> bool:
 def _usage(last) -> dict:
     p = int(getattr(last, "prompt_tokens", 0) or 0) if last is not None else 0
     c = int(getattr(last, "generation_tokens", 0) or 0) if last is not None else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = int(getattr(last, "cached_tokens", 0) or 0) if last is not None else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}   # OpenAI's field: prompt-cache hits
 
 
 def _head(prefix: str, obj: str, model: str | None, pipe) -> dict:

@@ -59,13 +59,14 @@ def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_
 class GenerationResponse:
     text: str                      # the new piece of text (may be empty)
     token: int | None              # the token this response is for
-    finish_reason: str | None      # None while running, then "stop" | "length"
+    finish_reason: str | None      # None while running, then "stop" | "length" | "cancelled"
     prompt_tokens: int
     generation_tokens: int
     prompt_tps: float              # prompt tokens / prefill seconds
     generation_tps: float          # decode tokens / decode seconds (after the first token)
     ttft_s: float                  # seconds from the call to the first new token
     peak_rss_bytes: int
+    cached_tokens: int = 0         # prompt tokens whose KV came from the prompt cache (not recomputed)
 
 
 class _OffsetDecoder:
@@ -191,6 +192,100 @@ def resolve_sampling(model, temperature=None, top_k=None, top_p=None, min_p=None
     return out
 
 
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A prompt string (encoded, BOS added when the tokenizer asks for it; no template) or token ids
+    -> a list of ints."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise GenerationError("a text prompt needs a tokenizer; pass token ids instead")
+        ids = [int(t) for t in tokenizer.encode(prompt)]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if getattr(tokenizer, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, int(bos))
+        return ids
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        ids = list(np.asarray(prompt).reshape(-1)) if isinstance(prompt, np.ndarray) else list(prompt)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise GenerationError("a prompt given as a list must hold token ids (ints)")
+        return [int(t) for t in ids]
+    raise GenerationError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+class Sequence:
+    """One request's token-level logic, the only copy of it: the Engine (batched) and
+    stream_generate (single sequence) both drive one of these per request.
+
+    ``sample(logits)`` applies the logits processors and the sampler and records the token;
+    ``accept(token)`` turns it into text and says whether the request finished (eos, a stop string,
+    the token budget). Stop strings and eos tokens never reach the text.
+    """
+
+    def __init__(self, model, tokenizer, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None,
+                 top_p=None, min_p=None, repetition_penalty=None, repetition_context_size: int = 64,
+                 seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
+                 do_sample: bool | None = None):
+        ids = encode_prompt(tokenizer, prompt_ids)
+        if not ids:
+            raise GenerationError("the prompt is empty: at least one token is needed")
+        vocab = model.args.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise GenerationError(f"prompt token ids must be in [0, {vocab}), got [{min(ids)}, {max(ids)}]")
+        max_new_tokens = _int("max_new_tokens", max_new_tokens, lo=1)
+        ctx = model.args.max_position_embeddings if max_context is None else _int("max_context", max_context, lo=1)
+        if len(ids) + 1 > ctx:
+            raise GenerationError(f"the prompt has {len(ids)} tokens; with at least one new token that needs "
+                                  f"{len(ids) + 1} positions but the context holds {ctx}")
+        self.prompt = ids
+        self.budget = min(max_new_tokens, ctx - len(ids))      # reaching the context end finishes with "length"
+        s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty, do_sample)
+        self.sampler = make_sampler(s["temperature"], s["top_k"], s["top_p"], s["min_p"], seed)
+        self.procs = make_logits_processors(s["repetition_penalty"], repetition_context_size)
+        stops = check_stops(stop)
+        if stops and tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer")
+        self.stops = _StopMatcher(stops)
+        self.eos = _eos_ids(eos_token_ids, model, tokenizer)
+        self.decoder = _stream_decoder(tokenizer) if tokenizer is not None else None
+        # every token so far (prompt, then generated): the processors' context and the KV's contents
+        self.history = np.empty(len(ids) + self.budget, dtype=np.int64)
+        self.history[:len(ids)] = ids
+        self.n = len(ids)
+        self.n_gen = 0
+        self.finish_reason: str | None = None
+
+    def sample(self, logits: np.ndarray) -> int:
+        """logits [vocab] (may be edited in place) -> the next token, recorded in history."""
+        for p in self.procs:
+            logits = p(self.history[:self.n], logits)
+        tok = int(self.sampler(logits))
+        self.history[self.n] = tok
+        self.n += 1
+        return tok
+
+    def _piece(self, tok: int) -> str:
+        return self.decoder.add(tok) if self.decoder is not None else ""
+
+    def _flush(self) -> str:
+        return self.decoder.flush() if self.decoder is not None else ""
+
+    def accept(self, tok: int) -> tuple[str, str | None]:
+        """-> (new text, finish_reason or None) for the token just sampled."""
+        self.n_gen += 1
+        if tok in self.eos:
+            self.finish_reason = "stop"
+            return self.stops.feed(self._flush())[0] + self.stops.flush(), "stop"
+        text, stopped = self.stops.feed(self._piece(tok))
+        if stopped:
+            self.finish_reason = "stop"
+            return text, "stop"
+        if self.n_gen >= self.budget:
+            text2, stopped = self.stops.feed(self._flush())
+            text += text2
+            self.finish_reason = "stop" if stopped else "length"
+            return (text if stopped else text + self.stops.flush()), self.finish_reason
+        return text, None
+
+
 def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
                     top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                     repetition_penalty: float | None = None, repetition_context_size: int = 64,
@@ -198,72 +293,41 @@ def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temp
                     prefill_chunk: int = 512, do_sample: bool | None = None) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
 
+    The low-level single-sequence path (no engine thread, no batching); Pipeline and the API go
+    through mixqrt.engine.Engine, which drives the same Sequence logic.
     prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
     Stop strings and eos tokens end generation and are not part of the text.
     """
     t0 = time.perf_counter()
-    if isinstance(prompt, str):
-        ids = list(tokenizer.encode(prompt))
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if getattr(tokenizer, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, int(bos))
-    elif isinstance(prompt, (list, tuple, np.ndarray)):
-        ids = list(np.asarray(prompt).reshape(-1)) if isinstance(prompt, np.ndarray) else list(prompt)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            raise GenerationError("a prompt given as a list must hold token ids (ints)")
-    else:
-        raise GenerationError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-    if not ids:
-        raise GenerationError("the prompt is empty: at least one token is needed")
-    vocab = model.args.vocab_size
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise GenerationError(f"prompt token ids must be in [0, {vocab}), got [{min(ids)}, {max(ids)}]")
-    max_new_tokens = _int("max_new_tokens", max_new_tokens, lo=1)
-    ctx = model.args.max_position_embeddings if max_context is None else _int("max_context", max_context, lo=1)
-    if len(ids) + 1 > ctx:
-        raise GenerationError(f"the prompt has {len(ids)} tokens; with at least one new token that needs "
-                              f"{len(ids) + 1} positions but the context holds {ctx}")
-    budget = min(max_new_tokens, ctx - len(ids))      # reaching the context end finishes with "length"
-    s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty, do_sample)
-    sampler = make_sampler(s["temperature"], s["top_k"], s["top_p"], s["min_p"], seed)
-    procs = make_logits_processors(s["repetition_penalty"], repetition_context_size)
-    stops = _StopMatcher(check_stops(stop))
-    eos = _eos_ids(eos_token_ids, model, tokenizer)
-    decoder = _stream_decoder(tokenizer)
-    cache = model.make_cache(len(ids) + budget)
-
-    n_gen, t_first, ttft, prompt_tps = 0, 0.0, 0.0, 0.0
+    seq = Sequence(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                   repetition_context_size=repetition_context_size, seed=seed, stop=stop,
+                   eos_token_ids=eos_token_ids, max_context=max_context, do_sample=do_sample)
+    n_prompt = len(seq.prompt)
+    cache = model.make_cache(n_prompt + seq.budget)
+    t_first, ttft, prompt_tps = 0.0, 0.0, 0.0
 
     def response(text, token, reason):
         now = time.perf_counter()
+        n_gen = seq.n_gen
         gen_tps = (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0
-        return GenerationResponse(text, token, reason, len(ids), n_gen, prompt_tps, gen_tps, ttft,
+        return GenerationResponse(text, token, reason, n_prompt, n_gen, prompt_tps, gen_tps, ttft,
                                   peak_rss_bytes())
 
-    steps = generate_step(model, ids, sampler=sampler, logits_processors=procs, max_tokens=budget, cache=cache,
-                          prefill_chunk=prefill_chunk)
-    try:
-        for tok, _ in steps:
-            n_gen += 1
-            if n_gen == 1:
-                t_first = time.perf_counter()
-                ttft = t_first - t0
-                prompt_tps = len(ids) / ttft if ttft > 0 else 0.0
-            if tok in eos:
-                yield response(stops.feed(decoder.flush())[0] + stops.flush(), tok, "stop")
-                return
-            text, stopped = stops.feed(decoder.add(tok))
-            if stopped:
-                yield response(text, tok, "stop")
-                return
-            if n_gen == budget:
-                text2, stopped = stops.feed(decoder.flush())
-                text += text2
-                yield response(text if stopped else text + stops.flush(), tok, "stop" if stopped else "length")
-                return
-            yield response(text, tok, None)
-    finally:
-        steps.close()
+    logits = model(np.asarray(seq.prompt, dtype=np.int64), cache, last_only=True, chunk_size=prefill_chunk)
+    step = np.empty(1, dtype=np.int64)                     # the one-token input, reused every step
+    while True:
+        tok = seq.sample(logits)
+        if seq.n_gen == 0:
+            t_first = time.perf_counter()
+            ttft = t_first - t0
+            prompt_tps = n_prompt / ttft if ttft > 0 else 0.0
+        text, reason = seq.accept(tok)
+        yield response(text, tok, reason)
+        if reason is not None:
+            return
+        step[0] = tok
+        logits = model(step, cache, last_only=True)
 
 
 def generate(model, tokenizer, prompt, **kwargs) -> str:

@@ -27,11 +27,17 @@ def _int(name, v, lo=0):
     return int(v)
 
 
+GREEDY_BELOW = 1e-5
+
+
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None):
     """-> sampler(logits [vocab]) -> token id (int).
 
-    temperature 0 is greedy (argmax; the other knobs are then irrelevant). Otherwise the filters
+    temperature below GREEDY_BELOW is greedy (argmax; the other knobs are then irrelevant): 1/t
+    overflows float64 long before t reaches the smallest subnormal (5e-324 gave inf * 0 = NaN
+    probabilities and drew the last token), and at t = 1e-5 a logit gap of 0.01 is already a
+    factor e^1000, so sampling is argmax in all but ties. Otherwise the filters
     run in transformers' order on logits / temperature: top_k (0 = off), top_p (nucleus, 1 = off),
     min_p (keep p >= min_p * p_max, 0 = off); then one draw from a numpy Generator seeded by seed.
     """
@@ -41,7 +47,7 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     min_p = _number("min_p", min_p, lo=0.0, hi=1.0)
     if seed is not None:
         seed = _int("seed", seed)
-    if temperature == 0.0:
+    if temperature < GREEDY_BELOW:
         def greedy(logits: np.ndarray) -> int:
             return int(np.argmax(logits))
         return greedy

@@ -105,7 +105,8 @@ def test_completion_shape_and_usage():
     assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
     assert isinstance(out["created"], int) and out["model"] == "fake-0.5b-2356"
     assert out["choices"] == [{"text": "Hello, world!", "index": 0, "logprobs": None, "finish_reason": "stop"}]
-    assert out["usage"] == {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+    assert out["usage"] == {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_completion_maps_arguments_and_leaves_defaults_to_the_model():

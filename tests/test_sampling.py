@@ -16,6 +16,14 @@ def test_greedy():
     assert s(logits) == 1 and isinstance(s(logits), int)
 
 
+def test_tiny_temperature_is_greedy():
+    """5e-324 used to overflow 1/t into NaN probabilities and draw the last token."""
+    logits = np.array([0.1, 3.0, -1.0, 2.9, 0.0], dtype=np.float32)
+    for t in (5e-324, 1e-300, 1e-8, 9.99e-6):
+        assert set(draws(make_sampler(t, seed=0), logits, 50)) == {1}
+    assert len(set(draws(make_sampler(1e-2 + 1.0, seed=0), logits, 400))) > 1   # real sampling above
+
+
 def test_top_k_top_p_min_p_truncate():
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.05, 0.05])).astype(np.float32)
     assert set(draws(make_sampler(1.0, top_k=2, seed=0), logits)) == {0, 1}

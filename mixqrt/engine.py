@@ -1,0 +1,427 @@
+"""Continuous batching: many requests share one model, one background thread, one batched forward.
+
+    eng = Engine(pipe, max_slots=8)                 # a Pipeline, a LoadedModel or a bare Model
+    req = eng.submit(prompt_ids, max_new_tokens=64, temperature=0.7, seed=1, stop=["\\n\\n"])
+    for r in req:                                   # or: async for r in req
+        print(r.text, end="")
+    eng.stats(); eng.close()
+
+Requests wait in a bounded queue (EngineBusy past max_queue) and enter up to max_slots slots.
+Each scheduler step runs, on the engine thread:
+  - one prompt chunk (at most prefill_chunk tokens) of the oldest slot still prefilling, so a long
+    prompt is spread over steps and running streams keep getting tokens between its chunks;
+  - one decode token for every decoding slot whose consumer keeps up, in ONE batched forward:
+    the weight matmuls run on [B, D] (one sweep of the packed weights serves every slot), each
+    slot attends over its own KV cache.
+Every slot has its own Sequence (mixqrt.generate: sampler with its own seeded RNG, logits
+processors, stop strings, eos, detokenizer), so a seeded request samples the same tokens whatever
+its batch neighbours are (up to float rounding: batched and single matmuls differ in the last bits).
+
+Consumers never hold the engine: each request has a bounded output buffer; a slot whose buffer
+is full is skipped (paused) and is cancelled after stall_timeout seconds without room. cancel()
+(or leaving the loop of Pipeline.stream) frees the slot at the next step. Finished slots leave
+their KV behind as a prompt cache (mixqrt.engine_cache).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from mixqrt.engine_cache import PromptCache
+from mixqrt.errors import GenerationError
+from mixqrt.generate import GenerationResponse, Sequence
+from mixqrt.perf import peak_rss_bytes
+from mixqrt.sample_utils import _int, _number
+
+__all__ = ["Engine", "EngineBusy", "Request"]
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_MAX_CONTEXT = 4096
+_ids = itertools.count(1)
+
+
+class EngineBusy(GenerationError):
+    """The admission queue is full (max_queue requests waiting): retry later (HTTP 503)."""
+
+
+# ============================================================================ request (consumer side)
+class Request:
+    """A submitted request: iterate it (blocking or ``async for``) for GenerationResponse pieces.
+
+    The last piece has finish_reason "stop", "length" or "cancelled"; an error in the engine is
+    raised from the iteration. ``cancel()`` (also on ``with`` exit) frees the slot.
+    """
+
+    def __init__(self, engine: "Engine", seq: Sequence, buffer: int):
+        self.id = next(_ids)
+        self.seq = seq
+        self.buffer = buffer
+        self.t_submit = time.perf_counter()
+        self.prompt_tokens = len(seq.prompt)
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._out: deque = deque()      # GenerationResponse pieces, then possibly one exception
+        self._closed = False            # nothing more will be pushed
+        self._waiters: list = []        # (loop, future) of async consumers
+        self.cancelled = False          # asked by the consumer
+        self.paused = False             # the engine skipped this slot: its buffer was full
+
+    # ------------------------------------------------------------------ engine side
+    def _push(self, item, final: bool = False) -> None:
+        with self._cond:
+            self._out.append(item)
+            self._closed = self._closed or final
+            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_wake_future, fut)
+            except RuntimeError:        # that event loop is closed
+                pass
+
+    def _full(self) -> bool:
+        return len(self._out) >= self.buffer
+
+    # ------------------------------------------------------------------ consumer side
+    def _took(self, item):
+        if self.paused:
+            self.paused = False
+            self._engine._wake()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> GenerationResponse:
+        with self._cond:
+            while not self._out:
+                if self._closed:
+                    raise StopIteration
+                self._cond.wait()
+            item = self._out.popleft()
+        return self._took(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> GenerationResponse:
+        while True:
+            with self._cond:
+                if self._out:
+                    item = self._out.popleft()
+                    break
+                if self._closed:
+                    raise StopAsyncIteration
+                loop = asyncio.get_running_loop()
+                fut = loop.create_future()
+                self._waiters.append((loop, fut))
+            await fut
+        return self._took(item)
+
+    def cancel(self) -> None:
+        """Stop generating: the slot is freed at the next engine step; the stream then ends with a
+        "cancelled" piece (unless it already finished). Idempotent."""
+        if not self.cancelled and not self._closed:
+            self.cancelled = True
+            self._engine._wake()
+
+    close = cancel
+
+    @property
+    def done(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
+
+    def __repr__(self) -> str:
+        return f"Request(id={self.id}, prompt_tokens={self.prompt_tokens}, finish_reason={self.finish_reason!r})"
+
+
+def _wake_future(fut) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+# ============================================================================ engine side
+class _Slot:
+    __slots__ = ("req", "seq", "entry", "pos", "tok", "t_first", "full_since")
+
+    def __init__(self, req: Request, entry, pos: int):
+        self.req, self.seq, self.entry = req, req.seq, entry
+        self.pos = pos              # prompt tokens whose K/V are in the cache (prefill progress)
+        self.tok = None             # the next token to feed; None while prefilling
+        self.t_first = 0.0
+        self.full_since = None      # when the consumer's buffer was first seen full
+
+
+def _unpack(obj):
+    """Pipeline / LoadedModel (.model, .tokenizer) or a bare Model -> (model, tokenizer, max_context)."""
+    if hasattr(obj, "model") and hasattr(obj, "tokenizer"):
+        return obj.model, obj.tokenizer, getattr(obj, "max_context", None)
+    if hasattr(obj, "make_cache") and hasattr(obj, "args"):
+        return obj, None, None
+    raise GenerationError(f"Engine needs a Pipeline, a LoadedModel or a Model, got {type(obj).__name__}")
+
+
+class Engine:
+    """Continuous-batching generation over one model (see the module docstring).
+
+    max_slots: requests decoded together; prefill_chunk: prompt tokens per step; kv_cache_bytes:
+    bound of the KV caches' resident rows (default 1 GiB; 0 turns the prompt cache off);
+    max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
+    a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
+    threads (the process-wide pool; default: leave it). tokenizer / max_context default to those
+    of the Pipeline or LoadedModel given (a bare Model: no text, context min(model's, 4096)).
+    """
+
+    def __init__(self, model_or_pipeline, *, max_slots: int = 8, prefill_chunk: int = 256,
+                 kv_cache_bytes: int | None = None, max_queue: int = 64, stall_timeout: float = 30.0,
+                 threads: int | None = None, tokenizer=None, max_context: int | None = None):
+        model, tok, ctx = _unpack(model_or_pipeline)
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else tok
+        self.max_slots = _int("max_slots", max_slots, lo=1)
+        self.prefill_chunk = _int("prefill_chunk", prefill_chunk, lo=1)
+        self.max_queue = _int("max_queue", max_queue, lo=0)
+        self.stall_timeout = _number("stall_timeout", stall_timeout, lo=0.0, lo_open=True)
+        cap = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else _int("kv_cache_bytes", kv_cache_bytes, lo=0)
+        if max_context is not None:
+            ctx = _int("max_context", max_context, lo=2)
+        self.max_context = min(int(ctx or DEFAULT_MAX_CONTEXT), model.args.max_position_embeddings)
+        if threads is not None:
+            from mixqrt import ops
+            ops.set_num_threads(_int("threads", threads, lo=1))
+        self._cache = PromptCache(model, self.max_context, cap)
+        self._cond = threading.Condition()
+        self._queue: deque[Request] = deque()
+        self._slots: list[_Slot] = []
+        self._closing = False
+        self._error: BaseException | None = None
+        self._n = dict(steps=0, tokens_generated=0, prompt_tokens=0, prefill_tokens=0, requests=0,
+                       finished=0, cancelled=0, stalled=0, failed=0, decode_tokens=0,
+                       max_batch=0)
+        self._thread = threading.Thread(target=self._loop, name="mixqrt-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+    def submit(self, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None, top_p=None,
+               min_p=None, repetition_penalty=None, seed=None, stop=None, eos_token_ids=None,
+               buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None) -> Request:
+        """Queue a request (token ids, or a string encoded without a template) -> Request.
+
+        Bad arguments raise GenerationError here; EngineBusy when max_queue requests already wait.
+        Sampling arguments left at None come from the model's generation_config
+        (generate.resolve_sampling: greedy unless do_sample or the config asks for sampling).
+        """
+        buffer = _int("buffer", buffer, lo=1)
+        seq = Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+                       seed=seed, stop=stop, eos_token_ids=eos_token_ids, max_context=self.max_context,
+                       do_sample=do_sample)
+        with self._cond:
+            if self._error is not None:
+                raise GenerationError(f"the engine stopped after an internal error: {self._error!r}")
+            if self._closing:
+                raise GenerationError("the engine is closed")
+            if len(self._queue) >= self.max_queue:
+                raise EngineBusy(f"the engine is busy: {len(self._queue)} requests are waiting "
+                                 f"(max_queue={self.max_queue}); retry later")
+            req = Request(self, seq, buffer)
+            self._queue.append(req)
+            self._n["requests"] += 1
+            self._cond.notify_all()
+        return req
+
+    def stats(self) -> dict:
+        with self._cond:
+            c = self._cache
+            return {"running": len(self._slots), "queued": len(self._queue), "slots": self.max_slots,
+                    "tokens_generated": self._n["tokens_generated"], "prompt_tokens": self._n["prompt_tokens"],
+                    "prefill_tokens": self._n["prefill_tokens"], "cached_tokens": c.cached_tokens,
+                    "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
+                    "idle_caches": len(c.idle), "kv_cache_bytes_used": c.used_bytes(),
+                    "kv_cache_bytes": c.capacity, "steps": self._n["steps"],
+                    "decode_tokens": self._n["decode_tokens"], "max_batch": self._n["max_batch"],
+                    "requests": self._n["requests"],
+                    "finished": self._n["finished"], "cancelled": self._n["cancelled"],
+                    "stalled": self._n["stalled"], "failed": self._n["failed"],
+                    "alive": self._thread.is_alive()}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel what is queued or running and stop the engine thread. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Engine(max_slots={self.max_slots}, prefill_chunk={self.prefill_chunk}, context={self.max_context})"
+
+    # ------------------------------------------------------------------ engine thread
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    work = self._schedule()
+                if work is None:
+                    return
+                self._step(*work)
+        except BaseException as e:  # noqa: BLE001 — a bug in the engine itself: fail every request
+            with self._cond:
+                self._error = e
+                doomed = [s.req for s in self._slots] + list(self._queue)
+                self._slots.clear()
+                self._queue.clear()
+            for r in doomed:
+                r._push(GenerationError(f"engine failure: {e!r}"), final=True)
+
+    def _schedule(self):
+        """Under the lock: reap, admit, pick the step's work; wait while there is none.
+        -> (prefill slot or None, decoding slots) or None when closing."""
+        while True:
+            now = time.perf_counter()
+            if self._closing:
+                for s in list(self._slots):
+                    self._finish(s, "cancelled")
+                while self._queue:
+                    self._end_queued(self._queue.popleft())
+                return None
+            self._reap(now)
+            while self._queue and len(self._slots) < self.max_slots:
+                req = self._queue.popleft()
+                if req.cancelled:
+                    self._end_queued(req)
+                    continue
+                entry, n = self._cache.acquire(req.seq.prompt)
+                req.cached_tokens = n
+                self._n["prompt_tokens"] += req.prompt_tokens
+                self._slots.append(_Slot(req, entry, n))
+            prefill = next((s for s in self._slots if s.tok is None), None)
+            decode = [s for s in self._slots if s.tok is not None and not s.req._full()]
+            for s in self._slots:
+                s.req.paused = s.tok is not None and s.req._full()
+            if prefill is not None or decode:
+                return prefill, decode
+            waits = [s.full_since + self.stall_timeout - now for s in self._slots if s.full_since is not None]
+            self._cond.wait(max(0.0, min(waits)) + 1e-3 if waits else None)
+
+    def _reap(self, now: float) -> None:
+        """Cancelled slots, and slots whose consumer has not made room for stall_timeout seconds."""
+        for s in list(self._slots):
+            if s.req.cancelled:
+                self._finish(s, "cancelled")
+            elif s.tok is not None and s.req._full():
+                if s.full_since is None:
+                    s.full_since = now
+                elif now - s.full_since >= self.stall_timeout:
+                    self._n["stalled"] += 1
+                    self._finish(s, "cancelled")
+            else:
+                s.full_since = None
+
+    def _end_queued(self, req: Request) -> None:
+        self._n["cancelled"] += 1
+        req.finish_reason = "cancelled"
+        req._push(self._response(req, "", None, "cancelled", 0.0), final=True)
+
+    def _response(self, req: Request, text, tok, reason, t_first: float) -> GenerationResponse:
+        now = time.perf_counter()
+        n_gen = req.seq.n_gen
+        ttft = (t_first - req.t_submit) if t_first else 0.0
+        fresh = req.prompt_tokens - req.cached_tokens
+        return GenerationResponse(
+            text, tok, reason, req.prompt_tokens, n_gen, fresh / ttft if ttft > 0 else 0.0,
+            (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0, ttft,
+            peak_rss_bytes(), req.cached_tokens)
+
+    def _finish(self, s: _Slot, reason: str, error: BaseException | None = None) -> None:
+        """Under the lock: end a slot; its cache goes back to the prompt cache (or away on error)."""
+        self._slots.remove(s)
+        req = s.req
+        req.finish_reason = reason
+        if error is not None:
+            self._cache.discard(s.entry)
+            self._n["failed"] += 1
+            req._push(error, final=True)
+            return
+        self._cache.release(s.entry, s.seq.history)
+        self._n["cancelled" if reason == "cancelled" else "finished"] += 1
+        if reason == "cancelled":
+            req._push(self._response(req, "", None, "cancelled", s.t_first), final=True)
+
+    def _emit(self, s: _Slot, tok: int, now: float) -> bool:
+        """Hand a sampled token to the consumer; True when the request finished."""
+        text, reason = s.seq.accept(tok)
+        if s.seq.n_gen == 1:
+            s.t_first = now
+        s.req._push(self._response(s.req, text, tok, reason, s.t_first), final=reason is not None)
+        s.tok = tok
+        self._n["tokens_generated"] += 1
+        return reason is not None
+
+    def _forward(self, toks: list[int], caches: list) -> np.ndarray:
+        """One decode token per (token, cache) -> logits [B, V]; every cache advances by one."""
+        m = self.model
+        if len(toks) == 1:    # exactly the single-sequence path (model.__call__, hot mode and all)
+            return m(np.asarray(toks, dtype=np.int64), caches[0], last_only=True)[None]
+        return m.decode_batch(np.asarray(toks, dtype=np.int64), caches)
+
+    def _step(self, prefill: _Slot | None, decode: list[_Slot]) -> None:
+        """Outside the lock: the model runs (kernels release the GIL), then sampling and hand-off."""
+        done: list[tuple[_Slot, str, BaseException | None]] = []
+        if decode:
+            try:
+                logits = self._forward([s.tok for s in decode], [s.entry.kv for s in decode])
+            except Exception as e:  # noqa: BLE001 — handed to each request of the batch
+                done += [(s, "error", e) for s in decode]
+            else:
+                now = time.perf_counter()
+                for b, s in enumerate(decode):
+                    try:
+                        if self._emit(s, s.seq.sample(logits[b]), now):
+                            done.append((s, s.seq.finish_reason, None))
+                    except Exception as e:  # noqa: BLE001
+                        done.append((s, "error", e))
+                self._n["decode_tokens"] += len(decode)
+                self._n["max_batch"] = max(self._n["max_batch"], len(decode))
+        if prefill is not None:
+            s = prefill
+            try:
+                prompt = s.seq.prompt
+                chunk = np.asarray(prompt[s.pos:s.pos + self.prefill_chunk], dtype=np.int64)
+                logits = self.model(chunk, s.entry.kv, last_only=True, chunk_size=self.prefill_chunk)
+                s.pos += chunk.size
+                self._n["prefill_tokens"] += chunk.size
+                if s.pos == len(prompt) and self._emit(s, s.seq.sample(logits), time.perf_counter()):
+                    done.append((s, s.seq.finish_reason, None))
+            except Exception as e:  # noqa: BLE001
+                done.append((s, "error", e))
+        with self._cond:
+            self._n["steps"] += 1
+            for s, reason, err in done:
+                self._finish(s, reason, err)
