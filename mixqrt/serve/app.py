@@ -73,6 +73,7 @@ class Server:
         self.greedy_default = not gc.get("do_sample", False)
         self.metrics = Metrics(engine, replica)
         self.created = int(time.time())
+        self.extra_health = {}
 
     # ------------------------------------------------------------------ request -> engine
     def prepare(self, kind: str, body: dict):
@@ -159,7 +160,7 @@ class Server:
         return JSONResponse(self.card())
 
     async def health(self, request):
-        return JSONResponse({"status": "ok", "model": self.model})
+        return JSONResponse({"status": "ok", "model": self.model, **self.extra_health})
 
     async def metrics_route(self, request):
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
