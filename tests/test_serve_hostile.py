@@ -211,3 +211,47 @@ def test_a_client_that_stops_reading_does_not_stall_the_others(pipe):  # noqa: F
                 t = now
         slow.close()
         assert worst < 1.0, f"a reader waited {worst:.2f} s for its next token"
+
+
+def test_a_stream_nobody_reads_is_cancelled(pipe):  # noqa: F811
+    """The socket write blocks (the client's window is full): after write_timeout the request is
+    cancelled and its slot freed, while the ASGI call returns."""
+    import asyncio
+
+    from mixqrt.serve.app import create_app
+    app = create_app(pipe, model="tiny", limits=Limits(write_timeout=0.3))
+    body = json.dumps({"prompt": "a", "max_tokens": 200, "stream": True, "temperature": 0}).encode()
+    sent = []
+
+    async def main():
+        first = [True]
+
+        async def receive():
+            if first[0]:
+                first[0] = False
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)
+
+        async def send(msg):
+            sent.append(msg)
+            if msg["type"] == "http.response.body" and len(sent) >= 3:
+                await asyncio.sleep(3600)                  # never drains
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1",
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+                 "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")]}
+        await asyncio.wait_for(app(scope, receive, send), 30)
+
+    try:
+        asyncio.run(main())
+        srv = app.state.server
+        assert sent[0]["status"] == 200
+        text = srv.metrics.render().decode()
+        assert 'route="/v1/completions",status="499"' in text
+        deadline = time.monotonic() + 10
+        while srv.engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.engine.stats()["running"] == 0
+    finally:
+        app.state.server.engine.close()
