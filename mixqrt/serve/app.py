@@ -325,8 +325,9 @@ def create_app(pipe, *, engine=None, model: str | None = None, limits: Limits | 
                replica: str | None = None, engine_kwargs: dict | None = None) -> Starlette:
     """The ASGI app serving `pipe` (a Pipeline) through `engine` (default: Engine(pipe, **engine_kwargs))."""
     limits = limits or Limits()
-    if engine is None:
-        engine = Engine(pipe, **(engine_kwargs or {}))
+    if engine is None:          # the Pipeline's own engine when it has one: one engine per model
+        configure = getattr(pipe, "configure_engine", None)
+        engine = configure(**(engine_kwargs or {})) if configure else Engine(pipe, **(engine_kwargs or {}))
     srv = Server(pipe, engine, model=model or api.model_name(pipe), limits=limits, replica=replica)
     routes = [Route("/v1/chat/completions", srv.chat, methods=["POST"]),
               Route("/v1/completions", srv.completion, methods=["POST"]),
