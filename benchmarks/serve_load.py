@@ -9,8 +9,9 @@ With --gguf omitted the llama.cpp Q3_K_M is made from --source (the test Q4_K_M 
 benchmarks/compare_llamacpp.py's helper (llama_model_quantize, requantizing the dequantized weights).
 Reports per system and client count: aggregate output tok/s (tokens received inside the window /
 window), p50/p99 time to first token and inter-token latency, errors, and the prompt-cache hit rate
-(usage.prompt_tokens_details.cached_tokens / prompt tokens, where the server reports it). Writes
-docs/serving.md, docs/serving.png and docs/serving.json.
+(usage.prompt_tokens_details.cached_tokens / prompt tokens, where the server reports it). Writes the
+tables between the `mixqrt:serving-*` markers of docs/serving.md (the prose there is by hand),
+docs/serving.png and docs/data/serving.json.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, machine_info  # noqa: E402
+from _common import ROOT, machine_info, update_doc, write_json  # noqa: E402
 
 SYSTEM = ("You are a careful senior Python engineer. Answer with short, correct code and one sentence of "
           "explanation. Prefer the standard library, type hints and small functions. Never invent APIs; "
@@ -184,49 +185,42 @@ def _f(v, spec):
 
 def write_report(res: dict, a, info: dict, cmd: str) -> None:
     docs = ROOT / "docs"
-    (docs / "serving.json").write_text(json.dumps({"results": res, "machine": info, "command": cmd}, indent=1))
+    write_json(docs / "data" / "serving.json", {"results": res, "machine": info, "command": cmd})
     labels = {"mixqrt": f"mixqrt serve ({Path(a.mxq).name}, {a.max_slots} slots)",
               "llamacpp": f"llama-cpp-python server ({Path(a.gguf).name})"}
-    L = ["# Serving under load: mixqrt serve against llama-cpp-python's server", "",
-         f"Measured by `benchmarks/serve_load.py` on {info.get('date_utc')} (commit {info.get('git_commit')}).",
-         f"Machine: {info.get('cpu_model')}, {info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, "
-         f"load average at start {', '.join(f'{x:.1f}' for x in info.get('loadavg', ()))}; "
-         f"llama-cpp-python {info.get('llama_cpp_python')}.", "",
-         f"Command: `{cmd}`", "",
-         f"Each client is one thread with the official `openai` client streaming chat completions back to "
-         f"back (max_tokens {a.max_tokens}, greedy) for {a.seconds:g} s, from a fixed mix of "
-         f"{len(conversations())} conversations that all share one system prompt, half of them the second "
-         f"turn of another. Both servers run with {a.threads} threads, up at the same time and measured "
-         "alternately (mixqrt, llama.cpp, at each client count). tok/s counts content chunks received "
-         "inside the window (one per token for both servers); TTFT is from the request to the first "
-         "content chunk, ITL the gap between content chunks; cache hit is cached / prompt tokens as the "
-         "server reports in usage.prompt_tokens_details (llama-cpp-python does not report it).", "",
-         "| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | "
+    run = [f"Run {info.get('date_utc')} (commit {info.get('git_commit')}): {info.get('cpu_model')}, "
+           f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
+           f"{', '.join(f'{x:.1f}' for x in info.get('loadavg', ()))}; llama-cpp-python "
+           f"{info.get('llama_cpp_python')}; {a.threads} threads each, {a.seconds:g} s per point, max_tokens "
+           f"{a.max_tokens}, greedy.", "", f"Command: `{cmd}`"]
+    T = ["| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | "
          "requests | errors | cache hit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("mixqrt", "llamacpp"):
         for n in a.clients:
             r = res.get(name, {}).get(str(n))
             if r is None:
                 continue
-            L.append(f"| {labels[name]} | {n} | {r['tok_s']:.1f} | {_f(r['ttft_p50'], '{:.2f}')} | "
+            T.append(f"| {labels[name]} | {n} | {r['tok_s']:.1f} | {_f(r['ttft_p50'], '{:.2f}')} | "
                      f"{_f(r['ttft_p99'], '{:.2f}')} | {_f(r['itl_p50'] and r['itl_p50'] * 1e3, '{:.0f}')} | "
                      f"{_f(r['itl_p99'] and r['itl_p99'] * 1e3, '{:.0f}')} | {r['requests']} | {r['errors']} | "
                      f"{_f(r['cache_hit_rate'] and 100 * r['cache_hit_rate'], '{:.0f} %')} |")
-    L += ["", "![throughput and TTFT against clients](serving.png)", "", "## Acceptance (issue #11)", ""]
+    G = []
     hi = str(max(a.clients))
     m1, mh, lh = (res.get("mixqrt", {}).get("1"), res.get("mixqrt", {}).get(hi), res.get("llamacpp", {}).get(hi))
     if m1 and mh:
         x = mh["tok_s"] / m1["tok_s"] if m1["tok_s"] else float("nan")
-        L.append(f"- {hi} clients vs 1 client, mixqrt: {mh['tok_s']:.1f} / {m1['tok_s']:.1f} tok/s = {x:.2f}x "
+        G.append(f"- {hi} clients vs 1 client, mixqrt: {mh['tok_s']:.1f} / {m1['tok_s']:.1f} tok/s = {x:.2f}x "
                  f"(goal >= 2.0x): {'PASS' if x >= 2.0 else 'FAIL'}")
     if mh and lh:
         x = mh["tok_s"] / lh["tok_s"] if lh["tok_s"] else float("nan")
-        L.append(f"- {hi} clients, mixqrt vs llama-cpp-python: {mh['tok_s']:.1f} / {lh['tok_s']:.1f} tok/s = "
+        G.append(f"- {hi} clients, mixqrt vs llama-cpp-python: {mh['tok_s']:.1f} / {lh['tok_s']:.1f} tok/s = "
                  f"{x:.2f}x (goal >= 2.0x): {'PASS' if x >= 2.0 else 'FAIL'}")
         if mh["ttft_p99"] is not None and lh["ttft_p99"] is not None:
-            L.append(f"- {hi} clients, p99 TTFT: mixqrt {mh['ttft_p99']:.2f} s vs llama-cpp-python "
+            G.append(f"- {hi} clients, p99 TTFT: mixqrt {mh['ttft_p99']:.2f} s vs llama-cpp-python "
                      f"{lh['ttft_p99']:.2f} s (goal: lower): {'PASS' if mh['ttft_p99'] < lh['ttft_p99'] else 'FAIL'}")
-    (docs / "serving.md").write_text("\n".join(L) + "\n")
+    update_doc(docs / "serving.md", {"serving-run": "\n".join(run), "serving-table": "\n".join(T),
+                                     "serving-goals": "\n".join(G) or "(not measured)"},
+               title="Serving under load: mixqrt serve against llama-cpp-python's server")
     write_plot(docs / "serving.png", res, a.clients, labels)
 
 
