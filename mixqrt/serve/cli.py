@@ -66,8 +66,13 @@ def cmd_serve(a):
               "port can use the model", file=sys.stderr)
     if a.ray:
         _require("ray", "ray.serve")
+        from mixqrt.pipeline import prepare
         from mixqrt.serve.ray import serve_ray
-        return serve_ray(a)
+        path = prepare(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
+        return serve_ray(path, host=a.host, port=a.port, address=a.ray_address,
+                         model_name=a.model_alias or _model_id(a.model) or path.stem, limits=limits_from_args(a),
+                         engine_kwargs=engine_kwargs(a), replicas=a.replicas, min_replicas=a.min_replicas,
+                         max_replicas=a.max_replicas, max_context=a.ctx)
     import logging
 
     from mixqrt.pipeline import Pipeline

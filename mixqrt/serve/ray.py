@@ -94,23 +94,18 @@ def build(model_path, *, model_name: str, limits, engine_kwargs: dict, replicas:
     return dep.bind(str(model_path), n_sets, model_name, limits, engine_kwargs, max_context)
 
 
-def serve_ray(a) -> None:
-    """`mixqrt serve MODEL --ray ...`: quantize once here, start (or join) Ray, run until Ctrl-C."""
+def serve_ray(model_path, *, host: str, port: int, address=None, **build_kw) -> None:
+    """Start (or join, with `address`) Ray, deploy build(model_path, **build_kw) on host:port, run
+    until Ctrl-C. `mixqrt serve MODEL --ray ...` calls this after quantizing MODEL once."""
     import time
 
     import ray
     from ray import serve
 
-    from mixqrt.pipeline import prepare
-    from mixqrt.serve.cli import _model_id, engine_kwargs, limits_from_args
-    path = prepare(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
-    ray.init(address=a.ray_address, include_dashboard=False, logging_level="WARNING")
-    serve.start(http_options={"host": a.host, "port": a.port})
-    app = build(path, model_name=a.model_alias or _model_id(a.model) or path.stem, limits=limits_from_args(a),
-                engine_kwargs=engine_kwargs(a), replicas=a.replicas, min_replicas=a.min_replicas,
-                max_replicas=a.max_replicas, max_context=a.ctx)
-    serve.run(app, name="mixqrt", route_prefix="/")
-    print(f"mixqrt serve: Ray Serve at http://{a.host}:{a.port}/v1 (Ctrl-C to stop)")
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build(model_path, **build_kw), name="mixqrt", route_prefix="/")
+    print(f"mixqrt serve: Ray Serve at http://{host}:{port}/v1 (Ctrl-C to stop)")
     try:
         while True:
             time.sleep(3600)
