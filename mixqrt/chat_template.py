@@ -1,5 +1,8 @@
 """Chat templates rendered the way transformers renders them, from the model's own Jinja text.
 
+render_parts() marks which characters of the prompt came from message text, so that the tokenizer
+can encode that text with special tokens off (only the template may emit control tokens).
+
 Same environment as transformers' apply_chat_template: an immutable sandbox (templates come from
 downloaded files and must not reach Python internals), trim_blocks/lstrip_blocks, loop controls,
 raise_exception(), a tojson that keeps non-ASCII text readable, and strftime_now(). Matching it
@@ -9,6 +12,7 @@ saw in training.
 from __future__ import annotations
 
 import json
+import secrets
 from datetime import datetime
 from functools import lru_cache
 
@@ -66,3 +70,39 @@ def render(source: str, messages, *, add_generation_prompt: bool = True, tools=N
         raise ModelError(f"chat template tried an unsafe operation: {e}") from None
     except jinja2.TemplateError as e:
         raise GenerationError(f"chat template failed to render: {e}") from None
+
+
+def render_parts(source: str, messages, *, add_generation_prompt: bool = True, tools=None,
+                 **context) -> list[tuple[str, bool]]:
+    """The rendered prompt as [(text, from_message)] pieces; "".join(texts) == render(...).
+
+    Each message's string content is rendered once as a random placeholder; the pieces between
+    placeholders are the template's own text. When a template transforms the content (trim,
+    slicing, upper...) the placeholders do not map back exactly, and the whole prompt is one
+    message piece: nothing in it is then trusted to be a control token except what the caller
+    finds outside message text, i.e. nothing (safe, at the price of a prompt without turns).
+    """
+    text = render(source, messages, add_generation_prompt=add_generation_prompt, tools=tools, **context)
+    nonce = secrets.token_hex(8)
+    marks, contents, masked = [], [], []
+    for i, m in enumerate(messages):
+        c = m.get("content")
+        if isinstance(c, str) and c:
+            mark = f"@@mixqrt-{nonce}-{i}@@"
+            marks.append(mark)
+            contents.append(c)
+            m = {**m, "content": mark}
+        masked.append(m)
+    if not marks:
+        return [(text, False)]
+    tmpl = render(source, masked, add_generation_prompt=add_generation_prompt, tools=tools, **context)
+    parts, rest = [], tmpl
+    for mark, c in zip(marks, contents):
+        head, sep, rest = rest.partition(mark)
+        if not sep or mark in rest:
+            return [(text, True)]
+        parts += [(head, False), (c, True)]
+    parts.append((rest, False))
+    if "".join(t for t, _ in parts) != text:
+        return [(text, True)]
+    return [(t, user) for t, user in parts if t]

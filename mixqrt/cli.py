@@ -280,7 +280,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_bench)
 
     if with_serve:
-        from mixqrt.server import add_serve_parser
+        from mixqrt.serve import add_serve_parser
         add_serve_parser(sub)
     return p
 

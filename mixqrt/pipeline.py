@@ -191,12 +191,13 @@ class Pipeline:
         self.loaded.tokenizer = tok
 
     # ------------------------------------------------------------------ generation
-    def _prompt(self, text_or_messages) -> tuple[str, bool]:
+    def _prompt(self, text_or_messages) -> tuple[str | list[int], bool]:
         if isinstance(text_or_messages, str):
             return text_or_messages, False
         if isinstance(text_or_messages, (list, tuple)) and text_or_messages and all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in text_or_messages):
-            return self.tokenizer.apply_chat_template(list(text_or_messages), add_generation_prompt=True), True
+            # message text is encoded with special tokens off: only the template emits control tokens
+            return self.tokenizer.encode_chat(list(text_or_messages), add_generation_prompt=True), True
         raise GenerationError("input must be a prompt string or a non-empty list of chat messages "
                               f"({{'role': ..., 'content': ...}}), got {type(text_or_messages).__name__}")
 

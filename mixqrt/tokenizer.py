@@ -8,13 +8,15 @@ Two ways in:
 
 encode() parses special tokens written in the text by default, because a rendered chat template
 contains them ("<|im_start|>"); parse_special=False treats them as plain text (llama.cpp's
-special=false), which is what untrusted user text should get.
+special=false), which is what untrusted user text should get. encode_chat() does both: the chat
+template's own text with special tokens, message text without, so a user cannot forge a turn.
 """
 from __future__ import annotations
 
 import codecs
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +149,7 @@ class Tokenizer:
         self._added = backend.get_added_tokens_decoder()
         self.special_ids = {i for i, t in self._added.items() if t.special}
         self._plain = None                          # copy that does not parse special tokens
+        self._special_re = None
         self._id_bytes = None
 
     # -- construction ----------------------------------------------------------------------
@@ -315,14 +318,58 @@ class Tokenizer:
         """The prompt string for `messages`, rendered from the model's own template."""
         from mixqrt.chat_template import render
 
+        template = self._template(tools)
+        context.setdefault("bos_token", self.bos_token or "")
+        context.setdefault("eos_token", self.eos_token or "")
+        return render(template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **context)
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tools=None, **context) -> list[int]:
+        """Token ids of the chat prompt: control tokens only where the template wrote them.
+
+        Special tokens are found in the template's own text; everything between them (template
+        text and message text together, so BPE merges match encoding the whole string) is encoded
+        with parse_special=False. For messages without control-token text this equals
+        encode(apply_chat_template(...)); with them, that text stays plain text.
+        """
+        from mixqrt.chat_template import render_parts
+
+        source = self._template(tools)
+        context.setdefault("bos_token", self.bos_token or "")
+        context.setdefault("eos_token", self.eos_token or "")
+        parts = render_parts(source, messages, add_generation_prompt=add_generation_prompt, tools=tools, **context)
+        if self._special_re is None:
+            texts = sorted((self._added[i].content for i in self.special_ids), key=len, reverse=True)
+            self._special_re = re.compile("|".join(map(re.escape, texts))) if texts else False
+        if len(parts) == 1 and parts[0][1] and self._special_re is not False and not any(
+                isinstance(m.get("content"), str) and self._special_re.search(m["content"]) for m in messages):
+            parts = [(parts[0][0], False)]      # content the template transforms, but nothing to forge
+        ids, plain = [], []
+        for text, from_message in parts:
+            if from_message or self._special_re is False:
+                plain.append(text)
+                continue
+            pos = 0
+            for m in self._special_re.finditer(text):
+                plain.append(text[pos:m.start()])
+                if any(plain):
+                    ids += self.encode("".join(plain), parse_special=False)
+                plain = []
+                ids.append(self.token_to_id(m.group()))
+                pos = m.end()
+            plain.append(text[pos:])
+        if any(plain):
+            ids += self.encode("".join(plain), parse_special=False)
+        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, int(self.bos_token_id))
+        return ids
+
+    def _template(self, tools=None) -> str:
         template = self.chat_template
         if isinstance(template, dict):
             template = template.get("tool_use") if tools and "tool_use" in template else template.get("default")
         if not template:
             raise ModelError("this model ships no chat template; pass a plain prompt instead")
-        context.setdefault("bos_token", self.bos_token or "")
-        context.setdefault("eos_token", self.eos_token or "")
-        return render(template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **context)
+        return template
 
     # -- streaming -------------------------------------------------------------------------
     def token_bytes(self, i: int) -> bytes | None:

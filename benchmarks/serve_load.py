@@ -1,0 +1,304 @@
+"""Load test of OpenAI-compatible servers: N concurrent clients (the official `openai` client), a
+fixed mix of chat prompts with shared prefixes, for a fixed time; mixqrt's server against
+llama-cpp-python's (`python -m llama_cpp.server`) on the same weights, alternated in one run.
+
+    flock /work/bench.lock python benchmarks/serve_load.py --mxq /tmp/server-2356.mxq \
+        --gguf /tmp/lcpp/qwen-Q3_K_M.gguf --clients 1,4,8 --seconds 40 -t 2
+
+With --gguf omitted the llama.cpp Q3_K_M is made from --source (the test Q4_K_M GGUF) by
+benchmarks/compare_llamacpp.py's helper (llama_model_quantize, requantizing the dequantized weights).
+Reports per system and client count: aggregate output tok/s (tokens received inside the window /
+window), p50/p99 time to first token and inter-token latency, errors, and the prompt-cache hit rate
+(usage.prompt_tokens_details.cached_tokens / prompt tokens, where the server reports it). Writes the
+tables between the `mixqrt:serving-*` markers of docs/serving.md (the prose there is by hand),
+docs/serving.png and docs/data/serving.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, machine_info, update_doc, write_json  # noqa: E402
+
+SYSTEM = ("You are a careful senior Python engineer. Answer with short, correct code and one sentence of "
+          "explanation. Prefer the standard library, type hints and small functions. Never invent APIs; "
+          "if something is ambiguous, state the assumption you made in a comment. Keep answers under "
+          "twenty lines. The project uses Python 3.11, pytest for tests, and black formatting.")
+QUESTIONS = ["Write a function that reverses a singly linked list.",
+             "Write a function that checks whether a string is a palindrome, ignoring case and spaces.",
+             "Write a binary search over a sorted list that returns the insertion index.",
+             "Write a function that merges two sorted lists into one sorted list.",
+             "Write a function that counts word frequencies in a text file.",
+             "Write a generator that yields Fibonacci numbers forever.",
+             "Write a function that flattens a nested list of integers.",
+             "Write a function that parses an ISO 8601 date string into a datetime."]
+FOLLOW_UP = "Now add a pytest test for it."
+
+
+def conversations() -> list[list[dict]]:
+    """The fixed mix: every prompt shares the system prefix; half are a second turn of another."""
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        out.append(first)
+        if i % 2 == 0:
+            answer = "def solution(*args):\n    ...  # see above\n"
+            out.append(first + [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path):
+        self.name, self.cmd, self.port = name, cmd, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout=300.0):
+        t = time.monotonic()
+        while time.monotonic() - t < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"{self.name} did not come up in {timeout:.0f} s")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def run_load(url: str, clients: int, seconds: float, max_tokens: int, seed: int = 0) -> dict:
+    """`clients` threads each streaming chat completions back to back until the window closes."""
+    from openai import OpenAI
+
+    convs = conversations()
+    t_start = time.perf_counter() + 0.5
+    t_end = t_start + seconds
+    lock = threading.Lock()
+    rec = {"tokens_in_window": 0, "ttft": [], "itl": [], "errors": 0, "requests": 0, "prompt_tokens": 0,
+           "cached_tokens": 0, "error_kinds": {}}
+
+    def client(ci: int):
+        oc = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        k = 0
+        while time.perf_counter() < t_start:
+            time.sleep(0.001)
+        while time.perf_counter() < t_end:
+            msgs = convs[(ci * 5 + k) % len(convs)]
+            k += 1
+            t0 = time.perf_counter()
+            last, ttft, itl, n_win, usage = None, None, [], 0, None
+            try:
+                stream = oc.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True})
+                for chunk in stream:
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    if not chunk.choices or not chunk.choices[0].delta.content:
+                        continue
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    if now <= t_end:
+                        n_win += 1
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    rec["errors"] += 1
+                    kind = type(e).__name__
+                    rec["error_kinds"][kind] = rec["error_kinds"].get(kind, 0) + 1
+                time.sleep(0.2)
+                continue
+            with lock:
+                rec["requests"] += 1
+                rec["tokens_in_window"] += n_win
+                if ttft is not None and t0 < t_end:
+                    rec["ttft"].append(ttft)
+                rec["itl"] += itl
+                if usage is not None:
+                    rec["prompt_tokens"] += usage.prompt_tokens
+                    details = getattr(usage, "prompt_tokens_details", None)
+                    rec["cached_tokens"] += int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 900)
+    return summarize(rec, seconds)
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def summarize(rec: dict, seconds: float) -> dict:
+    return {"tok_s": rec["tokens_in_window"] / seconds, "requests": rec["requests"], "errors": rec["errors"],
+            "error_kinds": rec["error_kinds"],
+            "ttft_p50": pct(rec["ttft"], 50), "ttft_p99": pct(rec["ttft"], 99),
+            "itl_p50": pct(rec["itl"], 50), "itl_p99": pct(rec["itl"], 99),
+            "cache_hit_rate": (rec["cached_tokens"] / rec["prompt_tokens"]) if rec["prompt_tokens"] else None}
+
+
+def make_q3km(source: str, threads: int) -> str:
+    from compare_llamacpp import System, prepare_llamacpp
+    out = prepare_llamacpp(System("llamacpp", "Q3_K_M"), {"lcpp_dir": "/tmp/lcpp", "lcpp_prefix": "qwen",
+                                                          "model": os.path.abspath(source), "threads": threads})
+    return out["path"]
+
+
+def _f(v, spec):
+    return "–" if v is None else spec.format(v)
+
+
+def write_report(res: dict, a, info: dict, cmd: str) -> None:
+    docs = ROOT / "docs"
+    write_json(docs / "data" / "serving.json", {"results": res, "machine": info, "command": cmd})
+    labels = {"mixqrt": f"mixqrt serve ({Path(a.mxq).name}, {a.max_slots} slots)",
+              "llamacpp": f"llama-cpp-python server ({Path(a.gguf).name})"}
+    run = [f"Run {info.get('date_utc')} (commit {info.get('git_commit')}): {info.get('cpu_model')}, "
+           f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
+           f"{', '.join(f'{x:.1f}' for x in info.get('loadavg', ()))}; llama-cpp-python "
+           f"{info.get('llama_cpp_python')}; {a.threads} threads each, {a.seconds:g} s per point, max_tokens "
+           f"{a.max_tokens}, greedy.", "", f"Command: `{cmd}`"]
+    T = ["| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | "
+         "requests | errors | cache hit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("mixqrt", "llamacpp"):
+        for n in a.clients:
+            r = res.get(name, {}).get(str(n))
+            if r is None:
+                continue
+            T.append(f"| {labels[name]} | {n} | {r['tok_s']:.1f} | {_f(r['ttft_p50'], '{:.2f}')} | "
+                     f"{_f(r['ttft_p99'], '{:.2f}')} | {_f(r['itl_p50'] and r['itl_p50'] * 1e3, '{:.0f}')} | "
+                     f"{_f(r['itl_p99'] and r['itl_p99'] * 1e3, '{:.0f}')} | {r['requests']} | {r['errors']} | "
+                     f"{_f(r['cache_hit_rate'] and 100 * r['cache_hit_rate'], '{:.0f} %')} |")
+    G = []
+    hi = str(max(a.clients))
+    m1, mh, lh = (res.get("mixqrt", {}).get("1"), res.get("mixqrt", {}).get(hi), res.get("llamacpp", {}).get(hi))
+    if m1 and mh:
+        x = mh["tok_s"] / m1["tok_s"] if m1["tok_s"] else float("nan")
+        G.append(f"- {hi} clients vs 1 client, mixqrt: {mh['tok_s']:.1f} / {m1['tok_s']:.1f} tok/s = {x:.2f}x "
+                 f"(goal >= 2.0x): {'PASS' if x >= 2.0 else 'FAIL'}")
+    if mh and lh:
+        x = mh["tok_s"] / lh["tok_s"] if lh["tok_s"] else float("nan")
+        G.append(f"- {hi} clients, mixqrt vs llama-cpp-python: {mh['tok_s']:.1f} / {lh['tok_s']:.1f} tok/s = "
+                 f"{x:.2f}x (goal >= 2.0x): {'PASS' if x >= 2.0 else 'FAIL'}")
+        if mh["ttft_p99"] is not None and lh["ttft_p99"] is not None:
+            G.append(f"- {hi} clients, p99 TTFT: mixqrt {mh['ttft_p99']:.2f} s vs llama-cpp-python "
+                     f"{lh['ttft_p99']:.2f} s (goal: lower): {'PASS' if mh['ttft_p99'] < lh['ttft_p99'] else 'FAIL'}")
+    update_doc(docs / "serving.md", {"serving-run": "\n".join(run), "serving-table": "\n".join(T),
+                                     "serving-goals": "\n".join(G) or "(not measured)"},
+               title="Serving under load: mixqrt serve against llama-cpp-python's server")
+    write_plot(docs / "serving.png", res, a.clients, labels)
+
+
+def write_plot(path, res, clients, labels) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, style in (("mixqrt", "o-"), ("llamacpp", "s--")):
+        ns = [n for n in clients if str(n) in res.get(name, {})]
+        if not ns:
+            continue
+        ax1.plot(ns, [res[name][str(n)]["tok_s"] for n in ns], style, label=labels[name])
+        ax2.plot(ns, [res[name][str(n)]["ttft_p99"] or float("nan") for n in ns], style, label=labels[name])
+    ax1.set(xlabel="concurrent clients", ylabel="aggregate output tok/s", title="throughput")
+    ax2.set(xlabel="concurrent clients", ylabel="p99 TTFT (s)", title="time to first token (p99)", yscale="log")
+    for ax in (ax1, ax2):
+        ax.set_xticks(clients)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mxq", required=True, help="the mixqrt model (.mxq)")
+    p.add_argument("--gguf", default=None, help="llama.cpp model; default: Q3_K_M made from --source")
+    p.add_argument("--source", default=os.path.expanduser("~/.cache/mixqrt-test-models/"
+                                                          "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+    p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--systems", default="mixqrt,llamacpp")
+    p.add_argument("--log-dir", default="/tmp/serve_load")
+    a = p.parse_args(argv)
+    systems = a.systems.split(",")
+    if "llamacpp" in systems and a.gguf is None:
+        a.gguf = make_q3km(a.source, a.threads)
+    a.gguf = a.gguf or "-"
+    cmd = "python benchmarks/serve_load.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+    info = machine_info()
+    logs = Path(a.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        if "mixqrt" in systems:
+            port = free_port()
+            servers["mixqrt"] = ServerProc("mixqrt", [sys.executable, "-m", "mixqrt", "serve", a.mxq, "--port",
+                                                      str(port), "-t", str(a.threads), "--ctx", str(a.ctx), "-q",
+                                                      "--max-slots", str(a.max_slots)], port, logs / "mixqrt.log")
+        if "llamacpp" in systems:
+            port = free_port()
+            servers["llamacpp"] = ServerProc("llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,
+                                                          "--port", str(port), "--n_threads", str(a.threads),
+                                                          "--n_threads_batch", str(a.threads), "--n_ctx", str(a.ctx)],
+                                             port, logs / "llamacpp.log")
+        for s in servers.values():
+            s.wait_ready()
+            run_load(s.url, 1, 3.0, 8)                          # warm-up: page in the weights
+        res = {name: {} for name in servers}
+        for n in a.clients:
+            for name, s in servers.items():
+                r = run_load(s.url, n, a.seconds, a.max_tokens)
+                res[name][str(n)] = r
+                print(f"{name:9s} {n} clients: {r['tok_s']:.1f} tok/s, TTFT p50 {_f(r['ttft_p50'], '{:.2f}')} "
+                      f"p99 {_f(r['ttft_p99'], '{:.2f}')} s, ITL p50 {_f(r['itl_p50'], '{:.3f}')} s, "
+                      f"{r['requests']} requests, {r['errors']} errors {r['error_kinds'] or ''}, cache hit "
+                      f"{_f(r['cache_hit_rate'], '{:.2f}')}", flush=True)
+    finally:
+        for s in servers.values():
+            s.stop()
+    write_report(res, a, info, cmd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

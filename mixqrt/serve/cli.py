@@ -1,0 +1,151 @@
+"""`mixqrt serve MODEL [--ray --replicas N]`: argument parsing and the uvicorn settings."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from mixqrt.errors import MixqrtError
+
+DEFAULT_SLOTS = 8
+DEFAULT_QUEUE = 64
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_queue=DEFAULT_QUEUE, **kw):
+    """A uvicorn.Config whose limits keep every client answered: the listen backlog holds a burst
+    of connections (no resets), and limit_concurrency sits above what the engine admits (running
+    + queued), so the engine's 503 + Retry-After answers first; uvicorn's own 503 is the last guard."""
+    import uvicorn
+    return uvicorn.Config(app, host=host, port=port, backlog=2048,
+                          limit_concurrency=max_slots + max_queue + 64, timeout_keep_alive=5,
+                          access_log=False, log_level=kw.pop("log_level", "warning"),
+                          h11_max_incomplete_event_size=64 * 1024, **kw)
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
+    import uvicorn
+    uvicorn.Server(uvicorn_config(app, host, port, **kw)).run()
+
+
+def _require(extra: str, *modules):
+    import importlib
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            raise MixqrtError(f"`mixqrt serve{' --ray' if extra == 'ray' else ''}` needs {m}: "
+                              f"pip install 'mixqrt[{extra}]'") from None
+
+
+def default_hosts(bind: str) -> tuple:
+    """Host headers accepted by default: on loopback only this machine's names (stops DNS
+    rebinding from a web page); bound to a specific address, that address too; 0.0.0.0: any."""
+    from mixqrt.serve.guard import LOOPBACK_HOSTS
+    if bind in ("0.0.0.0", "::", ""):
+        return ("*",)
+    return tuple(dict.fromkeys((*LOOPBACK_HOSTS, bind.lower())))
+
+
+def limits_from_args(a):
+    from mixqrt.serve.guard import Limits
+    return Limits(api_key=a.api_key, allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
+                  allowed_origins=tuple(a.allowed_origins or ()), max_body_bytes=a.max_body_bytes,
+                  max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout)
+
+
+def engine_kwargs(a) -> dict:
+    return {"max_slots": a.max_slots, "max_queue": a.max_queue, "prefill_chunk": a.prefill_chunk,
+            "kv_cache_bytes": a.kv_cache_bytes, "stall_timeout": a.stall_timeout, "threads": a.threads}
+
+
+def cmd_serve(a):
+    _require("serve", "starlette", "uvicorn", "prometheus_client")
+    if a.host not in LOOPBACK and not a.api_key:
+        print(f"mixqrt serve: warning: listening on {a.host} without --api-key: anyone who can reach this "
+              "port can use the model", file=sys.stderr)
+    if a.ray:
+        _require("ray", "ray.serve")
+        from mixqrt.pipeline import prepare
+        from mixqrt.serve.ray import serve_ray
+        path = prepare(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
+        return serve_ray(path, host=a.host, port=a.port, address=a.ray_address,
+                         model_name=a.model_alias or _model_id(a.model) or path.stem, limits=limits_from_args(a),
+                         engine_kwargs=engine_kwargs(a), replicas=a.replicas, min_replicas=a.min_replicas,
+                         max_replicas=a.max_replicas, max_context=a.ctx)
+    import logging
+
+    from mixqrt.pipeline import Pipeline
+    from mixqrt.serve.app import create_app
+    pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
+                    offline=True if a.offline else None, max_context=a.ctx)
+    if not a.quiet:
+        logging.basicConfig(level=logging.INFO, format="mixqrt serve: %(message)s")
+    app = create_app(pipe, model=a.model_alias or _model_id(a.model), limits=limits_from_args(a),
+                     engine_kwargs=engine_kwargs(a))
+    print(f"mixqrt serve: {app.state.server.model} at http://{a.host}:{a.port}/v1 ({a.max_slots} slots, "
+          f"{a.max_queue} queued; Ctrl-C to stop)", file=sys.stderr)
+    try:
+        run(app, a.host, a.port, max_slots=a.max_slots, max_queue=a.max_queue)
+    except OSError as e:
+        raise MixqrtError(f"cannot serve on {a.host}:{a.port}: {e.strerror or e}") from None
+
+
+def _model_id(model: str | None) -> str | None:
+    """The id /v1/models reports: an alias or hub id as given, a local path by its file/folder name."""
+    if not model or not os.path.exists(model):
+        return model
+    name = os.path.basename(os.path.normpath(model))
+    for ext in (".mxq", ".gguf"):
+        if name.lower().endswith(ext):
+            return name[:-len(ext)]
+    return name
+
+
+def _positive(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _csv(v: str) -> list:
+    return [x.strip() for x in v.split(",") if x.strip()]
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching; --ray: replicas)")
+    s.add_argument("model", nargs="?", default=None,
+                   help="a .mxq, a .gguf, a Hugging Face folder, a hub id or alias (default: the demo model)")
+    s.add_argument("--recipe", default=None, help="quantization recipe (default 2356, or the name's suffix)")
+    s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
+    s.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("MIXQRT_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MIXQRT_API_KEY, else no key)")
+    s.add_argument("--allowed-hosts", type=_csv, default=None,
+                   help="comma-separated Host names accepted (default: loopback names when bound to loopback, "
+                        "the bind address otherwise, any for 0.0.0.0)")
+    s.add_argument("--allowed-origins", type=_csv, default=None,
+                   help="comma-separated browser origins allowed, with CORS (default: none, same-origin only)")
+    s.add_argument("--max-slots", type=_positive, default=DEFAULT_SLOTS, help="sequences decoded together")
+    s.add_argument("--max-queue", type=_positive, default=DEFAULT_QUEUE,
+                   help="requests waiting for a slot; more get 503 + Retry-After")
+    s.add_argument("--prefill-chunk", type=_positive, default=256, help="prompt tokens per scheduler step")
+    s.add_argument("--kv-cache-bytes", type=_positive, default=None, help="prompt-cache memory bound (LRU)")
+    s.add_argument("--max-tokens-cap", type=_positive, default=None, help="largest max_tokens accepted")
+    s.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
+    s.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="seconds a stream may go unread before it is cancelled")
+    s.add_argument("--model-alias", default=None, help="model id reported by /v1/models (default: MODEL)")
+    r = s.add_argument_group("Ray Serve (pip install 'mixqrt[ray]'; docs/server.md)")
+    r.add_argument("--ray", action="store_true", help="serve engine replicas on Ray Serve")
+    r.add_argument("--replicas", type=_positive, default=None, help="fixed number of replicas (default 1)")
+    r.add_argument("--min-replicas", type=_positive, default=None, help="autoscaling lower bound")
+    r.add_argument("--max-replicas", type=_positive, default=None, help="autoscaling upper bound")
+    r.add_argument("--ray-address", default=None, help="an existing cluster (default: auto, else a local one)")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars or request log")
+    s.add_argument("--offline", action="store_true", help="never touch the network (like HF_HUB_OFFLINE=1)")
+    s.set_defaults(fn=cmd_serve)
+    return s
