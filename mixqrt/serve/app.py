@@ -69,8 +69,6 @@ class Server:
         self.pipe, self.engine, self.model, self.limits = pipe, engine, model, limits
         self.tokenizer = pipe.tokenizer
         self.context = int(getattr(pipe, "max_context", None) or pipe.model.context_length)
-        gc = getattr(getattr(pipe, "loaded", None), "generation_config", None) or {}
-        self.greedy_default = not gc.get("do_sample", False)
         self.metrics = Metrics(engine, replica)
         self.created = int(time.time())
         self.extra_health = {}
@@ -114,8 +112,7 @@ class Server:
                                  f"{len(ids) + 1} positions but the context holds {self.context}",
                             param=key, code="context_length_exceeded")
         gen["max_new_tokens"] = min(gen["max_new_tokens"], self.context - len(ids))
-        if "temperature" not in gen and self.greedy_default:
-            gen["temperature"] = 0.0
+        # no temperature: the engine's generate.resolve_sampling applies the greedy default
         echo = text if kind == "completion" and kwargs.get("echo") else None
         shape = Shape(kind, api._head("chatcmpl" if kind == "chat" else "cmpl",
                                       "chat.completion" if kind == "chat" else "text_completion", self.model, None),
