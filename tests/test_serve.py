@@ -2,7 +2,6 @@
 streaming and not, chat and completions, usage (with cached_tokens), /metrics."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import urllib.request
 
@@ -86,7 +85,6 @@ def test_completions_non_streaming_and_streaming_agree(srv):
     assert echo.choices[0].text == "def f(x):" + out.choices[0].text
 
 
-@pytest.mark.xfail(importlib.util.find_spec("mixqrt.engine") is None, reason="the sampler fix comes with mixqrt.engine")
 def test_tiny_temperature_is_greedy(srv):
     c = srv.client()
     kw = dict(model="x", prompt="def f(x):", max_tokens=8)

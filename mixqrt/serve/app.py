@@ -28,10 +28,7 @@ from mixqrt.errors import GenerationError, MixqrtError
 from mixqrt.serve.guard import Guard, HTTPError, Limits, check_limits, read_json
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 
-try:
-    from mixqrt.engine import Engine, EngineBusy
-except ImportError:                                        # until mixqrt.engine lands
-    from mixqrt.serve._interim import Engine, EngineBusy
+from mixqrt.engine import Engine, EngineBusy
 
 # request fields clients send that change nothing here (one model per server, no accounts)
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt"}
