@@ -117,8 +117,6 @@ class Calibrator:
 
     # ------------------------------------------------------------------ one decoder layer
     def _layer(self, i: int) -> None:
-        from mixqrt.cache import KVCache
-
         a, fmts = self.a, self.fmts
         p = f"model.layers.{i}."
         eps = a.rms_norm_eps
@@ -142,9 +140,9 @@ class Calibrator:
             if bias is not None:
                 qkv += bias
             qk = ops.rope(qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), np.arange(t, dtype=np.int64), a.rope_theta)
-            cache = KVCache(1, hkv, dh, t, np.float32)
-            cache.write(0, qk[:, hq:], qkv[:, nq + nkv:].reshape(t, hkv, dh), 0)
-            att = ops.attention(qk[:, :hq], cache.keys[0], cache.values[0], 0).reshape(t, nq)
+            keys = np.ascontiguousarray(qk[:, hq:].transpose(1, 0, 2))                  # [Hkv, t, Dh]
+            vals = np.ascontiguousarray(qkv[:, nq + nkv:].reshape(t, hkv, dh).transpose(1, 0, 2))
+            att = ops.attention(qk[:, :hq], keys, vals, 0).reshape(t, nq)
             Ho.add(att)
             atts.append(att)
         o = self._linear(p + "self_attn.o_proj.weight", fmts[p + "self_attn.o_proj.weight"], Ho)
