@@ -23,6 +23,11 @@ from mixqrt.io.hf import HFSource, SafetensorsFile
 from mixqrt.limits import FLOAT_LIMITS, INT_LIMITS
 
 TESTS = Path(__file__).resolve().parent
+# Subprocesses import the mixqrt this test imported (CI installs it into a venv; the clone's
+# mixqrt/ has no built extensions)
+import mixqrt  # noqa: E402
+
+PKG_PARENT = Path(mixqrt.__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------ raw GGUF bytes
@@ -277,7 +282,7 @@ def test_tokenizer_panic_is_a_typed_error(tmp_path):
             "from mixqrt.tokenizer import Tokenizer\nfrom mixqrt.errors import ModelError\n"
             f"t = Tokenizer.from_folder({str(tmp_path)!r})\n"
             "try:\n    t.encode('a' * 40 + 'c')\nexcept ModelError as e:\n    print('TYPED', e)\n")
-    out = subprocess.run([sys.executable, "-c", code, str(TESTS.parent)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, str(PKG_PARENT)], capture_output=True, text=True,
                          env=env, timeout=120)
     assert "TYPED tokenizer failed while encoding" in out.stdout, out.stdout + out.stderr[-2000:]
 
@@ -347,7 +352,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_sigkill_leaves_temp_then_next_run_cleans_it(tmp_path, monkeypatch):
     from mixqrt.io.atomic import clean_stale_temps
     target = tmp_path / "m.mxq"
-    r = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(TESTS.parent), str(target)], timeout=120)
+    r = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(PKG_PARENT), str(target)], timeout=120)
     assert r.returncode == -9
     temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert len(temps) == 1 and temps[0].name.startswith(".m.mxq.")
@@ -365,7 +370,7 @@ def test_stale_temp_of_a_locked_target_is_kept(tmp_path):
     with file_lock(tmp_path / "m.mxq"):
         code = ("import sys; sys.path[:0] = sys.argv[1:2]\nfrom mixqrt.io.atomic import clean_stale_temps\n"
                 "print(len(clean_stale_temps(sys.argv[2])))")
-        out = subprocess.run([sys.executable, "-c", code, str(TESTS.parent), str(tmp_path)],
+        out = subprocess.run([sys.executable, "-c", code, str(PKG_PARENT), str(tmp_path)],
                              capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == "0" and old.exists()
     assert clean_stale_temps(tmp_path) == [old]
@@ -397,7 +402,7 @@ def test_two_processes_quantize_one_cache_entry_once(tmp_path):
     env = dict(os.environ, MIXQRT_CACHE=str(cache))
     stamp = tmp_path / "sync" / "s"
     stamp.parent.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _PREPARE, str(TESTS.parent), str(d), str(stamp)],
+    procs = [subprocess.Popen([sys.executable, "-c", _PREPARE, str(PKG_PARENT), str(d), str(stamp)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
@@ -461,7 +466,7 @@ def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_pat
     from mixqrt.pipeline import Pipeline
     victim = tmp_path / "v.mxq"
     shutil.copyfile(tiny_mxq, victim)
-    r = subprocess.run([sys.executable, "-c", _TRUNCATE_UNDER_MAP, str(TESTS.parent), str(victim)],
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE_UNDER_MAP, str(PKG_PARENT), str(victim)],
                        capture_output=True, timeout=120)
     assert r.returncode == -signal.SIGBUS
     live = tmp_path / "live.mxq"

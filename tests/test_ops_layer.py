@@ -153,7 +153,11 @@ def test_import_starts_no_threads():
             "assert not ops._pool_started, 'a thread-local op started the pool'\n"
             "ops.matmul(np.ones((4, 8), np.float32), np.ones(8, np.float32))\n"
             "assert ops._pool_started and ops.get_num_threads() == ops.default_num_threads()\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    import os
+
+    import mixqrt   # run where the imported package lives (CI installs it into a venv)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(mixqrt.__file__))))
 
 
 def test_read_bandwidth_patterns():

@@ -4,6 +4,7 @@ for the module (Ray starts slowly). Ray is a test dependency: no skip when it is
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import urllib.request
@@ -11,6 +12,7 @@ import urllib.request
 import pytest
 from test_serve import MSGS, pipe  # noqa: F401 - the module-scoped tiny Pipeline fixture
 
+import mixqrt
 from mixqrt.runtime.topology import Node, Topology
 from mixqrt.serve.guard import Limits
 from mixqrt.serve.ray import core_sets
@@ -39,7 +41,15 @@ def ray_url(pipe):  # noqa: F811
 
     from mixqrt.serve.ray import build
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # Ray puts the driver's working directory on its workers' sys.path: start it where the imported
+    # mixqrt lives, so replicas import that one (CI installs it into a venv; the clone has no
+    # built extensions)
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(mixqrt.__file__))))
+    try:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    finally:
+        os.chdir(here)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build(pipe.path, model_name="tiny", limits=Limits(), replicas=2, cpus_per_replica=1,
