@@ -254,8 +254,8 @@ another (what calling `model(...)` per sequence does); `batch=True` stacks the s
 **Core-slicing** (`CoreSlicingRunner(model, cores_a, cores_b, split=, chunk=, prefetcher=)`): a layer is
 cut into stage A (input norm, fused qkv, bias, rope, KV write, attention, o_proj, residual; plus final
 norm + lm_head after the last layer) and stage B (post norm, fused gate_up, silu, down, residual), each a
-Python thread pinned to its cores, kernels single-threaded (the native pool is set to 1 thread while a
-runner is open — it is not reentrant — and numpy's BLAS to 1). The embedding gather (a few rows) runs on
+Python thread pinned to its cores, kernels single-threaded on the stage thread itself
+(`ops.local_threads(1)`: the shared native pool is left alone; numpy's BLAS is set to 1). The embedding gather (a few rows) runs on
 the submitting thread. Items flow `A(0) -> B(0) -> A(1) -> ... -> B(n-1) -> A(head) -> caller` through
 four SPSC rings (`main->A`, `B->A`, `A->B`, `A->main`; `mixqrt/_kernels/src/ring/ring.h`, C11 atomics,
 producer and consumer indices on separate 64-byte lines). A message is 32 bytes `(seq = item generation,
