@@ -6,7 +6,7 @@ import numpy as np
 
 from mixqrt.quant import layout
 
-OFF = {"q8": 128, "q6": 32}
+OFF = {"q6": 32}   # q8: the kernels form the signed sums exactly (U - 128, in integers)
 PACKED_FMTS = ("q8", "q6", "q4", "q3u", "q3p", "q2c", "q5g")
 
 
@@ -99,7 +99,8 @@ def quantize_act_ref(x: np.ndarray):
 
 
 def unpacked_levels(fmt, shape, raw, q3p_levels=layout.Q3P_LEVELS):
-    """-> U u8-as-int64 [N, nc*32], dw float32 [N, nc], mm float32 [N, nc] as the kernels see them."""
+    """-> U int64 [N, nc*32] (u8 levels; q8: its signed codes), dw float32 [N, nc], mm float32 [N, nc]
+    as the kernels see them."""
     n, k = layout.rows_cols(shape)
     lay = layout.PACKED[fmt]
     parts = layout.disassemble(fmt, shape, raw.tobytes())
@@ -107,7 +108,7 @@ def unpacked_levels(fmt, shape, raw, q3p_levels=layout.Q3P_LEVELS):
     cpb = lay.group // 32
     c = parts.codes.reshape(n, nb * lay.group)
     if fmt == "q8":
-        u = c.view(np.int8).astype(np.int64) + 128
+        u = c.view(np.int8).astype(np.int64)
     elif fmt == "q3p":
         u = q3p_levels[c].astype(np.int64)
     elif fmt == "q2c":
@@ -136,7 +137,7 @@ def emulate_matmul(fmt, shape, raw, x, q3p_levels=layout.Q3P_LEVELS):
     qa = q[:, : nc * 32].reshape(t, nc, 32).astype(np.int64)
     ub = u.reshape(n, nc, 32)
     isum = np.einsum("nci,tci->tnc", ub, qa)                     # exact int64
-    iabs = np.einsum("nci,tci->tnc", ub, np.abs(qa))
+    iabs = np.einsum("nci,tci->tnc", np.abs(ub), np.abs(qa))
     dwdx = (dw[None, :, :] * d[:, None, :nc]).astype(np.float32).astype(np.float64)   # [T, N, nc]
     ms = mm.astype(np.float64)[None] * s[:, None, :nc].astype(np.float64)
     y = (dwdx * isum).sum(-1) + ms.sum(-1)

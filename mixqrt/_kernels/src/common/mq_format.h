@@ -46,7 +46,9 @@ enum mq_fmt {
 #define MQ_Q5G_TRAILER 8                         /* q5g: float32 lo, hi after all rows */
 
 /* per format: bits, weights per block, header bytes, bytes per block, level offset (the kernels'
- * u8 levels are U = L + off: q8's signed codes + 128, q6's q - 32 + 32) */
+ * u8 levels are U = L + off: q8's signed codes + 128, q6's q - 32 + 32; q6 carries -off * d in the
+ * float offset term, q8 subtracts off * sum(q) from the integer sums so that they are the exact
+ * signed sums) */
 #define MQ_Q8_BITS 8
 #define MQ_Q8_GROUP 32
 #define MQ_Q8_HEADER 2

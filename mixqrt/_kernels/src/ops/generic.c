@@ -63,7 +63,8 @@ void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, 
             else if (j->fmt == MQ_Q3P) for (int i = 0; i < 32; i++) o[i] = j->q3p_levels[o[i]];
             else if (j->fmt == MQ_Q2C) for (int i = 0; i < 32; i++) o[i] = blk[MQ_Q2C_LUT + o[i]];
             dw[ci] = d;
-            mm[ci] = m - (float)f->off * d;
+            /* q8: the product subtracts off * sum(q) in integers (exact signed sums), as every tier does */
+            mm[ci] = j->fmt == MQ_Q8 ? m : m - (float)f->off * d;
         }
     }
 }
@@ -114,6 +115,8 @@ void mq_mm_rows_generic(const mq_mm_job *j, int n0, int n1) {
             for (int c = 0; c < nc; c++) {
                 int32_t is = 0;
                 for (int i = 0; i < 32; i++) is += (int32_t)lv[c * 32 + i] * q[c * 32 + i];
+                if (j->fmt == MQ_Q8)
+                    for (int i = 0; i < 32; i++) is -= MQ_Q8_OFF * q[c * 32 + i];
                 acc += (dw[c] * xd[c]) * (float)is;
                 acc += mm[c] * xs[c];
             }

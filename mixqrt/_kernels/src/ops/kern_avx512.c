@@ -4,6 +4,7 @@
  * from the packed bytes; 1 < T < mq_gemm_min_t unpacks a 4-row tile once and reuses it for every token;
  * T >= mq_gemm_min_t (default 8) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md). */
 #include <immintrin.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -85,7 +86,7 @@ unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *d
         const uint8_t *A = row + (size_t)(2 * p) * MQ_Q8_BLOCK, *B = two ? A + MQ_Q8_BLOCK : A;
         __m512 d = _mm512_cvtph_ps(h16x2(A, B));
         if (!two) d = _mm512_maskz_mov_ps(0x00ff, d);
-        *dv = d; *mv = _mm512_mul_ps(d, _mm512_set1_ps(-128.0f));
+        *dv = d; *mv = _mm512_setzero_ps();   /* the consumers subtract 128 * sum(q) in integers (q8_fix) */
         __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A + MQ_Q8_HEADER))),
                                        _mm256_loadu_si256((const __m256i *)(B + MQ_Q8_HEADER)), 1);
         return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
@@ -145,6 +146,16 @@ unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *d
     }
 }
 
+/* q8 levels are the signed codes + 128 (vpdpbusd multiplies u8 by s8): the lanes of
+ * dpbusd(U, xq) - dpbusd(0x80, xq) are the exact signed sums, where carrying -128 * d in the float
+ * offset term lost bits once partial sums passed 2^24 (a K = 4864 row did) */
+static inline __attribute__((always_inline)) __m512i q8_fix(const int fmt, __m512i isum, __m512i corr) {
+    return fmt == MQ_Q8 ? _mm512_sub_epi32(isum, corr) : isum;
+}
+static inline __attribute__((always_inline)) __m512i q8_corr(const int fmt, __m512i xq) {
+    return fmt == MQ_Q8 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), xq) : _mm512_setzero_si512();
+}
+
 static inline __m512 pairvec(float a, float b) {
     return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
@@ -182,10 +193,10 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             __m512 d0, m0, d1, m1;
             __m512i l0 = unpack_pair(cx, fmt, r0, p, &d0, &m0);
             __m512i l1 = unpack_pair(cx, fmt, r1, p, &d1, &m1);
-            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p)), corr = q8_corr(fmt, xq);
             __m512 dx = pv[2 * p], sx = pv[2 * p + 1];
-            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xq);
-            __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, xq);
+            __m512i i0 = q8_fix(fmt, _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xq), corr);
+            __m512i i1 = q8_fix(fmt, _mm512_dpbusd_epi32(_mm512_setzero_si512(), l1, xq), corr);
             acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, dx), acc0);
             acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(d1, dx), acc1);
             am0 = _mm512_fmadd_ps(m0, sx, am0);
@@ -201,7 +212,7 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             __m512 d0, m0;
             __m512i l0 = unpack_pair(cx, fmt, r0, p, &d0, &m0);
             __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
-            __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xq);
+            __m512i i0 = q8_fix(fmt, _mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xq), q8_corr(fmt, xq));
             acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(d0, pv[2 * p]), acc0);
             am0 = _mm512_fmadd_ps(m0, pv[2 * p + 1], am0);
         }
@@ -384,13 +395,13 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
                 const __m512i *l0 = lv, *l1 = lv + np, *l2 = lv + 2 * np, *l3 = lv + 3 * np;
                 const __m512 *w0 = dwv, *w1 = dwv + np, *w2 = dwv + 2 * np, *w3 = dwv + 3 * np;
                 for (int p = 0; p < np; p++) {
-                    __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+                    __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p)), corr = q8_corr(fmt, xq);
                     __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
                     const __m512i z = _mm512_setzero_si512();
-                    c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l0[p], xq)), _mm512_mul_ps(w0[p], dx), c0);
-                    c1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l1[p], xq)), _mm512_mul_ps(w1[p], dx), c1);
-                    c2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l2[p], xq)), _mm512_mul_ps(w2[p], dx), c2);
-                    c3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l3[p], xq)), _mm512_mul_ps(w3[p], dx), c3);
+                    c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l0[p], xq), corr)), _mm512_mul_ps(w0[p], dx), c0);
+                    c1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l1[p], xq), corr)), _mm512_mul_ps(w1[p], dx), c1);
+                    c2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l2[p], xq), corr)), _mm512_mul_ps(w2[p], dx), c2);
+                    c3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l3[p], xq), corr)), _mm512_mul_ps(w3[p], dx), c3);
                 }
                 __m512 cs[4] = {c0, c1, c2, c3};
                 for (int r = 0; r < TR; r++) y[r] = _mm512_reduce_add_ps(cs[r]) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
@@ -400,7 +411,7 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
                     for (int p = 0; p < np; p++) {
                         __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
                         __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
-                        c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[r * np + p], xq)),
+                        c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[r * np + p], xq), q8_corr(fmt, xq))),
                                              _mm512_mul_ps(dwv[r * np + p], dx), c0);
                     }
                     y[r] = _mm512_reduce_add_ps(c0) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
@@ -432,54 +443,140 @@ void mq_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 
 static inline __attribute__((always_inline)) void
 gemm_kernel(const uint32_t *lvT, const float *dwT, const float *mmT, int nch,
-            const uint32_t *qb, const float *db, const float *sb, float *accb, int first) {
+            const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt) {
     __m512 acc[GTT];
-    for (int i = 0; i < GTT; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
+    for (int i = 0; i < gt; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
     for (int c = 0; c < nch; c++) {
         const __m512i *w = (const __m512i *)(lvT + (size_t)c * 128);
-        const uint32_t *qc = qb + (size_t)c * 8 * GTT;
+        const uint32_t *qc = qb + (size_t)c * 8 * gt;
         __m512i is[GTT];
         __m512i w0 = _mm512_load_si512(w);
-        for (int i = 0; i < GTT; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
+        for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
         for (int s = 1; s < 8; s++) {
             __m512i ws = _mm512_load_si512(w + s);
-            for (int i = 0; i < GTT; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * GTT + i]));
+            for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
         }
         __m512 dw = _mm512_load_ps(dwT + 16 * c), mm = _mm512_load_ps(mmT + 16 * c);
-        for (int i = 0; i < GTT; i++) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * GTT + i])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * GTT + i]), acc[i]);
+        if (qsb)   /* q8: 128 * sum(q) of the chunk, see q8_fix */
+            for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
+        for (int i = 0; i < gt; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * gt + i])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
         }
     }
-    for (int i = 0; i < GTT; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
+    for (int i = 0; i < gt; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
+}
+
+/* 16x16 transpose of 32-bit elements: v[r] lane j -> v[j] lane r */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);       /* r0 r1 pairs of dwords 0,1 (per 128-bit lane) */
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);   /* dwords 2,3 */
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);       /* rows i..i+3, dword 0 of each lane */
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);   /* dword 1 */
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]); /* dword 2 */
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]); /* dword 3 */
+    }
+    /* now v[4g + d] holds, in 128-bit lane L, rows 4g..4g+3 at dword 4L + d; move the lanes */
+    for (int d = 0; d < 4; d++) {
+        __m512i a = v[d], b = v[4 + d], c = v[8 + d], e = v[12 + d];
+        __m512i ab_lo = _mm512_shuffle_i32x4(a, b, 0x44), ab_hi = _mm512_shuffle_i32x4(a, b, 0xEE);
+        __m512i ce_lo = _mm512_shuffle_i32x4(c, e, 0x44), ce_hi = _mm512_shuffle_i32x4(c, e, 0xEE);
+        t[d] = _mm512_shuffle_i32x4(ab_lo, ce_lo, 0x88);        /* lane 0 of a, b, c, e: dword d */
+        t[4 + d] = _mm512_shuffle_i32x4(ab_lo, ce_lo, 0xDD);    /* lane 1: dword 4 + d */
+        t[8 + d] = _mm512_shuffle_i32x4(ab_hi, ce_hi, 0x88);    /* lane 2: dword 8 + d */
+        t[12 + d] = _mm512_shuffle_i32x4(ab_hi, ce_hi, 0xDD);   /* lane 3: dword 12 + d */
+    }
+    for (int i = 0; i < 16; i++) v[i] = t[i];
+}
+
+/* Pair p (chunks c, c+1 of the K slice) of nr <= GR rows starting at w (stride rb) into the
+ * VNNI-interleaved tile: lvT[(c*8 + s)*GR + r] = the 4 levels of row r at k4 step s, dwT/mmT[c*GR + r]
+ * its scales; rows nr..GR-1 get zeros. Each row's 64 levels are unpacked in one zmm and the 16 rows
+ * transposed as 16x16 dwords: ~6x fewer instructions than storing the tile element by element,
+ * which made the unpack cost more than the products for 2-16 tokens (docs/kernels.md). */
+static inline __attribute__((always_inline)) void
+gemm_unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *w, size_t rb, int nr, int p, int c,
+                 uint32_t *lvT, float *dwT, float *mmT) {
+    __m512i v[16];
+    __m512 dA = _mm512_setzero_ps(), dB = dA, mA = dA, mB = dA;
+    /* q3p/q3u/q6 (the formats with most of the bytes): the 16 rows' fp16 scales by one gather per
+     * chunk instead of 4 lane moves per row */
+    const int gs = (fmt == MQ_Q3P || fmt == MQ_Q3U || fmt == MQ_Q6) && rb <= (size_t)(INT32_MAX / GR);
+    for (int r = 0; r < GR; r++) {
+        if (r >= nr) { v[r] = _mm512_setzero_si512(); continue; }
+        __m512 dv, mv;
+        v[r] = unpack_pair(cx, fmt, w + (size_t)r * rb, p, &dv, &mv);
+        if (gs) continue;
+        const __mmask16 k = (__mmask16)(1u << r);
+        dA = _mm512_mask_broadcastss_ps(dA, k, _mm512_castps512_ps128(dv));
+        dB = _mm512_mask_broadcastss_ps(dB, k, _mm512_extractf32x4_ps(dv, 2));
+        mA = _mm512_mask_broadcastss_ps(mA, k, _mm512_castps512_ps128(mv));
+        mB = _mm512_mask_broadcastss_ps(mB, k, _mm512_extractf32x4_ps(mv, 2));
+    }
+    if (gs) {
+        const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)rb));
+        const __mmask16 km = (__mmask16)((1u << nr) - 1);
+        const __m512i z = _mm512_setzero_si512();
+        if (fmt == MQ_Q6) {
+            const uint8_t *A = w + (size_t)(2 * p) * MQ_Q6_BLOCK;
+            dA = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_mask_i32gather_epi32(z, km, idx, A, 1)));
+            mA = _mm512_mul_ps(dA, _mm512_set1_ps(-32.0f));
+            if (2 * p + 1 < cx->nc) {
+                dB = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_mask_i32gather_epi32(z, km, idx, A + MQ_Q6_BLOCK, 1)));
+                mB = _mm512_mul_ps(dB, _mm512_set1_ps(-32.0f));
+            }
+        } else {   /* one (d, m) per 64-weight block: the same for both chunks */
+            __m512i g = _mm512_mask_i32gather_epi32(z, km, idx, w + (size_t)p * MQ_Q3_BLOCK, 1);
+            dA = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            mA = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+            if (2 * p + 1 < cx->nc) { dB = dA; mB = mA; }
+        }
+    }
+    transpose16_epi32(v);
+    for (int s = 0; s < 16; s++) _mm512_store_si512((__m512i *)(lvT + ((size_t)c * 8 + s) * GR), v[s]);
+    _mm512_store_ps(dwT + (size_t)c * GR, dA); _mm512_store_ps(mmT + (size_t)c * GR, mA);
+    _mm512_store_ps(dwT + (size_t)(c + 1) * GR, dB); _mm512_store_ps(mmT + (size_t)(c + 1) * GR, mB);
 }
 
 static inline __attribute__((always_inline)) void
-gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
+gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, const int gt) {
     const mq_act *a = j->a;
-    const int nc = j->nc, T = j->T, ng = (T + GTT - 1) / GTT, k4 = a->kp / 4, ncp = a->ncp;
-    size_t qbytes = (size_t)ng * k4 * GTT * 4, dbytes = (size_t)ng * ncp * GTT * 4;
-    size_t tile = (size_t)GKS * 32 * GR, abytes = (size_t)ng * GTT * 64;
-    uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 2 * dbytes + tile + 2 * (size_t)GKS * GR * 4 + abytes + 256);
+    const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
+    size_t qbytes = (size_t)ng * k4 * gt * 4, dbytes = (size_t)ng * ncp * gt * 4;   /* dbytes: also the q8 sums */
+    size_t tile = (size_t)GKS * 32 * GR, abytes = (size_t)ng * gt * 64;
+    uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 3 * dbytes + tile + 2 * (size_t)GKS * GR * 4 + abytes + 256);
     uint32_t *qp = (uint32_t *)buf;
     float *dxp = (float *)(buf + qbytes), *sxp = (float *)(buf + qbytes + dbytes);
-    uint32_t *lvT = (uint32_t *)(buf + qbytes + 2 * dbytes);
+    int32_t *qsp = (int32_t *)(buf + qbytes + 2 * dbytes);
+    uint32_t *lvT = (uint32_t *)(buf + qbytes + 3 * dbytes);
     float *dwT = (float *)((uint8_t *)lvT + tile), *mmT = dwT + GKS * GR;
     float *accb = (float *)(((uintptr_t)(mmT + GKS * GR) + 63) & ~(uintptr_t)63);
     /* interleave the activations: group g, k4 step kk, token i */
     for (int g = 0; g < ng; g++) {
-        uint32_t *o = qp + (size_t)g * k4 * GTT;
-        float *od = dxp + (size_t)g * ncp * GTT, *os = sxp + (size_t)g * ncp * GTT;
-        for (int i = 0; i < GTT; i++) {
-            int t = g * GTT + i;
+        uint32_t *o = qp + (size_t)g * k4 * gt;
+        float *od = dxp + (size_t)g * ncp * gt, *os = sxp + (size_t)g * ncp * gt;
+        for (int i = 0; i < gt; i++) {
+            int t = g * gt + i;
             if (t < T) {
                 const uint32_t *q = (const uint32_t *)(a->q + (size_t)t * a->kp);
                 const float *xd = a->d + (size_t)t * ncp, *xs = a->s + (size_t)t * ncp;
-                for (int kk = 0; kk < k4; kk++) o[(size_t)kk * GTT + i] = q[kk];
-                for (int c = 0; c < ncp; c++) { od[c * GTT + i] = xd[c]; os[c * GTT + i] = xs[c]; }
+                for (int kk = 0; kk < k4; kk++) o[(size_t)kk * gt + i] = q[kk];
+                for (int c = 0; c < ncp; c++) { od[c * gt + i] = xd[c]; os[c * gt + i] = xs[c]; }
+                if (fmt == MQ_Q8)
+                    for (int c = 0; c < ncp; c++) {
+                        const int8_t *qc = a->q + (size_t)t * a->kp + 32 * c;
+                        int32_t sum = 0;
+                        for (int e = 0; e < 32; e++) sum += qc[e];
+                        qsp[((size_t)g * ncp + c) * gt + i] = 128 * sum;
+                    }
             } else {
-                for (int kk = 0; kk < k4; kk++) o[(size_t)kk * GTT + i] = 0;
-                for (int c = 0; c < ncp; c++) { od[c * GTT + i] = 0.0f; os[c * GTT + i] = 0.0f; }
+                for (int kk = 0; kk < k4; kk++) o[(size_t)kk * gt + i] = 0;
+                for (int c = 0; c < ncp; c++) { od[c * gt + i] = 0.0f; os[c * gt + i] = 0.0f; qsp[((size_t)g * ncp + c) * gt + i] = 0; }
             }
         }
     }
@@ -488,34 +585,18 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
         __mmask16 smask = (__mmask16)((1u << nr) - 1);
         for (int c0 = 0; c0 < nc; c0 += GKS) {
             int nch = nc - c0 < GKS ? nc - c0 : GKS;
-            if (nr < GR) {
-                memset(lvT, 0, tile);
-                memset(dwT, 0, (size_t)GKS * GR * 4); memset(mmT, 0, (size_t)GKS * GR * 4);
-            }
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *row = j->w + (size_t)(nt + r) * j->row_bytes;
-                for (int p = c0 / 2; 2 * p < c0 + nch; p++) {
-                    __m512 dv, mv;
-                    uint32_t lt[16] __attribute__((aligned(64)));
-                    float dt[16] __attribute__((aligned(64))), mt[16] __attribute__((aligned(64)));
-                    _mm512_store_si512(lt, unpack_pair(cx, fmt, row, p, &dv, &mv));
-                    _mm512_store_ps(dt, dv); _mm512_store_ps(mt, mv);
-                    for (int h = 0; h < 2; h++) {
-                        int c = 2 * p + h - c0;
-                        if (c >= nch) break;
-                        dwT[c * GR + r] = dt[8 * h]; mmT[c * GR + r] = mt[8 * h];
-                        for (int d = 0; d < 8; d++) lvT[((size_t)c * 8 + d) * GR + r] = lt[8 * h + d];
-                    }
-                }
-            }
+            for (int p = c0 / 2; 2 * p < c0 + nch; p++)
+                gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0,
+                                 lvT, dwT, mmT);
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
-                float *ab = accb + (size_t)g * GTT * 16;
-                gemm_kernel(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * GTT,
-                            dxp + ((size_t)g * ncp + c0) * GTT, sxp + ((size_t)g * ncp + c0) * GTT, ab, first);
+                float *ab = accb + (size_t)g * gt * 16;
+                gemm_kernel(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
+                            dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
+                            fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
                 if (last)
-                    for (int i = 0; i < GTT && g * GTT + i < T; i++)
-                        _mm512_mask_storeu_ps(j->y + (size_t)(g * GTT + i) * j->ldy + nt, smask, _mm512_load_ps(ab + 16 * i));
+                    for (int i = 0; i < gt && g * gt + i < T; i++)
+                        _mm512_mask_storeu_ps(j->y + (size_t)(g * gt + i) * j->ldy + nt, smask, _mm512_load_ps(ab + 16 * i));
             }
         }
     }
@@ -633,7 +714,7 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
     if (j->T == 1 && mq_lean_mv && (F == MQ_Q3P || F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
             && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
-    else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1); \
+    else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1, j->T <= 4 ? 4 : GTT); \
     else mm_fmt(&cx, F, j, n0, n1); \
     break;
 
