@@ -348,6 +348,29 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
     return _ops.attention(q, k_cache, v_cache, int(pos0), out, _parts())
 
 
+# attention_batch below this many keys in all (sum over the sequences) stays on the calling thread:
+# one pool dispatch costs more than the work there
+ATTN_BATCH_POOL_MIN = 1024
+
+
+def attention_batch(q, k_caches, v_caches, positions, out=None) -> np.ndarray:
+    """One decode query per sequence, each on its own cache: q [B,Hq,Dh]; k_caches[b], v_caches[b]
+    [Hkv,S_b,Dh] float32 or float16; query b sits at positions[b] -> [B,Hq,Dh]. Row b equals
+    attention(q[b:b+1], k_caches[b], v_caches[b], positions[b]) bit for bit; the (sequence, head)
+    pairs share one pool dispatch (decode_batch ran one dispatch per sequence and layer before)."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    pos = [int(p) for p in positions]
+    if q.ndim != 3 or len(pos) != q.shape[0]:
+        raise KernelError(f"attention_batch: q {q.shape} wants [B, Hq, Dh] with one position per row, got {len(pos)}")
+    if out is None:
+        out = np.empty_like(q)
+    threads = _parts() if sum(pos) + len(pos) >= ATTN_BATCH_POOL_MIN else 1
+    try:
+        return _ops.attention_batch(q, list(k_caches), list(v_caches), pos, out, threads)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
 def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> float:
     """Measured read bandwidth, bytes/s: the best of every read pattern of the C probe
     (:func:`read_bandwidth_patterns` reports each)."""

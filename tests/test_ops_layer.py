@@ -99,6 +99,35 @@ def test_attention_bad_args():
         ops.attention(q, np.zeros((2, 8, 8), np.float32), np.zeros((2, 8, 8), np.float32), 7)
 
 
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+@pytest.mark.parametrize("pool_min", [0, 10 ** 9])       # on the pool / on the calling thread
+def test_attention_batch_equals_per_sequence(tier, kv, pool_min, monkeypatch):
+    """decode_batch's one call for B sequences gives each row exactly what attention() gives it."""
+    monkeypatch.setattr(ops, "ATTN_BATCH_POOL_MIN", pool_min)
+    rng = np.random.default_rng(7)
+    hq, hkv, dh = 14, 2, 64
+    lens, pos = [64, 33, 300, 1, 128], [63, 0, 299, 0, 77]
+    ks = [rng.standard_normal((hkv, s, dh)).astype(kv) for s in lens]
+    vs = [rng.standard_normal((hkv, s, dh)).astype(kv) for s in lens]
+    q = rng.standard_normal((len(lens), hq, dh)).astype(np.float32)
+    y = ops.attention_batch(q, ks, vs, pos)
+    for b in range(len(lens)):
+        np.testing.assert_array_equal(y[b:b + 1], ops.attention(q[b:b + 1], ks[b], vs[b], pos[b]))
+
+
+def test_attention_batch_bad_args():
+    q = np.zeros((2, 4, 8), np.float32)
+    k = [np.zeros((2, 8, 8), np.float32)] * 2
+    with pytest.raises(ValueError, match="position 8 of sequence 1"):
+        ops.attention_batch(q, k, k, [0, 8])
+    with pytest.raises(ValueError, match="2 queries but 1 key caches"):
+        ops.attention_batch(q, k[:1], k, [0, 0])
+    with pytest.raises(ValueError, match="cache 0"):
+        ops.attention_batch(q, [np.zeros((3, 8, 8), np.float32)] * 2, [np.zeros((3, 8, 8), np.float32)] * 2, [0, 0])
+    with pytest.raises(ValueError, match="one position per row"):
+        ops.attention_batch(q, k, k, [0])
+
+
 # ----------------------------------------------------------------------------- pool
 def test_threads_give_same_results():
     from test_kernels_ref import random_qtensor

@@ -387,6 +387,70 @@ cdef void _att_task(void *arg, int64_t h0, int64_t h1) noexcept nogil:
     mq_attention(p.q, p.k, p.v, p.f16, p.out, p.T, p.Hq, p.Hkv, p.Dh, p.S, p.pos0, <int>h0, <int>h1, scr)
 
 
+cdef struct _attb_arg:
+    _att_arg *seq
+    int Hq
+
+cdef void _attb_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
+    # items are (sequence, head) pairs in sequence-major order
+    cdef _attb_arg *p = <_attb_arg*>arg
+    cdef int64_t i = i0, e
+    cdef int b, h0
+    cdef _att_arg *a
+    cdef float *scr
+    while i < i1:
+        b = <int>(i // p.Hq)
+        h0 = <int>(i - <int64_t>b * p.Hq)
+        e = min(i1, (<int64_t>b + 1) * p.Hq)
+        a = &p.seq[b]
+        scr = <float*>mq_scratch(sizeof(float) * (a.S + 2 * a.Dh + 16))
+        if scr == NULL:
+            return
+        mq_attention(a.q, a.k, a.v, a.f16, a.out, 1, a.Hq, a.Hkv, a.Dh, a.S, a.pos0, h0,
+                     <int>(e - <int64_t>b * p.Hq), scr)
+        i = e
+
+
+def attention_batch(cnp.ndarray q, list ks, list vs, positions, cnp.ndarray out, int threads=0):
+    """One decode query per sequence on its own cache: q [B,Hq,Dh] f32, ks[b]/vs[b] [Hkv,S_b,Dh] f32|f16,
+    positions [B] (query b at positions[b], keys 0..positions[b]), out [B,Hq,Dh]. Every (sequence,
+    head) pair is one pool item; each is exactly attention(q[b:b+1], ks[b], vs[b], positions[b])."""
+    _f32c(q, "q"); _f32c(out, "out")
+    if q.ndim != 3 or out.ndim != 3 or out.shape[0] != q.shape[0] or out.shape[1] != q.shape[1] \
+            or out.shape[2] != q.shape[2]:
+        raise ValueError("attention_batch: q and out must be [B, Hq, Dh]")
+    cdef int B = q.shape[0], Hq = q.shape[1], Dh = q.shape[2], b
+    pos = list(positions)
+    if len(ks) != B or len(vs) != B or len(pos) != B:
+        raise ValueError(f"attention_batch: {B} queries but {len(ks)} key caches, {len(vs)} value caches, "
+                         f"{len(pos)} positions")
+    cdef cnp.ndarray k, v
+    cdef _att_arg *seq = <_att_arg*>malloc(sizeof(_att_arg) * max(B, 1))
+    if seq == NULL:
+        raise MemoryError()
+    cdef _attb_arg arg
+    try:
+        for b in range(B):
+            k = ks[b]; v = vs[b]
+            if k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] \
+                    or k.shape[2] != Dh or v.shape[2] != Dh or Hq % k.shape[0] or k.dtype != v.dtype \
+                    or k.dtype not in (np.float32, np.float16) or not k.flags.c_contiguous \
+                    or not v.flags.c_contiguous:
+                raise ValueError(f"attention_batch: cache {b} is not [Hkv,S,Dh] f32|f16 contiguous with Hq % Hkv == 0")
+            if pos[b] < 0 or pos[b] + 1 > k.shape[1]:
+                raise ValueError(f"attention_batch: position {pos[b]} of sequence {b} exceeds its cache length {k.shape[1]}")
+            seq[b].q = <const float*>_ptr(q) + <size_t>b * Hq * Dh
+            seq[b].k = _ptr(k); seq[b].v = _ptr(v); seq[b].f16 = k.dtype == np.float16
+            seq[b].T = 1; seq[b].Hq = Hq; seq[b].Hkv = k.shape[0]; seq[b].Dh = Dh; seq[b].S = k.shape[1]
+            seq[b].pos0 = <int>pos[b]; seq[b].out = <float*>_ptr(out) + <size_t>b * Hq * Dh
+        arg.seq = seq; arg.Hq = Hq
+        with nogil:
+            mq_pool_run_n(_attb_task, &arg, <int64_t>B * Hq, 1, threads)
+    finally:
+        free(seq)
+    return out
+
+
 def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray out, int threads=0):
     """Causal GQA attention; q [T,Hq,Dh] f32, k/v [Hkv,S,Dh] f32 or f16, out [T,Hq,Dh] f32."""
     _f32c(q, "q"); _f32c(out, "out")

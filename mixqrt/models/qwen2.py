@@ -140,12 +140,6 @@ def _hot_max_t() -> int:
 HOT_MAX_T = _hot_max_t()
 
 
-# decode_batch runs each sequence's one-row attention on the calling thread below this many
-# positions: a pool dispatch per (sequence, layer) cost more than the work (B=8 on the 0.5B, 2
-# threads: -20 % CPU per step at 256 and 1,024 positions; mixed at 3,000; docs/engine.md).
-BATCH_ATTN_LOCAL_MAX = 2048
-
-
 class Model:
     """Decoder-only transformer. ``model(tokens, cache, pos0)`` -> logits."""
 
@@ -333,10 +327,8 @@ class Model:
                 before_layer(li)
             q, k, v = self.qkv(li, x, pos)                                     # row b at position pos[b]
             for b, c in enumerate(caches):
-                p = int(pos[b])
-                c.write(li, k[b:b + 1], v[b:b + 1], p)
-                with ops.local_threads(1 if p < BATCH_ATTN_LOCAL_MAX else None):
-                    att[b:b + 1] = ops.attention(q[b:b + 1], c.keys[li], c.values[li], p)
+                c.write(li, k[b:b + 1], v[b:b + 1], int(pos[b]))
+            ops.attention_batch(q, [c.keys[li] for c in caches], [c.values[li] for c in caches], pos, out=att)
             self.attn_out(li, x, att)
             self.ffn_stage(li, x)
         for b, c in enumerate(caches):
