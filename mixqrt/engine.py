@@ -10,9 +10,10 @@ Requests wait in a bounded queue (EngineBusy past max_queue) and enter up to max
 Each scheduler step runs, on the engine thread:
   - one prompt chunk (at most prefill_chunk tokens) of the oldest slot still prefilling, so a long
     prompt is spread over steps and running streams keep getting tokens between its chunks;
-  - one decode token for every decoding slot whose consumer keeps up, in ONE batched forward:
-    the weight matmuls run on [B, D] (one sweep of the packed weights serves every slot), each
-    slot attends over its own KV cache.
+  - one decode token for every decoding slot whose consumer keeps up;
+  both in ONE batched forward (Model.decode_batch with prefill=): the weight matmuls run on
+  [B + chunk, D] (one sweep of the packed weights serves every slot and the chunk), each slot
+  attends over its own KV cache.
 Every slot has its own Sequence (mixqrt.generate: sampler with its own seeded RNG, logits
 processors, stop strings, eos, detokenizer), so a seeded request samples the same tokens whatever
 its batch neighbours are (up to float rounding: batched and single matmuls differ in the last bits).
@@ -392,13 +393,26 @@ class Engine:
         return m.decode_batch(np.asarray(toks, dtype=np.int64), caches)
 
     def _step(self, prefill: _Slot | None, decode: list[_Slot]) -> None:
-        """Outside the lock: the model runs (kernels release the GIL), then sampling and hand-off."""
+        """Outside the lock: the model runs (kernels release the GIL), then sampling and hand-off.
+        A prompt chunk and the decoding slots share one forward (one sweep over the weights)."""
         done: list[tuple[_Slot, str, BaseException | None]] = []
+        chunk = p_logits = None
+        if prefill is not None:
+            prompt = prefill.seq.prompt
+            chunk = np.asarray(prompt[prefill.pos:prefill.pos + self.prefill_chunk], dtype=np.int64)
         if decode:
             try:
-                logits = self._forward([s.tok for s in decode], [s.entry.kv for s in decode])
+                if chunk is not None:
+                    logits = self.model.decode_batch(np.asarray([s.tok for s in decode], dtype=np.int64),
+                                                     [s.entry.kv for s in decode], prefill=(chunk, prefill.entry.kv))
+                    logits, p_logits = logits[:-1], logits[-1]
+                else:
+                    logits = self._forward([s.tok for s in decode], [s.entry.kv for s in decode])
             except Exception as e:  # noqa: BLE001 — handed to each request of the batch
                 done += [(s, "error", e) for s in decode]
+                if chunk is not None:
+                    done.append((prefill, "error", e))
+                    prefill = None
             else:
                 now = time.perf_counter()
                 for b, s in enumerate(decode):
@@ -412,12 +426,11 @@ class Engine:
         if prefill is not None:
             s = prefill
             try:
-                prompt = s.seq.prompt
-                chunk = np.asarray(prompt[s.pos:s.pos + self.prefill_chunk], dtype=np.int64)
-                logits = self.model(chunk, s.entry.kv, last_only=True, chunk_size=self.prefill_chunk)
+                if p_logits is None:
+                    p_logits = self.model(chunk, s.entry.kv, last_only=True, chunk_size=self.prefill_chunk)
                 s.pos += chunk.size
                 self._n["prefill_tokens"] += chunk.size
-                if s.pos == len(prompt) and self._emit(s, s.seq.sample(logits), time.perf_counter()):
+                if s.pos == len(s.seq.prompt) and self._emit(s, s.seq.sample(p_logits), time.perf_counter()):
                     done.append((s, s.seq.finish_reason, None))
             except Exception as e:  # noqa: BLE001
                 done.append((s, "error", e))

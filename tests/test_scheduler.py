@@ -91,6 +91,34 @@ def test_decode_batch_matches_model(model, split):
         assert [c.offset for c in caches] == [len(p) + 5 for p in prompts]
 
 
+def test_decode_batch_with_a_prefill_chunk_matches_model(model):
+    """The engine's mixed step: B decode rows plus one prompt chunk of another sequence in one sweep."""
+    prompts = [_ids(n, 30 + n) for n in (4, 9)]
+    nxt = [_ids(3, 40 + i) for i in range(2)]
+    newp = _ids(13, 50)
+    refs = []
+    for p, q in zip(prompts, nxt):
+        c = model.make_cache(24)
+        model(p, c, 0)
+        refs.append([model(q[j:j + 1], c, last_only=True) for j in range(3)])
+    ref_new = model(newp, model.make_cache(24), 0)                     # [13, V]
+    caches = [model.make_cache(24) for _ in prompts]
+    for p, c in zip(prompts, caches):
+        model(p, c, 0)
+    pc = model.make_cache(24)
+    for j, (a, b) in enumerate([(0, 5), (5, 12), (12, 13)]):           # the prompt in three chunks
+        got = model.decode_batch([q[j] for q in nxt], caches, prefill=(newp[a:b], pc))
+        assert got.shape == (3, model.args.vocab_size) and pc.offset == b
+        for i in range(2):
+            np.testing.assert_allclose(got[i], refs[i][j], **_tol(model))
+        np.testing.assert_allclose(got[2], ref_new[b - 1], **_tol(model))
+    assert [c.offset for c in caches] == [len(p) + 3 for p in prompts]
+    with pytest.raises(GenerationError, match="its own KVCache"):
+        model.decode_batch([1], [caches[0]], prefill=(newp[:2], caches[0]))
+    with pytest.raises(GenerationError):
+        model.decode_batch([1], [caches[0]], prefill=(newp, pc))     # no room left in pc
+
+
 def test_row_split_prefill_matches_model(model):
     ids = _ids(21, 5)
     ref = model(ids, model.make_cache(21), 0)

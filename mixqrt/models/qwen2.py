@@ -293,15 +293,28 @@ class Model:
         return x
 
     # ------------------------------------------------------------------ batched decode
-    def decode_batch(self, tokens, caches) -> np.ndarray:
+    def decode_batch(self, tokens, caches, prefill=None) -> np.ndarray:
         """One decode step for B sequences: tokens[b] at position caches[b].offset -> logits [B, V]
         float32; every cache advances by one. The projections run as [B, D] products (one sweep
-        over the packed weights serves every sequence); attention runs per sequence on its own cache."""
+        over the packed weights serves every sequence); attention runs per sequence on its own cache.
+
+        prefill=(ids, cache): a prompt chunk of another sequence rides in the same sweep (its rows
+        are appended to the products; its attention is causal on its own cache from cache.offset).
+        Its cache advances by len(ids) and the logits of its last position are row B of the result
+        ([B + 1, V]): the engine interleaves prefill with decode without a second weight sweep."""
         ids, caches = self.check_batch(tokens, caches)
-        if ids.size <= HOT_MAX_T and not ops.is_hot():
+        if prefill is not None:
+            p_ids, p_cache = prefill
+            p_ids = self.check_tokens(p_ids)
+            if not isinstance(p_cache, KVCache) or any(p_cache is c for c in caches):
+                raise GenerationError("decode_batch: prefill wants its own KVCache, not one of the decoding sequences'")
+            p_cache.check_room(p_cache.offset, p_ids.size)
+            prefill = (p_ids, p_cache)
+        t = ids.size + (0 if prefill is None else prefill[0].size)
+        if t <= HOT_MAX_T and not ops.is_hot():
             with ops.hot():
-                return self._decode_batch(ids, caches)
-        return self._decode_batch(ids, caches)
+                return self._decode_batch(ids, caches, prefill=prefill)
+        return self._decode_batch(ids, caches, prefill=prefill)
 
     def check_batch(self, tokens, caches) -> tuple[np.ndarray, list]:
         """-> (ids int64 [B], caches) for decode_batch: B >= 1 distinct caches, each with room for one more."""
@@ -318,9 +331,15 @@ class Model:
             c.check_room(c.offset, 1)
         return ids, caches
 
-    def _decode_batch(self, ids: np.ndarray, caches: list, before_layer=None) -> np.ndarray:
+    def _decode_batch(self, ids: np.ndarray, caches: list, before_layer=None, prefill=None) -> np.ndarray:
+        b_n = ids.size
         pos = np.asarray([c.offset for c in caches], dtype=np.int64)          # [B]
-        x = self.embed(ids)                                                    # [B, D]
+        if prefill is not None:
+            p_ids, p_cache = prefill
+            p0 = p_cache.offset
+            ids = np.concatenate([ids, p_ids])
+            pos = np.concatenate([pos, np.arange(p0, p0 + p_ids.size, dtype=np.int64)])
+        x = self.embed(ids)                                                    # [B (+P), D]
         att = np.empty((ids.size, self.args.num_attention_heads, self.args.head_dim), dtype=np.float32)
         for li in range(len(self.layers)):
             if before_layer is not None:
@@ -328,12 +347,19 @@ class Model:
             q, k, v = self.qkv(li, x, pos)                                     # row b at position pos[b]
             for b, c in enumerate(caches):
                 c.write(li, k[b:b + 1], v[b:b + 1], int(pos[b]))
-            ops.attention_batch(q, [c.keys[li] for c in caches], [c.values[li] for c in caches], pos, out=att)
+            ops.attention_batch(q[:b_n], [c.keys[li] for c in caches], [c.values[li] for c in caches], pos[:b_n],
+                                out=att[:b_n])
+            if prefill is not None:
+                p_cache.write(li, k[b_n:], v[b_n:], p0)
+                att[b_n:] = ops.attention(q[b_n:], p_cache.keys[li], p_cache.values[li], p0)
             self.attn_out(li, x, att)
             self.ffn_stage(li, x)
         for b, c in enumerate(caches):
             c.advance(int(pos[b]) + 1)
-        return self.head(x)
+        if prefill is None:
+            return self.head(x)
+        p_cache.advance(p0 + p_ids.size)
+        return self.head(x[np.r_[0:b_n, ids.size - 1]])
 
     # ------------------------------------------------------------------ layer functions
     # The one layer graph: the forward, decode_batch and the runners of runtime/scheduler.py (which
