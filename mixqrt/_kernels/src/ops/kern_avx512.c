@@ -2,7 +2,8 @@
  * at a time into one zmm of u8 levels with a broadcast, a per-qword shift and a mask (+ vpshufb for
  * table levels), then multiplied with the int8 activations by vpdpbusd. Decode (T == 1) runs fused
  * from the packed bytes; 1 < T < mq_gemm_min_t unpacks a 4-row tile once and reuses it for every token;
- * T >= mq_gemm_min_t (default 8) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md). */
+ * T >= mq_gemm_min_t (default 3) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md) in
+ * token groups of 2, 4 or 8, which serves batched decode as well as prefill. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -421,18 +422,19 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
-/* ------------------------------------------------------------------ prefill GEMM (T >= mq_gemm_min_t)
+/* ------------------------------------------------------------------ GEMM (T >= mq_gemm_min_t): prefill and batched decode
  * For a tile of GR = 16 weight rows and a K slice of GKS chunks, the levels are unpacked once into
  * a VNNI-interleaved tile: for every k4 step (4 consecutive k) one zmm holds 16 rows x 4 bytes.
- * The activations of a group of GTT tokens are interleaved the same way (per k4 step, GTT u32), so
- * the micro-kernel is, per k4 step, one weight load and GTT vpdpbusd with an embedded {1to16}
- * broadcast of the token's 4 activation bytes; per chunk the int32 sums of the 16 rows are folded
- * into float accumulators: acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the generic
- * tier's order). Tokens are padded to a multiple of GTT with zero activations (no stores). */
+ * The activations of a group of gt tokens (2 for T <= 2, 4 for T <= 4, else GTT) are interleaved the
+ * same way (per k4 step, gt u32), so the micro-kernel is, per k4 step, one weight load and gt
+ * vpdpbusd with an embedded {1to16} broadcast of the token's 4 activation bytes; per chunk the int32
+ * sums of the 16 rows are folded into float accumulators: acc = fma(cvt(isum), dw*dx, acc);
+ * acc = fma(mm, s, acc) (the generic tier's order). Tokens are padded to a multiple of gt with zero
+ * activations (no stores). */
 #define GR 16
 #define GKS 16
 #define GTT 8
-int mq_gemm_min_t = 8;
+int mq_gemm_min_t = 3;
 static int mq_lean_mv = -1;   /* -1: not decided yet; MIXQRT_LEAN_MV=0 starts it off (default on) */
 static int lean_mv_on(void) {
     if (mq_lean_mv < 0) { const char *e = getenv("MIXQRT_LEAN_MV"); mq_lean_mv = !(e && e[0] == '0'); }
@@ -547,7 +549,8 @@ static inline __attribute__((always_inline)) void
 gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, const int gt) {
     const mq_act *a = j->a;
     const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
-    size_t qbytes = (size_t)ng * k4 * gt * 4, dbytes = (size_t)ng * ncp * gt * 4;   /* dbytes: also the q8 sums */
+    /* dbytes (also the q8 sums) rounded to 64 B: the tile after them takes aligned zmm stores */
+    size_t qbytes = (size_t)ng * k4 * gt * 4, dbytes = ((size_t)ng * ncp * gt * 4 + 63) & ~(size_t)63;
     size_t tile = (size_t)GKS * 32 * GR, abytes = (size_t)ng * gt * 64;
     uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 3 * dbytes + tile + 2 * (size_t)GKS * GR * 4 + abytes + 256);
     uint32_t *qp = (uint32_t *)buf;
@@ -714,7 +717,7 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
     if (j->T == 1 && mq_lean_mv && (F == MQ_Q3P || F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
             && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
-    else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1, j->T <= 4 ? 4 : GTT); \
+    else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1, j->T <= 2 ? 2 : j->T <= 4 ? 4 : GTT); \
     else mm_fmt(&cx, F, j, n0, n1); \
     break;
 
