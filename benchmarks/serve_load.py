@@ -94,6 +94,22 @@ class ServerProc:
         self.log.close()
 
 
+def engine_counters(url: str) -> dict:
+    """mixqrt's engine step counters from /metrics ({} for a server without them)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        for key in ("steps", "decode_tokens"):
+            if line.startswith(f"mixqrt_{key}_total"):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def run_load(url: str, clients: int, seconds: float, max_tokens: int, seed: int = 0) -> dict:
     """`clients` threads each streaming chat completions back to back until the window closes."""
     from openai import OpenAI
@@ -160,11 +176,17 @@ def run_load(url: str, clients: int, seconds: float, max_tokens: int, seed: int 
                     rec["cached_tokens"] += int(getattr(details, "cached_tokens", 0) or 0) if details else 0
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    c0 = engine_counters(url)
     for t in threads:
         t.start()
     for t in threads:
         t.join(seconds + 900)
-    return summarize(rec, seconds)
+    c1 = engine_counters(url)
+    out = summarize(rec, seconds)
+    if c0 and c1 and c1["steps"] > c0["steps"]:
+        out["mean_batch"] = (c1["decode_tokens"] - c0["decode_tokens"]) / (c1["steps"] - c0["steps"])
+        out["steps_per_s"] = (c1["steps"] - c0["steps"]) / seconds
+    return out
 
 
 def pct(xs, q):
@@ -204,7 +226,8 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
            f"{info.get('llama_cpp_python')}; {a.threads} threads each, {a.seconds:g} s per point, max_tokens "
            f"{a.max_tokens}, greedy.", "", f"Command: `{cmd}`"]
     T = ["| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | "
-         "requests | still waiting at the end | errors | cache hit |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         "requests | still waiting at the end | errors | cache hit | decode batch (mean) | steps/s |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("mixqrt", "llamacpp"):
         for n in a.clients:
             r = res.get(name, {}).get(str(n))
@@ -214,7 +237,8 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
                      f"{_f(r['ttft_p99'], '{:.2f}')} | {_f(r['itl_p50'] and r['itl_p50'] * 1e3, '{:.0f}')} | "
                      f"{_f(r['itl_p99'] and r['itl_p99'] * 1e3, '{:.0f}')} | {r['requests']} | {r.get('ttft_censored', 0)} | "
                      f"{r['errors']} | "
-                     f"{_f(r['cache_hit_rate'] and 100 * r['cache_hit_rate'], '{:.0f} %')} |")
+                     f"{_f(r['cache_hit_rate'] and 100 * r['cache_hit_rate'], '{:.0f} %')} | "
+                     f"{_f(r.get('mean_batch'), '{:.2f}')} | {_f(r.get('steps_per_s'), '{:.1f}')} |")
     G = []
     hi = str(max(a.clients))
     m1, mh, lh = (res.get("mixqrt", {}).get("1"), res.get("mixqrt", {}).get(hi), res.get("llamacpp", {}).get(hi))

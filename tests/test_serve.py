@@ -110,7 +110,8 @@ def test_metrics(srv):
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     for name in ("mixqrt_requests_running", "mixqrt_requests_queued", "mixqrt_generation_tokens_per_second",
                  "mixqrt_time_to_first_token_seconds_bucket", "mixqrt_cache_hits_total",
-                 "mixqrt_generation_tokens_total", 'mixqrt_http_requests_total{replica="0",route="/v1/completions"'):
+                 "mixqrt_generation_tokens_total", "mixqrt_steps_total", "mixqrt_decode_tokens_total",
+                 'mixqrt_http_requests_total{replica="0",route="/v1/completions"'):
         assert name in text, name
 
 

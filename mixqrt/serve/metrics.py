@@ -28,7 +28,9 @@ class _EngineCollector:
         for key, kind, doc in (("running", "g", "requests in a slot now"),
                                ("queued", "g", "requests admitted and waiting for a slot"),
                                ("cache_hits", "c", "requests that reused a cached prompt prefix"),
-                               ("cached_tokens", "c", "prompt tokens taken from the prompt cache")):
+                               ("cached_tokens", "c", "prompt tokens taken from the prompt cache"),
+                               ("steps", "c", "engine steps (one forward each)"),
+                               ("decode_tokens", "c", "tokens decoded by engine steps (decode batch = this / steps)")):
             if key not in s:
                 continue
             fam = (GaugeMetricFamily if kind == "g" else CounterMetricFamily)(
