@@ -161,6 +161,9 @@ def source_fingerprint(path_or_repo: str) -> str:
 
 
 def cached_mxq_path(label: str, source_id: str, recipe_spec: dict) -> Path:
-    h = hashlib.sha256((source_fingerprint(source_id) + json.dumps(recipe_spec, sort_keys=True)).encode())
+    spec = json.dumps(recipe_spec, sort_keys=True)
+    # q3p's codes changed packing with .mxq version 2: a cache file from before must not be reused
+    key = source_fingerprint(source_id) + spec + ("|q3p-pack3c" if '"q3p"' in spec else "")
+    h = hashlib.sha256(key.encode())
     safe = re.sub(r"[^\w.\-]+", "_", label)
     return cache_dir() / f"{safe}-{recipe_spec['name']}-{h.hexdigest()[:12]}.mxq"

@@ -15,11 +15,12 @@ def test_python_reads_the_header():
     table = _format.format_table()
     assert [t[0] for t in table] == list(range(len(table)))
     assert layout.FMT_ID == {name: fid for fid, name, *_ in table}
-    for fid, name, bits, group, header, block_bytes, trailer in table:
+    for fid, name, bits, group, header, block_bytes, trailer, pack in table:
         if name in layout.PACKED:
             lay = layout.PACKED[name]
-            assert (lay.bits, lay.group, lay.header, lay.block_bytes, lay.trailer) == (bits, group, header,
-                                                                                      block_bytes, trailer)
+            assert (lay.bits, lay.group, lay.header, lay.block_bytes, lay.trailer, lay.pack) == (
+                bits, group, header, block_bytes, trailer, pack)
+            assert pack == (layout.PACK3C if name == "q3p" else bits)
             assert fid < _format.NPACKED
         else:
             assert layout.PLAIN[name].itemsize == block_bytes and fid >= _format.NPACKED

@@ -92,6 +92,18 @@ def test_hand_written_base_is_valid(tmp_path):
         assert f.spans == {0: (4096, 80), "emb": (8192, 34)}
 
 
+def test_version_1_q3p_asks_to_requantize(tmp_path):
+    """q3p's codes are pack3c since version 2: a version 1 file with q3p fails naming the fix."""
+    h = base_header()
+    h["tensors"]["a"].update(fmt="q3p", shape=[1, 64], nbytes=28)
+    h["tensors"]["b"].update(offset=4096 + 64)
+    with pytest.raises(FormatError, match="q3p tensor 'a' .* re-quantize"):
+        load(tmp_path, assemble(h))
+    h["version"] = 2
+    with load(tmp_path, assemble(h, prefix={"version": 2})) as f:
+        assert f.tensors["a"].fmt == "q3p"
+
+
 def _set(path, value):
     def edit(h):
         d = h
@@ -142,7 +154,7 @@ HEADER_LIES = [
     ("small-page", _set(["page"], 2048), "page 2048"),
     ("bad-alignment", _set(["alignment"], 32), "alignment 32"),
     ("bad-format", _set(["format"], "gguf"), "format/version"),
-    ("bad-version", _set(["version"], 2), "format/version"),
+    ("bad-version", _set(["version"], 2), "format/version"),      # the prefix says 1
     ("bool-version", _set(["version"], True), "format/version"),
     ("unknown-top", _set(["extra"], 1), "header must be an object"),
     ("meta-list", _set(["meta"], []), "meta must be an object"),
@@ -166,7 +178,7 @@ def test_header_moved_away_from_spans(tmp_path):
 
 RAW_LIES = [
     ("magic", lambda d: b"GGUF" + d[4:], "not an .mxq file"),
-    ("version", lambda d: d[:4] + (2).to_bytes(4, "little") + d[8:], "unsupported .mxq version 2"),
+    ("version", lambda d: d[:4] + (3).to_bytes(4, "little") + d[8:], "unsupported .mxq version 3"),
     ("reserved", lambda d: d[:63] + b"\1" + d[64:], "reserved prefix bytes"),
     ("truncated", lambda d: d[:-1], "prefix says the file has"),
     ("padded", lambda d: d + b"\0", "prefix says the file has"),

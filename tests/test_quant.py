@@ -111,16 +111,31 @@ def test_bytes_round_trip():
 
 # ----------------------------------------------------------------------------- packing
 @SET
-@given(bits=st.sampled_from([2, 3, 4, 5, 6, 8]), seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5))
+@given(bits=st.sampled_from([2, 3, 4, 5, 6, 8, layout.PACK3C]), seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5))
 def test_unpack_pack_round_trip(bits, seed, n):
     rng = np.random.default_rng(seed)
+    nbits = 3 if bits == layout.PACK3C else bits
     if bits == 8:
         codes = rng.integers(-128, 128, size=(n, 32)).astype(np.int8)
     else:
-        codes = rng.integers(0, 2**bits, size=(n, 32)).astype(np.uint8)
+        codes = rng.integers(0, 2**nbits, size=(n, 32)).astype(np.uint8)
     packed = layout.pack_chunks(codes, bits)
-    assert packed.shape == (n, 4 * bits)
+    assert packed.shape == (n, 4 * nbits)
     np.testing.assert_array_equal(layout.unpack_chunks(packed, bits), codes)
+
+
+def test_pack3c_bit_positions():
+    """pack3c: code i at bits 3i..3i+2 of the little-endian 96-bit chunk (hand-computed bytes)."""
+    codes = np.zeros((1, 32), np.uint8)
+    codes[0, :3] = (5, 2, 7)          # 101 | 010 << 3 | 111 << 6 = 0b111_010_101 = 0x1d5
+    codes[0, 31] = 6                  # bits 93..95: byte 11 = 0b110 << 5 = 0xc0
+    packed = layout.pack_chunks(codes, layout.PACK3C)
+    assert packed[0].tolist() == [0xd5, 0x01] + [0] * 9 + [0xc0]
+    qt = quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64), "q3p")
+    parts = layout.disassemble("q3p", qt.shape, qt.raw)
+    body = np.frombuffer(qt.raw, np.uint8)[4:28]
+    bits = np.unpackbits(body, bitorder="little").reshape(64, 3)
+    np.testing.assert_array_equal(bits[:, 0] | bits[:, 1] << 1 | bits[:, 2] << 2, parts.codes.reshape(64))
 
 
 # ----------------------------------------------------------------------------- fast == reference
@@ -382,7 +397,8 @@ def test_q3p_level_table_from_meta_is_honoured():
     qt = quantize(w, "q3p")
     assert "q3p_levels" not in qt.meta        # the global table by default (models/spec.fuse stacks parts whose meta is equal)
     other = QTensor("q3p", qt.shape, qt.raw, {"q3p_levels": [0, 1, 2, 3, 4, 5, 6, 7]})   # = q3u's levels
-    q3u = QTensor("q3u", qt.shape, qt.raw)
+    # same codes and scales as q3u (whose codes are packed planar, q3p's pack3c)
+    q3u = QTensor("q3u", qt.shape, layout.assemble("q3u", qt.shape, layout.disassemble("q3p", qt.shape, qt.raw)))
     np.testing.assert_array_equal(dequantize(other), dequantize(q3u))
     np.testing.assert_array_equal(dequantize(other, impl="ref"), dequantize(q3u))
     np.testing.assert_array_equal(dequantize_rows(other, [2, 0]), dequantize(q3u)[[2, 0]])

@@ -28,7 +28,11 @@ from mixqrt.quant import layout
 from mixqrt.io.arena import ALIGN, PAGE, Arena, align_up, is_pow2
 
 MAGIC = b"MXQ\0"
-VERSION = 1
+# 2: q3p codes are packed pack3c (layout.py). Version 1 files still load unless they hold q3p tensors
+# (their codes are in the old planar packing, which no kernel reads any more): those raise
+# FormatError asking to re-quantize.
+VERSION = 2
+READABLE = (1, 2)
 PREFIX = struct.Struct("<4sIQQQI28x")          # magic, version, hdr_off, hdr_len, file_size, hdr_crc32
 PREFIX_SIZE = PREFIX.size                      # 64
 MAX_HEADER = 64 << 20                          # bytes of JSON header; Qwen's tokenizer.json is ~7 MB
@@ -83,15 +87,15 @@ def _loads(raw: bytes, where: str):
         raise FormatError(f"{where}: header is not valid UTF-8 JSON: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _parse_prefix(arena: Arena) -> tuple[int, int, int]:
+def _parse_prefix(arena: Arena) -> tuple[int, int, int, int]:
     where = arena.path
     if arena.size < PREFIX_SIZE:
         raise FormatError(f"{where}: {arena.size} bytes is too small for an .mxq file (prefix is {PREFIX_SIZE})")
     magic, version, hoff, hlen, fsize, crc = PREFIX.unpack(arena.read(0, PREFIX_SIZE))
     if magic != MAGIC:
         raise FormatError(f"{where}: not an .mxq file (magic {magic!r})")
-    if version != VERSION:
-        raise FormatError(f"{where}: unsupported .mxq version {version} (this reader knows {VERSION})")
+    if version not in READABLE:
+        raise FormatError(f"{where}: unsupported .mxq version {version} (this reader knows {list(READABLE)})")
     if arena.read(PREFIX.size - 28, 28) != bytes(28):
         raise FormatError(f"{where}: reserved prefix bytes are not zero")
     if fsize != arena.size:
@@ -100,7 +104,7 @@ def _parse_prefix(arena: Arena) -> tuple[int, int, int]:
         raise FormatError(f"{where}: header length {hlen} outside [2, {MAX_HEADER}]")
     if hoff < PREFIX_SIZE or hoff + hlen != fsize:
         raise FormatError(f"{where}: header [{hoff}, {hoff + hlen}) must end exactly at end of file ({fsize})")
-    return hoff, hlen, crc
+    return version, hoff, hlen, crc
 
 
 def _check_tensor(name, e, hoff: int, alignment: int, page: int) -> TensorInfo:
@@ -133,7 +137,7 @@ def parse_header(arena: Arena) -> tuple["MetaView", dict[str, TensorInfo], dict,
     """Validate everything but tensor contents and blob contents (checked when read).
     Returns (meta, tensors, spans, header_bytes)."""
     where = arena.path
-    hoff, hlen, crc = _parse_prefix(arena)
+    version, hoff, hlen, crc = _parse_prefix(arena)
     raw = arena.read(hoff, hlen)
     if zlib.crc32(raw) != crc:
         raise FormatError(f"{where}: header CRC-32 mismatch (corrupt header)")
@@ -141,8 +145,9 @@ def parse_header(arena: Arena) -> tuple["MetaView", dict[str, TensorInfo], dict,
     del raw
     if not isinstance(h, dict) or set(h) != _TOP_KEYS:
         raise FormatError(f"{where}: header must be an object with keys {sorted(_TOP_KEYS)}")
-    if h["format"] != "mxq" or h["version"] != VERSION or not _isint(h["version"]):
-        raise FormatError(f"{where}: header format/version {str(h['format'])[:20]!r}/{str(h['version'])[:20]} != 'mxq'/{VERSION}")
+    if h["format"] != "mxq" or not _isint(h["version"]) or h["version"] != version:
+        raise FormatError(f"{where}: header format/version {str(h['format'])[:20]!r}/{str(h['version'])[:20]} "
+                          f"!= 'mxq'/{version} (the prefix's version)")
     page, alignment = h["page"], h["alignment"]
     if not (_isint(page) and is_pow2(page) and PAGE <= page <= MAX_PAGE):
         raise FormatError(f"{where}: page {str(page)[:40]} must be a power of two in [{PAGE}, {MAX_PAGE}]")
@@ -155,6 +160,12 @@ def parse_header(arena: Arena) -> tuple["MetaView", dict[str, TensorInfo], dict,
         raise FormatError(f"{where}: tensors must be an object and spans a list")
 
     tensors = {name: _check_tensor(name, e, hoff, alignment, page) for name, e in ttab.items()}
+    if h["version"] < 2:
+        old = next((t.name for t in tensors.values() if t.fmt == "q3p"), None)
+        if old is not None:
+            raise FormatError(f"{where}: q3p tensor {old!r} is in the bit packing of .mxq version 1, which this "
+                              f"mixqrt no longer reads (q3p is pack3c since version 2, docs/format.md): "
+                              f"re-quantize the model (mixqrt quantize)")
     groups: dict = {}
     for t in tensors.values():
         groups.setdefault(t.name if t.layer is None else t.layer, []).append(t)

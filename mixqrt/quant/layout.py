@@ -13,6 +13,9 @@ kernels pair them with zero activations. A block is a small header (scales) foll
   pack5 20 B : pack4(c & 15) then u32 little-endian, bit i = bit 4 of c[i]
   pack6 24 B : pack4(c & 15) then pack2(c >> 4)
   pack8 32 B : the codes as int8
+  pack3c 12 B: code i at bits 3i..3i+2 of the 96-bit little-endian integer (q3p, .mxq version 2 on:
+               a 64-code block is 24 contiguous bytes that AVX-512 unpacks with one vpermb, one
+               vpmultishiftqb and one vpermb level lookup; docs/kernels.md)
 
 Block headers (fp16 little-endian; values decode as w = d * L[q] + m, computed in float32 as one
 multiply and one add, which is what every C tier does too):
@@ -21,7 +24,7 @@ multiply and one add, which is what every C tier does too):
   q6   G=32  : d                        L[q] = q - 32 (codes 0..63), m = 0     26 B = 6.5 bpw
   q4   G=32  : d, m                     L[q] = q                               20 B = 5.0 bpw
   q3u  G=64  : d, m                     L[q] = q                               28 B = 3.5 bpw
-  q3p  G=64  : d, m                     L[q] = Q3P_LEVELS[q] (fixed u8 table)  28 B = 3.5 bpw
+  q3p  G=64  : d, m                     L[q] = Q3P_LEVELS[q] (fixed u8 table)  28 B = 3.5 bpw, pack3c
   q2c  G=128 : d, m, lut u8[4]          L[q] = lut[q] (per-block codebook)     40 B = 2.5 bpw
   q5g  G=32  : no header; the tensor ends with 8 bytes (lo, hi) float32, and
                w = lo + q * ((hi - lo) / 31)                                   20 B/32 + 8 B
@@ -66,6 +69,7 @@ class Layout:
     header: int         # header bytes per block
     chunk_bytes: int    # bytes per 32 codes
     trailer: int = 0    # bytes after all rows (q5g: lo, hi)
+    pack: int = 0       # chunk packing id: bits, or PACK3C
 
     @property
     def block_bytes(self) -> int:
@@ -82,14 +86,15 @@ class Layout:
         return n * self.row_bytes(k) + self.trailer
 
 
-_TABLE = _format.format_table()       # [(id, name, bits, group, header, block_bytes, trailer)]
+PACK3C = _format.PACK3C
+_TABLE = _format.format_table()       # [(id, name, bits, group, header, block_bytes, trailer, pack)]
 FMT_ID = {name: fid for fid, name, *_ in _TABLE}      # the kernels' format ids (internal, never stored)
-PACKED = {name: Layout(name, bits, group, header, bits * CHUNK // 8, trailer)
-          for fid, name, bits, group, header, _bb, trailer in _TABLE if fid < _format.NPACKED}
+PACKED = {name: Layout(name, bits, group, header, bits * CHUNK // 8, trailer, pack)
+          for fid, name, bits, group, header, _bb, trailer, pack in _TABLE if fid < _format.NPACKED}
 # plain formats: the numpy view of their values (bf16 as raw u16 bits)
 PLAIN = {name: np.dtype({"f32": "<f4", "f16": "<f2", "bf16": "<u2"}[name])
          for fid, name, *_ in _TABLE if fid >= _format.NPACKED}
-for _fid, _name, _bits, _g, _h, _bb, _tr in _TABLE:   # the header's block sizes are what we compute
+for _fid, _name, _bits, _g, _h, _bb, _tr, _pk in _TABLE:   # the header's block sizes are what we compute
     if (PACKED[_name].block_bytes if _name in PACKED else PLAIN[_name].itemsize) != _bb:
         raise ImportError(f"format {_name}: mq_format.h says {_bb} bytes per block, layout.py computes otherwise")
 
@@ -146,10 +151,23 @@ def _unpackbits32(b: np.ndarray) -> np.ndarray:
     return np.unpackbits(b, axis=-1, bitorder="little")
 
 
+def _pack3c(c: np.ndarray) -> np.ndarray:
+    bits = ((c[..., :, None] >> np.arange(3, dtype=np.uint8)) & 1).reshape(*c.shape[:-1], 3 * CHUNK)
+    return np.packbits(bits, axis=-1, bitorder="little")
+
+
+def _unpack3c(b: np.ndarray) -> np.ndarray:
+    bits = np.unpackbits(b, axis=-1, bitorder="little").reshape(*b.shape[:-1], CHUNK, 3)
+    return (bits[..., 0] | (bits[..., 1] << 1) | (bits[..., 2] << 2)).astype(np.uint8)
+
+
 def pack_chunks(codes: np.ndarray, bits: int) -> np.ndarray:
-    """codes [..., 32] (uint8, or int8 for bits=8) -> packed bytes [..., chunk_bytes]."""
+    """codes [..., 32] (uint8, or int8 for bits=8) -> packed bytes [..., chunk_bytes]. bits: the
+    packing id (a Layout's pack: the bit count, or PACK3C)."""
     if codes.shape[-1] != CHUNK:
         raise QuantError(f"pack_chunks wants a last axis of {CHUNK}, got {codes.shape}")
+    if bits == PACK3C:
+        return _pack3c(codes.astype(np.uint8))
     if bits == 8:
         return codes.astype(np.int8).view(np.uint8)
     c = codes.astype(np.uint8)
@@ -169,6 +187,8 @@ def pack_chunks(codes: np.ndarray, bits: int) -> np.ndarray:
 def unpack_chunks(packed: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of pack_chunks: [..., chunk_bytes] -> codes [..., 32] (int8 for bits=8)."""
     p = packed.astype(np.uint8, copy=False)
+    if bits == PACK3C:
+        return _unpack3c(p)
     if bits == 8:
         return p.view(np.int8)
     if bits == 2:
@@ -202,7 +222,7 @@ def assemble(fmt: str, shape, parts: Parts) -> bytes:
     n, k = rows_cols(shape)
     nb = lay.blocks_per_row(k)
     codes = np.asarray(parts.codes).reshape(n, nb, lay.group // CHUNK, CHUNK)
-    body = pack_chunks(codes, lay.bits).reshape(n, nb, -1)
+    body = pack_chunks(codes, lay.pack).reshape(n, nb, -1)
     heads = []
     if fmt in ("q8", "q6"):
         heads.append(np.asarray(parts.d, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
@@ -229,7 +249,7 @@ def disassemble(fmt: str, shape, data) -> Parts:
     blocks = buf[: n * nb * lay.block_bytes].reshape(n, nb, lay.block_bytes)
     nch = lay.group // CHUNK
     body = blocks[:, :, lay.header:].reshape(n, nb, nch, lay.chunk_bytes)
-    codes = unpack_chunks(body, lay.bits).reshape(n, nb, lay.group)
+    codes = unpack_chunks(body, lay.pack).reshape(n, nb, lay.group)
     p = Parts(codes=codes)
     if lay.header >= 2:
         p.d = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(n, nb)

@@ -24,9 +24,26 @@ static void unpackbit(const uint8_t *s, int b, uint8_t *c) {
     for (int i = 0; i < 32; i++) c[i] |= (uint8_t)(((v >> i) & 1u) << b);
 }
 
-void mq_pack_chunk(const uint8_t *c, int bits, uint8_t *d) {
+static void pack3c(const uint8_t *c, uint8_t *d) {
+    memset(d, 0, MQ_CHUNK_BYTES(3));
+    for (int i = 0; i < 32; i++) {
+        uint32_t v = (uint32_t)(c[i] & 7u) << ((3 * i) & 7);
+        d[3 * i / 8] |= (uint8_t)v;
+        if (v >> 8) d[3 * i / 8 + 1] |= (uint8_t)(v >> 8);
+    }
+}
+static void unpack3c(const uint8_t *s, uint8_t *c) {
+    for (int i = 0; i < 32; i++) {
+        int b = 3 * i / 8;
+        uint32_t v = (uint32_t)s[b] | (b + 1 < MQ_CHUNK_BYTES(3) ? (uint32_t)s[b + 1] << 8 : 0u);
+        c[i] = (uint8_t)((v >> ((3 * i) & 7)) & 7u);
+    }
+}
+
+void mq_pack_chunk(const uint8_t *c, int pack, uint8_t *d) {
     uint8_t lo[MQ_CHUNK];
-    switch (bits) {
+    switch (pack) {
+    case MQ_PACK3C: pack3c(c, d); break;
     case 8: memcpy(d, c, MQ_CHUNK); break;
     case 2: pack2(c, d); break;
     case 3: for (int i = 0; i < 32; i++) lo[i] = c[i] & 3; pack2(lo, d); packbit(c, 2, d + MQ_PACK3_HI); break;
@@ -41,9 +58,10 @@ void mq_pack_chunk(const uint8_t *c, int bits, uint8_t *d) {
     }
 }
 
-void mq_unpack_chunk(const uint8_t *s, int bits, uint8_t *c) {
+void mq_unpack_chunk(const uint8_t *s, int pack, uint8_t *c) {
     uint8_t hi[MQ_CHUNK];
-    switch (bits) {
+    switch (pack) {
+    case MQ_PACK3C: unpack3c(s, c); break;
     case 8: memcpy(c, s, MQ_CHUNK); break;
     case 2: unpack2(s, c); break;
     case 3: unpack2(s, c); unpackbit(s + MQ_PACK3_HI, 2, c); break;
@@ -74,7 +92,7 @@ void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const ui
         const uint8_t *blk = row + b * bb;
         int nv = (int)(k - b * G < G ? k - b * G : G);
         for (int c = 0; c < (nv + MQ_CHUNK - 1) / MQ_CHUNK; c++)
-            mq_unpack_chunk(blk + hd + c * cb, f->bits, codes + MQ_CHUNK * c);
+            mq_unpack_chunk(blk + hd + c * cb, f->pack, codes + MQ_CHUNK * c);
         float *o = out + b * G;
         if (fmt == MQ_Q5G) { for (int i = 0; i < nv; i++) o[i] = lo + (float)codes[i] * step; continue; }
         float d = mq_f16_to_f32(mq_get16(blk + MQ_HDR_D));

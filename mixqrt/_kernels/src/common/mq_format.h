@@ -31,8 +31,14 @@ enum mq_fmt {
  * pack4 16 B : byte i = c[i] | c[i+16] << 4                                    (i < 16)
  * pack5 20 B : pack4(c & 15), then u32 LE at MQ_PACK5_HI: bit i = bit 4 of c[i]
  * pack6 24 B : pack4(c & 15), then pack2(c >> 4) at MQ_PACK6_HI
- * pack8 32 B : the codes as int8 */
+ * pack8 32 B : the codes as int8
+ * pack3c 12 B: code i at bits 3i..3i+2 of the 96-bit little-endian integer (q3p since .mxq version 2:
+ *             a block's 64 codes are then 24 contiguous bytes, which AVX-512 unpacks with one vpermb
+ *             (3 bytes per qword), one vpmultishiftqb and one vpermb lookup of the levels)
+ * A format's packing id (mq_fmt_spec.pack) is its bit count for the planar packings, MQ_PACK3C for
+ * pack3c; mq_pack_chunk / mq_unpack_chunk take that id. */
 #define MQ_CHUNK_BYTES(bits) ((bits) * 4)
+#define MQ_PACK3C 35
 #define MQ_PACK3_HI 8
 #define MQ_PACK5_HI 16
 #define MQ_PACK6_HI 16
@@ -60,7 +66,7 @@ enum mq_fmt {
 #define MQ_Q4_BITS 4
 #define MQ_Q4_GROUP 32
 #define MQ_Q4_HEADER 4
-#define MQ_Q3_BITS 3                             /* q3u and q3p share one layout */
+#define MQ_Q3_BITS 3                             /* q3u and q3p: same block, q3p packs its codes pack3c */
 #define MQ_Q3_GROUP 64
 #define MQ_Q3_HEADER 4
 #define MQ_Q2C_BITS 2
@@ -97,16 +103,17 @@ typedef struct {
     int block_bytes;   /* bytes per block (plain: bytes per value) */
     int trailer;       /* bytes after all rows */
     int off;           /* level offset of the integer kernels */
+    int pack;          /* chunk packing id: bits, or MQ_PACK3C (packed formats only) */
 } mq_fmt_spec;
 
 static const mq_fmt_spec MQ_FORMATS[MQ_NFMT] = {
-    [MQ_Q8] = {"q8", MQ_Q8_BITS, MQ_Q8_GROUP, MQ_Q8_HEADER, MQ_Q8_BLOCK, 0, MQ_Q8_OFF},
-    [MQ_Q6] = {"q6", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF},
-    [MQ_Q4] = {"q4", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0},
-    [MQ_Q3U] = {"q3u", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0},
-    [MQ_Q3P] = {"q3p", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0},
-    [MQ_Q2C] = {"q2c", MQ_Q2C_BITS, MQ_Q2C_GROUP, MQ_Q2C_HEADER, MQ_Q2C_BLOCK, 0, 0},
-    [MQ_Q5G] = {"q5g", MQ_Q5G_BITS, MQ_Q5G_GROUP, MQ_Q5G_HEADER, MQ_Q5G_BLOCK, MQ_Q5G_TRAILER, 0},
+    [MQ_Q8] = {"q8", MQ_Q8_BITS, MQ_Q8_GROUP, MQ_Q8_HEADER, MQ_Q8_BLOCK, 0, MQ_Q8_OFF, MQ_Q8_BITS},
+    [MQ_Q6] = {"q6", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS},
+    [MQ_Q4] = {"q4", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0, MQ_Q4_BITS},
+    [MQ_Q3U] = {"q3u", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_Q3_BITS},
+    [MQ_Q3P] = {"q3p", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C},
+    [MQ_Q2C] = {"q2c", MQ_Q2C_BITS, MQ_Q2C_GROUP, MQ_Q2C_HEADER, MQ_Q2C_BLOCK, 0, 0, MQ_Q2C_BITS},
+    [MQ_Q5G] = {"q5g", MQ_Q5G_BITS, MQ_Q5G_GROUP, MQ_Q5G_HEADER, MQ_Q5G_BLOCK, MQ_Q5G_TRAILER, 0, MQ_Q5G_BITS},
     [MQ_F32] = {"f32", 32, 1, 0, 4, 0, 0},
     [MQ_F16] = {"f16", 16, 1, 0, 2, 0, 0},
     [MQ_BF16] = {"bf16", 16, 1, 0, 2, 0, 0},
@@ -166,8 +173,8 @@ static inline float mq_bf16_to_f32(uint16_t b) {
 }
 
 /* ---------------------------------------------------------------- portable pack / unpack (format.c) */
-void mq_pack_chunk(const uint8_t *c, int bits, uint8_t *dst);     /* 32 codes -> bits*4 bytes */
-void mq_unpack_chunk(const uint8_t *src, int bits, uint8_t *c);   /* inverse (q8: int8 bits) */
+void mq_pack_chunk(const uint8_t *c, int pack, uint8_t *dst);     /* 32 codes -> bits*4 bytes (pack: packing id) */
+void mq_unpack_chunk(const uint8_t *src, int pack, uint8_t *c);   /* inverse (q8: int8 bits) */
 
 /* The one dequantizer: row of k weights in `fmt` -> out[k] float32 (w = d*L + m, layout.py).
  * levels: the q3p table (MQ_Q3P_NLEVELS bytes; may be NULL for other formats); q5_lo/q5_step:

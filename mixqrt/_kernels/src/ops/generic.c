@@ -58,7 +58,7 @@ void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, 
         for (int c = 0; c < cpb; c++) {
             int ci = b * cpb + c;
             uint8_t *o = lv + (size_t)ci * MQ_CHUNK;
-            mq_unpack_chunk(blk + f->header + c * cb, f->bits, o);
+            mq_unpack_chunk(blk + f->header + c * cb, f->pack, o);
             if (j->fmt == MQ_Q8) for (int i = 0; i < 32; i++) o[i] ^= 0x80;
             else if (j->fmt == MQ_Q3P) for (int i = 0; i < 32; i++) o[i] = j->q3p_levels[o[i]];
             else if (j->fmt == MQ_Q2C) for (int i = 0; i < 32; i++) o[i] = blk[MQ_Q2C_LUT + o[i]];

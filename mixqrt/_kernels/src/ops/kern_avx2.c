@@ -84,6 +84,21 @@ static inline __m256i bits32(const ctx_t *cx, uint32_t hb) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(v, cx->bsel), cx->bsel);
 }
 
+/* q3p (pack3c): 32 codes in 12 bytes, code i at bits 3i..3i+2. The 16 bytes from 4 before the
+ * chunk (inside its block) in both lanes; vpshufb gives each code its 16-bit window as a word, vpmullw
+ * by 2^(13 - shift) moves the code to bits 13-15, vpsrlw 13 and one vpackuswb (the two word vectors
+ * hold codes 0-7 | 16-23 and 8-15 | 24-31, so the pack comes out in order) */
+static const uint8_t Q3C_SHUF[2][32] = {{4,5,4,5,4,5,5,6,5,6,5,6,6,7,6,7,10,11,10,11,10,11,11,12,11,12,11,12,12,13,12,13}, {7,8,7,8,7,8,8,9,8,9,8,9,9,10,9,10,13,14,13,14,13,14,14,15,14,15,14,15,15,128,15,128}};
+static const uint16_t Q3C_MUL[2][16] = {{8192,1024,128,4096,512,64,2048,256,8192,1024,128,4096,512,64,2048,256}, {8192,1024,128,4096,512,64,2048,256,8192,1024,128,4096,512,64,2048,256}};
+static inline __attribute__((always_inline)) __m256i q3c_codes(const uint8_t *p) {
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p - 4)));
+    __m256i a = _mm256_mullo_epi16(_mm256_shuffle_epi8(v, _mm256_loadu_si256((const __m256i *)Q3C_SHUF[0])),
+                                   _mm256_loadu_si256((const __m256i *)Q3C_MUL[0]));
+    __m256i b = _mm256_mullo_epi16(_mm256_shuffle_epi8(v, _mm256_loadu_si256((const __m256i *)Q3C_SHUF[1])),
+                                   _mm256_loadu_si256((const __m256i *)Q3C_MUL[1]));
+    return _mm256_packus_epi16(_mm256_srli_epi16(a, 13), _mm256_srli_epi16(b, 13));
+}
+
 /* chunk c of a row -> u8 levels U (q8: the signed codes, see cdot), *dw, *mm (= m - off*dw) */
 static inline __attribute__((always_inline)) __m256i
 unpack_chunk(const ctx_t *cx, const int fmt, const uint8_t *row, int c, float *dw, float *mm) {
@@ -122,9 +137,9 @@ unpack_chunk(const ctx_t *cx, const int fmt, const uint8_t *row, int c, float *d
     case MQ_Q3P: {
         const uint8_t *blk = row + (size_t)(c >> 1) * MQ_Q3_BLOCK, *p = blk + MQ_Q3_HEADER + MQ_CHUNK_BYTES(MQ_Q3_BITS) * (c & 1);
         *dw = h2f(blk + MQ_HDR_D); *mm = h2f(blk + MQ_HDR_M);
+        if (fmt == MQ_Q3P) return _mm256_shuffle_epi8(cx->tab, q3c_codes(p));
         __m256i h = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((long long)rd64(p)), sh2), m3);
-        h = _mm256_or_si256(h, _mm256_and_si256(bits32(cx, rd32(p + MQ_PACK3_HI)), _mm256_set1_epi8(4)));
-        return fmt == MQ_Q3P ? _mm256_shuffle_epi8(cx->tab, h) : h;
+        return _mm256_or_si256(h, _mm256_and_si256(bits32(cx, rd32(p + MQ_PACK3_HI)), _mm256_set1_epi8(4)));
     }
     default: { /* MQ_Q2C */
         const uint8_t *blk = row + (size_t)(c >> 2) * MQ_Q2C_BLOCK, *p = blk + MQ_Q2C_HEADER + MQ_CHUNK_BYTES(MQ_Q2C_BITS) * (c & 3);

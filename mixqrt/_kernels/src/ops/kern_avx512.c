@@ -11,11 +11,11 @@
 
 #include "mq_ops.h"
 
-/* byte offsets inside a block that the shuffle tables below (PERM_Q3P, PERM_Q6, pw16) hard-wire */
+/* byte offsets inside a block that the shuffle tables below (PERM_Q3U, PERM_Q6, pw16) hard-wire */
 #define Q3_C0 MQ_Q3_HEADER                                  /* q3 chunk 0 */
 #define Q3_C1 (MQ_Q3_HEADER + MQ_CHUNK_BYTES(MQ_Q3_BITS))   /* q3 chunk 1 */
 #define Q6_HI (MQ_Q6_HEADER + MQ_PACK6_HI)                  /* q6 2-bit plane */
-_Static_assert(Q3_C0 == 4 && Q3_C1 == 16 && MQ_PACK3_HI == 8, "PERM_Q3P indexes q3 block bytes 4-27");
+_Static_assert(Q3_C0 == 4 && Q3_C1 == 16 && MQ_PACK3_HI == 8, "PERM_Q3U indexes q3 block bytes 4-27");
 _Static_assert(Q6_HI == 18 && MQ_Q6_BLOCK == 26, "PERM_Q6 / pw16 index two q6 blocks of 26 bytes");
 
 void *mq_scratch(size_t n);
@@ -48,6 +48,7 @@ void mq_quantize_act_avx512(const float *x, int K, int kp, int8_t *q, float *d, 
 typedef struct {
     int fmt, nc;
     __m512i tab;     /* q3p levels in every 128-bit lane */
+    __m512i tab64;   /* q3p levels at every index i (level of i & 7): a vpermb table */
     __m512i p3lo, p3hi, p6lo, p6hi, pw16, bitsel;
     const uint8_t *end;  /* one past the last byte of the tensor's rows */
     float q5_lo, q5_step;
@@ -62,7 +63,7 @@ static inline __m256i h16x2(const uint8_t *a, const uint8_t *b) {
     return _mm256_mask_set1_epi16(_mm256_set1_epi16((short)x), 0xff00, (short)y);
 }
 
-static const uint8_t PERM_Q3P[2][64] = {
+static const uint8_t PERM_Q3U[2][64] = {
     { 4, 5, 6, 7, 8, 9,10,11,  4, 5, 6, 7, 8, 9,10,11,  4, 5, 6, 7, 8, 9,10,11,  4, 5, 6, 7, 8, 9,10,11,
      16,17,18,19,20,21,22,23, 16,17,18,19,20,21,22,23, 16,17,18,19,20,21,22,23, 16,17,18,19,20,21,22,23},
     {12,12,12,12,12,12,12,12, 13,13,13,13,13,13,13,13, 14,14,14,14,14,14,14,14, 15,15,15,15,15,15,15,15,
@@ -75,6 +76,20 @@ static const uint8_t PERM_Q6[2][64] = {
 static const uint8_t BITSEL[64] = {
     1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128,
     1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128, 1,2,4,8,16,32,64,128};
+
+/* q3p (pack3c): a block's 64 codes are 24 contiguous bytes (code i at bits 3i..3i+2); vpermb gives
+ * qword j the 3 bytes of codes 8j..8j+7, vpmultishiftqb puts code 8j+b in the low bits of byte b
+ * (the bits above it are the next codes) and a vpermb on the 64-entry table (level of i & 7 at
+ * every i) reads the levels. v: bytes 0-27 of the block (header first) in the low 256 bits. */
+static const uint8_t SPREAD_Q3C[64] = {
+     4, 5, 6, 7, 7, 7, 7, 7,  7, 8, 9,10,10,10,10,10, 10,11,12,13,13,13,13,13, 13,14,15,16,16,16,16,16,
+    16,17,18,19,19,19,19,19, 19,20,21,22,22,22,22,22, 22,23,24,25,25,25,25,25, 25,26,27,27,27,27,27,27};
+_Static_assert(MQ_Q3_HEADER == 4 && MQ_Q3_BLOCK == 28, "SPREAD_Q3C indexes q3 block bytes 4-27");
+static inline __attribute__((always_inline)) __m512i q3c_levels(__m256i v, __m512i tab64) {
+    __m512i x = _mm512_permutexvar_epi8(_mm512_loadu_si512(SPREAD_Q3C), _mm512_castsi256_si512(v));
+    x = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x15120f0c09060300LL), x);
+    return _mm512_permutexvar_epi8(x, tab64);
+}
 
 static inline __attribute__((always_inline)) __m512i
 unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *dv, __m512 *mv) {
@@ -131,10 +146,10 @@ unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *row, int p, __m512 *d
                                                                 : _mm256_maskz_loadu_epi8(0x0fffffff, blk));
         *dv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) & 0xffff)));
         *mv = _mm512_cvtph_ps(_mm256_set1_epi16((short)(rd32(blk) >> 16)));
+        if (fmt == MQ_Q3P) return q3c_levels(_mm512_castsi512_si256(v), cx->tab64);
         __m512i h = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi8(cx->p3lo, v), sh2), m3);
         __mmask64 k = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(cx->p3hi, v), cx->bitsel);
-        h = _mm512_mask_add_epi8(h, k, h, _mm512_set1_epi8(4));
-        return fmt == MQ_Q3P ? _mm512_shuffle_epi8(cx->tab, h) : h;
+        return _mm512_mask_add_epi8(h, k, h, _mm512_set1_epi8(4));
     }
     default: { /* MQ_Q2C */
         const uint8_t *blk = row + (size_t)(p >> 1) * MQ_Q2C_BLOCK, *c = blk + MQ_Q2C_HEADER + 2 * MQ_CHUNK_BYTES(MQ_Q2C_BITS) * (p & 1);
@@ -243,14 +258,14 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #ifndef LEAN_SHORT_TILE
 #define LEAN_SHORT_TILE 4096
 #endif
-static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk, __m512i tab, const int plev) {
+static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk) {   /* q3u */
     const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
     __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(blk + Q3_C0))),
                                     _mm256_set1_epi64x((long long)rd64(blk + Q3_C1)), 1);
     lo = _mm512_and_si512(_mm512_srlv_epi64(lo, sh2), _mm512_set1_epi8(3));
     __mmask64 k = _cvtu64_mask64((uint64_t)rd32(blk + Q3_C0 + MQ_PACK3_HI) | ((uint64_t)rd32(blk + Q3_C1 + MQ_PACK3_HI) << 32));
     lo = _mm512_mask_add_epi8(lo, k, lo, _mm512_set1_epi8(4));
-    return plev ? _mm512_shuffle_epi8(tab, lo) : lo;
+    return lo;
 }
 
 static inline __attribute__((always_inline)) __m512i q6_codes(const uint8_t *A) {
@@ -279,7 +294,7 @@ lean_pair(const int fmt, const uint8_t *row, int p, __m512i tab, __m512i xq, __m
         *am = _mm_fmadd_ps(d2, sv, *am);
     } else {
         const uint8_t *blk = row + (size_t)p * MQ_Q3_BLOCK;
-        __m512i l = q3_codes(blk, tab, fmt == MQ_Q3P);
+        __m512i l = q3_codes(blk);
         __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)rd32(blk)));
         __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l, xq)), dxv);
         *acc = _mm512_fmadd_ps(f, _mm512_broadcastss_ps(dm), *acc);
@@ -343,6 +358,95 @@ mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             __m512 dxv = fmt == MQ_Q6 ? _mm512_setzero_ps() : _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(dx2));
             __m128 sv = _mm_castpd_ps(_mm_load_sd((const double *)(sp + 2 * p)));
             lean_pair(fmt, r, p, cx->tab, xq, dxv, dx2, sv, &acc, &am);
+        }
+        __m128 t = _mm_add_ss(am, _mm_movehdup_ps(am));
+        j->y[n] = _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(t);
+    }
+}
+
+/* ------------------------------------------------------------------ decode: q3p (pack3c)
+ * Per pair and row: one 32-byte load, q3c_levels (3 shuffles), one vpdpbusd. The float work is
+ * shared by the 4 rows of a tile: their 4 x 16 int32 lanes are folded (unpacklo/hi + add, 6 ops)
+ * into one vector whose lane 4j + r holds row r's partial sum of 128-bit lane j (j < 2: chunk A,
+ * else chunk B), converted once and scaled by (d_r * dx_chunk); the 4 rows' (d, m) come from one
+ * vcvtph2ps of their gathered headers, and m * (s_A + s_B) accumulates in one ymm. The prefetch is
+ * mv_lean's (in-row LEAN_PF ahead for long rows, whole tiles LEAN_TILE_PF ahead for short ones). */
+static inline __attribute__((always_inline)) __m512i red4(__m512i i0, __m512i i1, __m512i i2, __m512i i3) {
+    __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+    __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(i2, i3), _mm512_unpackhi_epi32(i2, i3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+static inline __attribute__((always_inline)) __m256i q3_block(const uint8_t *blk, const uint8_t *end) {
+    return blk + 32 <= end ? _mm256_loadu_si256((const __m256i *)blk) : _mm256_maskz_loadu_epi8(0x0fffffff, blk);
+}
+
+static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const int8_t *q = j->a->q;
+    const int np = (j->nc + 1) / 2;
+    const size_t rb = j->row_bytes;
+    const float *dx = j->a->d, *s = j->a->s;
+    float *sp = (float *)mq_scratch((size_t)np * 8 + 64);    /* (0, s_2p + s_2p+1) against (d, m) */
+    for (int p = 0; p < np; p++) { sp[2 * p] = 0.0f; sp[2 * p + 1] = s[2 * p] + s[2 * p + 1]; }
+    const __m512i dsel = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    const __m512i xsel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i ssel = _mm256_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1);
+    const size_t pd = rb < LEAN_PF ? rb : LEAN_PF, tile = (size_t)NRL * rb;
+    const int in_row = tile > LEAN_SHORT_TILE;
+    const size_t tile_pf = tile * ((LEAN_TILE_PF + tile - 1) / tile);
+    /* the 32-byte block loads read 4 bytes past a block: the tensor's last row goes to the
+     * guarded one-row loop */
+    const int nf = j->w + (size_t)n1 * rb + 4 > cx->end ? n1 - 1 : n1;
+    int n = n0;
+    for (; n + NRL <= nf; n += NRL) {
+        const uint8_t *r = j->w + (size_t)n * rb;
+        if (!in_row && r + tile_pf + tile <= cx->end)
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+        __m512 acc = _mm512_setzero_ps();
+        __m256 am = _mm256_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            __m512 dxv = _mm512_permutexvar_ps(xsel, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(dx + 2 * p)))));
+            __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)(sp + 2 * p)))), ssel);
+            const uint8_t *b0 = r + (size_t)p * MQ_Q3_BLOCK;
+            if (in_row && (p & 1) == 0) {
+                size_t v = (size_t)p * MQ_Q3_BLOCK + pd;
+                size_t pfo = v < rb ? v : v - rb + tile;   /* past the row: same row, next tile */
+                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+            }
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)b0), v1 = _mm256_loadu_si256((const __m256i *)(b0 + rb));
+            __m256i v2 = _mm256_loadu_si256((const __m256i *)(b0 + 2 * rb)), v3 = _mm256_loadu_si256((const __m256i *)(b0 + 3 * rb));
+            const __m512i z = _mm512_setzero_si512();
+            __m512i i0 = _mm512_dpbusd_epi32(z, q3c_levels(v0, cx->tab64), xq);
+            __m512i i1 = _mm512_dpbusd_epi32(z, q3c_levels(v1, cx->tab64), xq);
+            __m512i i2 = _mm512_dpbusd_epi32(z, q3c_levels(v2, cx->tab64), xq);
+            __m512i i3 = _mm512_dpbusd_epi32(z, q3c_levels(v3, cx->tab64), xq);
+            __m128i h = _mm_unpacklo_epi64(_mm_unpacklo_epi32(_mm256_castsi256_si128(v0), _mm256_castsi256_si128(v1)),
+                                           _mm_unpacklo_epi32(_mm256_castsi256_si128(v2), _mm256_castsi256_si128(v3)));
+            __m256 dm = _mm256_cvtph_ps(h);                   /* d0 m0 d1 m1 d2 m2 d3 m3 */
+            __m512 wv = _mm512_mul_ps(_mm512_permutexvar_ps(dsel, _mm512_castps256_ps512(dm)), dxv);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(red4(i0, i1, i2, i3)), wv, acc);
+            am = _mm256_fmadd_ps(dm, sv, am);
+        }
+        float t[16], u[8];
+        _mm512_storeu_ps(t, acc); _mm256_storeu_ps(u, am);
+        for (int i = 0; i < NRL; i++) j->y[n + i] = ((t[i] + t[4 + i]) + (t[8 + i] + t[12 + i])) + (u[2 * i] + u[2 * i + 1]);
+    }
+    for (; n < n1; n++) {
+        const uint8_t *r = j->w + (size_t)n * rb;
+        __m512 acc = _mm512_setzero_ps();
+        __m128 am = _mm_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            __m128 dx2 = _mm_castpd_ps(_mm_load_sd((const double *)(dx + 2 * p)));
+            __m512 dxv = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(dx2));
+            __m128 sv = _mm_castpd_ps(_mm_load_sd((const double *)(sp + 2 * p)));
+            __m256i v = q3_block(r + (size_t)p * MQ_Q3_BLOCK, cx->end);
+            __m128 dm = _mm_cvtph_ps(_mm256_castsi256_si128(v));
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q3c_levels(v, cx->tab64), xq)), dxv);
+            acc = _mm512_fmadd_ps(f, _mm512_broadcastss_ps(dm), acc);
+            am = _mm_fmadd_ps(dm, sv, am);
         }
         __m128 t = _mm_add_ss(am, _mm_movehdup_ps(am));
         j->y[n] = _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(t);
@@ -714,7 +818,8 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
 }
 
 #define FMT_CASE(F) case F: \
-    if (j->T == 1 && mq_lean_mv && (F == MQ_Q3P || F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
+    if (j->T == 1 && mq_lean_mv && F == MQ_Q3P) mv_q3c(&cx, j, n0, n1); \
+    else if (j->T == 1 && mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
             && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
     else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1, j->T <= 2 ? 2 : j->T <= 4 ? 4 : GTT); \
@@ -726,10 +831,12 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     lean_mv_on();
     ctx_t cx;
     cx.fmt = j->fmt; cx.nc = j->nc; cx.end = j->w + (size_t)j->N * j->row_bytes; cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
-    uint8_t t16[16] = {0};
+    uint8_t t16[16] = {0}, t64[64];
     if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
+    for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
     cx.tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
-    cx.p3lo = _mm512_loadu_si512(PERM_Q3P[0]); cx.p3hi = _mm512_loadu_si512(PERM_Q3P[1]);
+    cx.tab64 = _mm512_loadu_si512(t64);
+    cx.p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx.p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
     cx.p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx.p6hi = _mm512_loadu_si512(PERM_Q6[1]);
     cx.bitsel = _mm512_loadu_si512(BITSEL);
     static const uint16_t pw16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 13, 13, 13, 13, 13, 13, 13, 13};

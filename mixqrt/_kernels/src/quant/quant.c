@@ -103,7 +103,7 @@ int mq_quantize(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, con
             case MQ_Q3P: blk_q3p(xb, nv, dst, codes, lv); break;
             case MQ_Q5G: blk_q5g(xb, nv, codes, lo, step); break;
             }
-            for (int c = 0; c < G / MQ_CHUNK; c++) mq_pack_chunk(codes + MQ_CHUNK * c, l->bits, dst + l->header + c * cb);
+            for (int c = 0; c < G / MQ_CHUNK; c++) mq_pack_chunk(codes + MQ_CHUNK * c, l->pack, dst + l->header + c * cb);
         }
     }
     if (fmt == MQ_Q5G) { memcpy(out + n * nb * bb, &lo, 4); memcpy(out + n * nb * bb + 4, &hi, 4); }

@@ -235,7 +235,7 @@ int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *o
             memset(codes, 0, sizeof codes);
             if (fmt == MQ_Q6) mq_search_sym6(xb, wb, nv, dst, codes);
             else mq_search_asym(xb, wb, nv, L, nl, q3p, dst, codes);
-            for (int c = 0; c < G / MQ_CHUNK; c++) mq_pack_chunk(codes + MQ_CHUNK * c, bits, dst + head + c * cb);
+            for (int c = 0; c < G / MQ_CHUNK; c++) mq_pack_chunk(codes + MQ_CHUNK * c, f->pack, dst + head + c * cb);
         }
     }
     return 0;
