@@ -494,15 +494,48 @@ for a 4-row float decode kernel (4 row streams sharing each x load, prefetched 0
 of the one-row loop on the 151936 x 896 f32/f16 lm_head at 1 and 2 threads, with and without software
 prefetch. It stays as an opt-in (`MIXQRT_FLOAT_MV=1`, `_ops.set_float_mv`) for a quiet re-measure.
 
-**AVX-512 tier** (`src/ops/kern_avx512.c`): two chunks (64 codes) per zmm, unpacked with vpermb (q3p, q6:
+**AVX-512 tier** (`src/ops/kern_avx512.c`): two chunks (64 codes) per zmm, unpacked with vpermb (q3u, q6:
 one masked load of the block, vpermb places the 2-bit plane / nibbles / high-bit bytes per qword),
 per-qword shifts (vpsrlvq / vprolvq) and masks, vptestmb + masked add for the 3rd bit, vpternlog to merge
-q6's planes, vpshufb for levels; then one vpdpbusd, one vcvtdq2ps and one FMA with the (dw × dx) lane
+q6's planes, vpshufb for levels (q3p: the pack3c unpack below); then one vpdpbusd, one vcvtdq2ps and one FMA with the (dw × dx) lane
 vector; the offset term is a second FMA with a precomputed `s` lane vector. Decode runs fused from the
 packed bytes, two rows per iteration sharing the activation loads. Prefill with T < 8 unpacks a tile of
 4 rows once into L1-resident u8 levels and reuses it for every token; T >= 8 uses the VNNI GEMM below.
 
-**AVX-512 lean decode** (`mv_lean`, default for q3p, q3u and q6, i.e. ~95 % of the 2356 decode bytes):
+**q3p decode (pack3c, `mv_q3c`; .mxq version 2).** q3p's codes are packed contiguously (code i at bits
+3i..3i+2, a 64-weight block = 4 bytes of (d, m) + 24 bytes of codes, the same 3.5 bpw). Per block and
+row: one 32-byte load, one vpermb giving each qword the 3 bytes of its 8 codes, one vpmultishiftqb
+putting code 8j+b in the low bits of byte b, one vpermb on a 64-entry table (level of i & 7 at every i,
+so the bits above a code need no mask), one vpdpbusd. The planar layout (2-bit plane + 1-bit plane)
+needed a vinserti64x4, vpsrlvq, vpand, two scalar loads into a mask register, a masked add and a
+vpshufb for the same. The float work is shared by a 4-row tile: the four 16-lane int32 sums are folded
+by unpacklo/hi + add into one vector (lane 4j + r = row r's partial sum of 128-bit lane j: j < 2 chunk
+A, else chunk B), converted once and scaled by (d_r x dx_chunk), with the 4 rows' (d, m) from one
+vcvtph2ps of their gathered headers; rows up to 160 pairs keep the dx lane vectors in scratch. Same
+prefetch as `mv_lean`. The AVX2 tier unpacks pack3c with a vpshufb (each code's 16-bit window as a
+word), vpmullw by 2^(13 - shift), vpsrlw 13 and one vpackuswb. Variants, single thread, thread CPU
+time, random bytes (`benchmarks/q3p_decode_variants.c`, GB/s = packed bytes / time, one run on the
+loaded box, 07:10 UTC):
+
+| variant | 4864 x 896 | 896 x 4864 | 3584 x 3584 | 3584 x 18944 (DRAM, no prefetch) |
+|---|---|---|---|---|
+| A planar layout, per-row float (the lean path before) | 11.8 | 12.0 | 10.9 | 8.7 |
+| B pack3c, per-row float | 13.3 | 15.9 | 14.0 | 9.3 |
+| C pack3c, 4-row float | 15.2 | 17.7 | 16.5 | 10.5 |
+| D planar, 4-row float | 11.4 | 13.0 | 11.4 | 9.1 |
+| E pack3c with a row's scales stored apart from its codes | 14.8 | 17.2 | 15.4 | 8.9 |
+| F C with the tile's scales gathered into a transposed scratch | 10.0 | 13.1 | 9.6 | 6.8 |
+| H C with dx lane vectors from scratch (as built, <= 160 pairs) | 16.0 | 16.9 | 16.8 | 9.7 |
+
+So pack3c + the 4-row float work is ~1.3-1.5x the planar lean kernel on cache-resident weights; the
+4-row fold alone does nothing on the planar layout (D), a second layout change that moves the scales
+out of the blocks (E, the "scales stored together" idea) is not better than C, and gathering scales by
+scalar loads (F) loses. VBMI2's vpexpandb would replace the first vpermb by a load, but the tier does
+not require VBMI2. Through `ops.matmul` (1 thread, thread CPU time, main vs this branch in alternated
+processes on the same random weights): 9728 x 896 8.1-10.6 -> 11.0-14.4 GB/s, 4864 x 896 8.4 -> 11.6-14.1,
+3584 x 3584 8.7-10.8 -> 13.9, 3584 x 18944 8.6-9.1 -> 12.0-15.6.
+
+**AVX-512 lean decode** (`mv_lean`, default for q3u and q6 with long rows; q3p had it before pack3c):
 the same integer sums with fewer instructions and less L1. The bit planes are broadcast qwords / 128-bit
 lanes merged with one vinserti64x4 (no vpermb); q3's high bits are loaded straight into a mask register
 (kmovq) for the masked add; a pair's two fp16 scales are converted once as an xmm; the activation side
@@ -668,15 +701,19 @@ loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of 
 - The lean decode path exists for AVX-512 only; the AVX2 tier keeps one chunk per ymm with the
   whole-rows-ahead prefetch (see the tier table for what that costs on a CPU without AVX-512).
 - q8, q4 and q2c decode still use the unpack path (they carry under 5 % of 2356's decode bytes).
-- q3p decode is still compute-bound even on the lean path (~14-22 GB/s per core): 2356's FFN reaches
-  the bandwidth at 2 threads only when ~40 GB/s are available. What remains per 64 weights is mostly
-  float work on the per-group fp16 (d, m): a layout with a block's scales stored together (one
-  vcvtph2ps for 8 groups) would cut it, at the price of a format version.
-- T-MAC lookup for q2c/q3p was not tried; nor row repacking (Q4_0x8-style interleaving of 4-8 rows),
-  nor a bit-sliced q3p layout. With the honest bound, q3p decode (~14-22 GB/s per core) is compute-bound
-  below the roof, so these are the next candidates (#13). Note the measurement above: interleaving rows
+- q3p decode after pack3c (~15-18 GB/s per core on cache-resident weights, single thread) is still
+  compute-bound against one core's DRAM rate: per block and row it is 3 shuffles + vpdpbusd + ~2 float
+  ops, shuffle-port bound. Storing the scales apart from the codes (variant E above) did not help.
+- T-MAC lookup was not tried: q3p's levels are a non-linear table, so the bit-plane decomposition
+  T-MAC relies on does not apply; a 2-weight table (64 entries of int16 per activation pair) would be
+  K x 128 bytes per call, out of L1 for K >= 896. Row repacking (Q4_0x8-style 16 rows x 4 k per zmm,
+  the GEMM tile's layout, float work once per 16 rows) was not tried either: it needs a layout with N
+  padded to 16 in every tier and in the batched paths. Note the measurement above: interleaving rows
   costs read bandwidth on this machine unless the interleaved rows sit in one contiguous stream, which
   is what a repacked layout gives and a 4-row tile over separate rows does not.
+- q6 with short rows (K = 896: the 0.5B attention and lm_head, ~45 % of 2356's decode bytes) still
+  runs the unpack path with per-row float work; the 4-row fold of `mv_q3c` applies there too (per
+  pair two scales instead of one), estimated ~1.1-1.2x from the instruction count, not built.
 - f32 decode: mixqrt's one-row AVX-512 loop vs llama.cpp's F32 is in the llama.cpp table of each run;
   the 4-row variant lost (above).
 """
