@@ -314,7 +314,7 @@ def test_gemm_path_extreme_levels_and_threads(gemm_path, fmt):
     np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6"])
+@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6", "q6-fold"])
 @pytest.mark.parametrize("lean", [True, False])
 @settings(max_examples=10, deadline=None)
 @given(n=st.sampled_from([1, 3, 4, 5, 31, 33, 257]), k=st.sampled_from([1, 31, 33, 64, 255, 257, 896, 4864]),
@@ -324,7 +324,9 @@ def test_avx512_decode_paths(fmt, lean, n, k, seed):
     the emulation's exact result on exact inputs, for row counts around the 4-row tile."""
     if "avx512" not in isa.available():
         pytest.skip("no AVX-512 tier on this CPU")
-    before, old = isa.current(), _ops.set_lean_mv(lean)
+    fold = fmt == "q6-fold"          # q6 short rows through the opt-in mv_q6f
+    fmt = fmt.removesuffix("-fold")
+    before, old, old_fold = isa.current(), _ops.set_lean_mv(lean), _ops.set_q6_fold(fold)
     isa.set_isa("avx512")
     try:
         assert _ops.set_lean_mv(lean) == lean
@@ -335,6 +337,7 @@ def test_avx512_decode_paths(fmt, lean, n, k, seed):
         np.testing.assert_array_equal(guarded_matmul(w, x), ye.astype(np.float32))
     finally:
         _ops.set_lean_mv(old)
+        _ops.set_q6_fold(old_fold)
         isa.set_isa(before)
 
 

@@ -30,6 +30,7 @@ cdef extern from "mq_ops.h" nogil:
     void mq_set_gemm_min_t(int t)
     int mq_set_lean_mv(int on)
     int mq_set_float_mv(int on)
+    int mq_set_q6_fold(int on)
     int mq_pool_start(int n, const int *cpus, int ncpus)
     int mq_pool_size()
     void mq_pool_stop()

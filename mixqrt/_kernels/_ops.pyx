@@ -81,6 +81,14 @@ def set_lean_mv(on=None):
     return bool(mq_set_lean_mv(-1 if on is None else (1 if on else 0)))
 
 
+def set_q6_fold(on=None):
+    """AVX-512 decode of q6 with short rows (4 rows <= 4 KB, e.g. K = 896) through mv_q6f, the lean
+    q6 unpack with the float work of 4 rows folded into one vector (on; MIXQRT_Q6_FOLD=1 starts a
+    process with it on) or the unpack path (the default: faster end to end where measured,
+    docs/kernels.md). on=None only queries. Returns the previous state."""
+    return bool(mq_set_q6_fold(-1 if on is None else (1 if on else 0)))
+
+
 def set_float_mv(on=None):
     """AVX-512 decode (T == 1) of f32/f16/bf16 weights 4 rows at a time with prefetched row streams
     (on; MIXQRT_FLOAT_MV=1 starts a process with it on) or one row at a time (the default, faster

@@ -139,4 +139,5 @@ void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
 void mq_set_gemm_min_t(int t) { (void)t; }
 int mq_set_lean_mv(int on) { (void)on; return 0; }
 int mq_set_float_mv(int on) { (void)on; return 0; }
+int mq_set_q6_fold(int on) { (void)on; return 0; }
 #endif

@@ -463,6 +463,65 @@ static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* q6 with an even chunk count: mv_q3c's 4-row fold of the float work (lanes 4j + r, j < 2 chunk A
+ * of the pair, else chunk B) on mv_lean's q6 unpack; the 4 rows' 8 fp16 scales (d of both blocks)
+ * are gathered by scalar loads into one xmm, the offset term (-32 d s) accumulates in one ymm.
+ * For the short rows (K = 896: the 0.5B model's attention and lm_head). Opt-in (MIXQRT_Q6_FOLD=1,
+ * _ops.set_q6_fold): 1.2-1.5x the unpack path in thread CPU time on these shapes, but 0.85-0.9x end
+ * to end on the 0.5B 2356 decode (alternated in one process, docs/kernels.md), as mv_lean before. */
+static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const int8_t *q = j->a->q;
+    const int np = j->nc / 2;
+    const size_t rb = j->row_bytes;
+    const float *dx = j->a->d, *s = j->a->s;
+    uint8_t *scr = (uint8_t *)mq_scratch((size_t)np * 72 + 128);
+    float *sp = (float *)scr;                                   /* -32 s_2p, -32 s_2p+1 */
+    __m512 *dxs = (__m512 *)(((uintptr_t)(scr + (size_t)np * 8) + 63) & ~(uintptr_t)63);
+    const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i dsel = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
+    for (int p = 0; p < np; p++) {
+        sp[2 * p] = -32.0f * s[2 * p]; sp[2 * p + 1] = -32.0f * s[2 * p + 1];
+        dxs[p] = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(dx + 2 * p)))));
+    }
+    const size_t pd = rb < LEAN_PF ? rb : LEAN_PF, tile = (size_t)NRL * rb, pb = 2 * MQ_Q6_BLOCK;
+    const int in_row = tile > LEAN_SHORT_TILE;
+    const size_t tile_pf = tile * ((LEAN_TILE_PF + tile - 1) / tile);
+    int n = n0;
+    for (; n + NRL <= n1; n += NRL) {
+        const uint8_t *r = j->w + (size_t)n * rb;
+        if (!in_row && r + tile_pf + tile <= cx->end)
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+        __m512 acc = _mm512_setzero_ps();
+        __m256 am = _mm256_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            const uint8_t *a0 = r + (size_t)p * pb;
+            if (in_row) {
+                size_t v = (size_t)p * pb + pd;
+                size_t pfo = v < rb ? v : v - rb + tile;
+                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+            }
+            const __m512i z = _mm512_setzero_si512();
+            __m512i i0 = _mm512_dpbusd_epi32(z, q6_codes(a0), xq);
+            __m512i i1 = _mm512_dpbusd_epi32(z, q6_codes(a0 + rb), xq);
+            __m512i i2 = _mm512_dpbusd_epi32(z, q6_codes(a0 + 2 * rb), xq);
+            __m512i i3 = _mm512_dpbusd_epi32(z, q6_codes(a0 + 3 * rb), xq);
+            uint64_t h01 = (uint64_t)(rd32(a0) & 0xffff) | ((uint64_t)(rd32(a0 + MQ_Q6_BLOCK) & 0xffff) << 16)
+                         | ((uint64_t)(rd32(a0 + rb) & 0xffff) << 32) | ((uint64_t)(rd32(a0 + rb + MQ_Q6_BLOCK) & 0xffff) << 48);
+            uint64_t h23 = (uint64_t)(rd32(a0 + 2 * rb) & 0xffff) | ((uint64_t)(rd32(a0 + 2 * rb + MQ_Q6_BLOCK) & 0xffff) << 16)
+                         | ((uint64_t)(rd32(a0 + 3 * rb) & 0xffff) << 32) | ((uint64_t)(rd32(a0 + 3 * rb + MQ_Q6_BLOCK) & 0xffff) << 48);
+            __m256 d8 = _mm256_cvtph_ps(_mm_set_epi64x((long long)h23, (long long)h01));   /* d0A d0B d1A d1B ... */
+            __m512 wv = _mm512_mul_ps(_mm512_permutexvar_ps(dsel, _mm512_castps256_ps512(d8)), dxs[p]);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(red4(i0, i1, i2, i3)), wv, acc);
+            am = _mm256_fmadd_ps(d8, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sp + 2 * p))), am);
+        }
+        float t[16], u[8];
+        _mm512_storeu_ps(t, acc); _mm256_storeu_ps(u, am);
+        for (int i = 0; i < NRL; i++) j->y[n + i] = ((t[i] + t[4 + i]) + (t[8 + i] + t[12 + i])) + (u[2 * i] + u[2 * i + 1]);
+    }
+    if (n < n1) mv_lean(cx, MQ_Q6, j, n, n1);
+}
+
 static float dot_ps(const float *w, const float *x, int K) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int k = 0;
@@ -550,11 +609,17 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define GTT 8
 int mq_gemm_min_t = 3;
 static int mq_lean_mv = -1;   /* -1: not decided yet; MIXQRT_LEAN_MV=0 starts it off (default on) */
+static int mq_q6_fold = 0;   /* MIXQRT_Q6_FOLD=1 routes q6 short rows to mv_q6f (opt-in: lost end to end) */
 static int lean_mv_on(void) {
-    if (mq_lean_mv < 0) { const char *e = getenv("MIXQRT_LEAN_MV"); mq_lean_mv = !(e && e[0] == '0'); }
+    if (mq_lean_mv < 0) {
+        const char *e = getenv("MIXQRT_LEAN_MV"), *f = getenv("MIXQRT_Q6_FOLD");
+        mq_lean_mv = !(e && e[0] == '0');
+        mq_q6_fold = f && f[0] == '1';
+    }
     return mq_lean_mv;
 }
 int mq_set_lean_mv(int on) { int old = lean_mv_on(); if (on >= 0) mq_lean_mv = on != 0; return old; }
+int mq_set_q6_fold(int on) { lean_mv_on(); int old = mq_q6_fold; if (on >= 0) mq_q6_fold = on != 0; return old; }
 void mq_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 
 static inline __attribute__((always_inline)) void
@@ -829,6 +894,8 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
 
 #define FMT_CASE(F) case F: \
     if (j->T == 1 && mq_lean_mv && F == MQ_Q3P) mv_q3c(&cx, j, n0, n1); \
+    else if (j->T == 1 && mq_lean_mv && F == MQ_Q6 && j->nc % 2 == 0 && (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE \
+             && mq_q6_fold) mv_q6f(&cx, j, n0, n1); \
     else if (j->T == 1 && mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
             && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
