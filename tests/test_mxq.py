@@ -104,6 +104,31 @@ def test_version_1_q3p_asks_to_requantize(tmp_path):
         assert f.tensors["a"].fmt == "q3p"
 
 
+def test_upgrade_repacks_version_1_q3p(tmp_path, monkeypatch):
+    """upgrade() turns a version 1 file (q3p codes planar, as q3u keeps them) into version 2 with the
+    same codes, scales and everything else."""
+    from mixqrt.io.mxq import upgrade
+    from mixqrt.quant import QTensor, quantize, layout
+    w = np.random.default_rng(3).standard_normal((5, 200)).astype(np.float32)
+    new = quantize(w, "q3p")
+    planar = layout.assemble("q3u", new.shape, layout.disassemble("q3p", new.shape, new.raw))
+    other = quantize(w[:2], "q6")
+    old_path, new_path = tmp_path / "v1.mxq", tmp_path / "v2.mxq"
+    monkeypatch.setattr(mxq, "VERSION", 1)
+    with MxqWriter(old_path, {"config": {"a": 1}, "big": "x" * 70000}) as wr:
+        wr.add("ffn", QTensor("q3p", new.shape, np.frombuffer(planar, np.uint8)), 0)
+        wr.add("attn", other, 0)
+    monkeypatch.setattr(mxq, "VERSION", 2)
+    with pytest.raises(FormatError, match="re-quantize"):
+        MxqFile(old_path)
+    assert upgrade(old_path, new_path) == 1
+    with MxqFile(new_path) as f:
+        assert f.tensors["ffn"].raw.tobytes() == new.raw.tobytes()
+        assert f.tensors["attn"].raw.tobytes() == other.raw.tobytes()
+        assert f.meta["config"] == {"a": 1} and f.meta["big"] == "x" * 70000
+        assert f.info["ffn"].layer == 0
+
+
 def _set(path, value):
     def edit(h):
         d = h

@@ -133,9 +133,10 @@ def _check_tensor(name, e, hoff: int, alignment: int, page: int) -> TensorInfo:
     return TensorInfo(name, fmt, tuple(shape), off, nb, lay)
 
 
-def parse_header(arena: Arena) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
+def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
     """Validate everything but tensor contents and blob contents (checked when read).
-    Returns (meta, tensors, spans, header_bytes)."""
+    Returns (meta, tensors, spans, header_bytes). old_q3p: let a version 1 file's q3p tensors
+    (planar codes) through, for `upgrade` only."""
     where = arena.path
     version, hoff, hlen, crc = _parse_prefix(arena)
     raw = arena.read(hoff, hlen)
@@ -160,12 +161,13 @@ def parse_header(arena: Arena) -> tuple["MetaView", dict[str, TensorInfo], dict,
         raise FormatError(f"{where}: tensors must be an object and spans a list")
 
     tensors = {name: _check_tensor(name, e, hoff, alignment, page) for name, e in ttab.items()}
-    if h["version"] < 2:
+    if h["version"] < 2 and not old_q3p:
         old = next((t.name for t in tensors.values() if t.fmt == "q3p"), None)
         if old is not None:
             raise FormatError(f"{where}: q3p tensor {old!r} is in the bit packing of .mxq version 1, which this "
                               f"mixqrt no longer reads (q3p is pack3c since version 2, docs/format.md): "
-                              f"re-quantize the model (mixqrt quantize)")
+                              f"re-quantize the model (mixqrt quantize), or convert the file: "
+                              f"python -c \"from mixqrt.io.mxq import upgrade; upgrade('OLD.mxq', 'NEW.mxq')\"")
     groups: dict = {}
     for t in tensors.values():
         groups.setdefault(t.name if t.layer is None else t.layer, []).append(t)
@@ -277,12 +279,12 @@ class MxqFile:
     arena:         the mixqrt.io.arena.Arena (arena.prefetch(*spans[i]) reads a layer ahead)
     """
 
-    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False):
+    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, _old_q3p: bool = False):
         from mixqrt.quant.qtensor import QTensor
         self.path = os.fspath(path)
         self.arena = Arena(self.path, hugepages=hugepages, willneed=willneed)
         try:
-            self.meta, self.info, self.spans, self.header_bytes = parse_header(self.arena)
+            self.meta, self.info, self.spans, self.header_bytes = parse_header(self.arena, old_q3p=_old_q3p)
             self.tensors = {}
             for name, t in self.info.items():
                 try:
@@ -505,3 +507,23 @@ class MxqWriter:
     def __del__(self):
         if getattr(self, "_tmp", None) is not None:
             self.abort()
+
+
+def upgrade(src, dst) -> int:
+    """Rewrite a version 1 .mxq as version 2: q3p tensors get their codes repacked from the planar
+    packing (the one q3u keeps) to pack3c, everything else is copied unchanged. Returns the number of
+    tensors repacked. The output is written atomically like any .mxq."""
+    import numpy as np
+    from mixqrt.quant.qtensor import QTensor
+    n = 0
+    with MxqFile(src, _old_q3p=True) as f:
+        old = _parse_prefix(f.arena)[0] < 2
+        with MxqWriter(dst, {k: f.meta[k] for k in f.meta}) as w:
+            for name, t in f.info.items():
+                qt = f.tensors[name]
+                if old and t.fmt == "q3p":
+                    parts = layout.disassemble("q3u", t.shape, qt.raw)   # same blocks, planar codes
+                    qt = QTensor("q3p", t.shape, np.frombuffer(layout.assemble("q3p", t.shape, parts), np.uint8))
+                    n += 1
+                w.add(name, qt, t.layer)
+    return n
