@@ -712,8 +712,13 @@ loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of 
   costs read bandwidth on this machine unless the interleaved rows sit in one contiguous stream, which
   is what a repacked layout gives and a 4-row tile over separate rows does not.
 - q6 with short rows (K = 896: the 0.5B attention and lm_head, ~45 % of 2356's decode bytes) still
-  runs the unpack path with per-row float work; the 4-row fold of `mv_q3c` applies there too (per
-  pair two scales instead of one), estimated ~1.1-1.2x from the instruction count, not built.
+  runs the unpack path. `mv_q6f` (mv_lean's q6 unpack + mv_q3c's 4-row float fold) is built and tested
+  but opt-in (`MIXQRT_Q6_FOLD=1`, `_ops.set_q6_fold`): 1.2-1.5x the unpack path in thread CPU time at
+  1 thread (1152 x 896 13.0-15.7 -> 18.7-19.4 GB/s, 151936 x 896 7.4-9.4 -> 9.4-11.1), but end to end
+  on the 0.5B 2356 decode it lost, alternated in one process (5 rounds of 24 tokens, load average ~9):
+  best 13.8 vs 16.2 tok/s at 1 thread, 9.8 vs 11.2 at 2 threads; like mv_lean before it, 4 row streams
+  of short DRAM rows read slower than the unpack path's 2. In the same run the q3p kernel (mv_q3c)
+  beat q3p through the 2-row unpack path (also pack3c): 16.2 vs 14.7 and 11.2 vs 11.0 tok/s.
 - f32 decode: mixqrt's one-row AVX-512 loop vs llama.cpp's F32 is in the llama.cpp table of each run;
   the 4-row variant lost (above).
 """
