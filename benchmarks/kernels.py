@@ -499,8 +499,9 @@ one masked load of the block, vpermb places the 2-bit plane / nibbles / high-bit
 per-qword shifts (vpsrlvq / vprolvq) and masks, vptestmb + masked add for the 3rd bit, vpternlog to merge
 q6's planes, vpshufb for levels (q3p: the pack3c unpack below); then one vpdpbusd, one vcvtdq2ps and one FMA with the (dw × dx) lane
 vector; the offset term is a second FMA with a precomputed `s` lane vector. Decode runs fused from the
-packed bytes, two rows per iteration sharing the activation loads. Prefill with T < 8 unpacks a tile of
-4 rows once into L1-resident u8 levels and reuses it for every token; T >= 8 uses the VNNI GEMM below.
+packed bytes, two rows per iteration sharing the activation loads. T = 2 unpacks a tile of 4 rows
+once into L1-resident u8 levels and reuses it for both tokens; T >= 3 (batched decode of 3+ sequences,
+and prefill) uses the VNNI GEMM below.
 
 **q3p decode (pack3c, `mv_q3c`; .mxq version 2).** q3p's codes are packed contiguously (code i at bits
 3i..3i+2, a 64-weight block = 4 bytes of (d, m) + 24 bytes of codes, the same 3.5 bpw). Per block and
@@ -639,23 +640,46 @@ need ~21 GB/s effective for 75 tok/s; the idle-machine matvec table above (lm_he
 a quiet moment = 31 GB/s, per-layer products ~23-38 GB/s) says that is within reach once the non-matmul
 ~3.8 ms/token (now ~1.5 ms) is gone.
 
-## Prefill GEMM (AVX-512, T >= 8) and prefill attention (measured by hand)
+## GEMM for prefill and batched decode (AVX-512, T >= 3) and prefill attention (measured by hand)
 
 Measured by hand before the tables below were regenerated (prose kept in `benchmarks/kernels.py`).
 
-**Matmul.** `gemm_fmt` in `src/ops/kern_avx512.c`, used for `T >= mq_gemm_min_t` (default 8;
-`_ops.set_gemm_min_t(t)`, `t <= 0` turns it off; smaller T keep the 4-row tile path). Per call each
-thread first interleaves the int8 activations of groups of 8 tokens (`[group][k4][token]` u32, zero
-tokens pad the last group; dx and s as `[group][chunk][token]`). Then for a tile of 16 weight rows
-and a K slice of 16 chunks (512 k) the packed codes are unpacked once (the same `unpack_pair` as
-decode) into a VNNI tile: per k4 step one 64-byte zmm = 16 rows x 4 consecutive levels, plus per
-chunk a 16-lane dw and mm vector. Micro-kernel, per chunk: 8 k4 steps x (one weight load, 8
-`vpdpbusd` with a 4-byte activation broadcast per token) into 8 int32 accumulators (16 rows each),
-then per token `acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc)` (the generic tier's
-order, chunk by chunk); accumulators go through a 64-B-aligned scratch between K slices and are
-written with a 16-lane masked store (N tails; no masked loads anywhere: rows past the tile end get
-zero levels and zero dw/mm in the scratch tile). isum stays exact (u8 x s8, q8 as code ^ 0x80 with
-mm = -128 dw, q2c levels up to 255). Threads split N as before (64-row units).
+**Matmul.** `gemm_fmt` in `src/ops/kern_avx512.c`, used for `T >= mq_gemm_min_t` (default 3;
+`_ops.set_gemm_min_t(t)`, `t <= 0` turns it off; T = 2 keeps the 4-row tile path). Per call each
+thread first interleaves the int8 activations of groups of gt tokens (gt = 2 for T <= 2, 4 for
+T <= 4, else 8; `[group][k4][token]` u32, zero tokens pad the last group; dx and s as
+`[group][chunk][token]`). Then for a tile of 16 weight rows and a K slice of 16 chunks (512 k) the
+packed codes are unpacked once into a VNNI tile: per k4 step one 64-byte zmm = 16 rows x 4
+consecutive levels, plus per chunk a 16-lane dw and mm vector. The unpack (`gemm_unpack_pair`) puts
+each row's pair of chunks in one zmm with the decode path's `unpack_pair`, transposes the 16 rows as a
+16 x 16 dword matrix (64 shuffles) and stores 16 zmm; the scales of q3p/q3u/q6 come from one
+`vpgatherdd` per chunk over the 16 row headers. (It stored the tile element by element before: 16
+scalar stores per row and pair, which made the unpack cost more than the products for a few tokens.)
+Micro-kernel, per chunk: 8 k4 steps x (one weight load, gt `vpdpbusd` with a 4-byte activation
+broadcast per token) into gt int32 accumulators (16 rows each), then per token
+`acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc)` (the generic tier's order, chunk by
+chunk); accumulators go through a 64-B-aligned scratch between K slices and are written with a
+16-lane masked store (N tails; no masked loads anywhere: rows past the tile end get zero levels and
+zero dw/mm in the tile). isum stays exact (u8 x s8, q2c levels up to 255; q8 as code ^ 0x80 with
+128 x the chunk's activation sum subtracted in integers, so its sums are the exact signed ones, as in
+every tier). Threads split N as before (64-row units).
+
+Batched decode (the engine's [B, D] products), single thread, `time.thread_time`, a 512 x 896 tensor
+(L2-resident, so this is the compute cost), best of 400 calls, 2026-12-03 (loaded box, two runs):
+
+| T | q3p 4-row tile | q3p GEMM | q6 4-row tile | q6 GEMM |
+|---|---:|---:|---:|---:|
+| 1 (fused decode) | 20 µs | | 23 µs | |
+| 2 | 39 | 37 | 39 | 40 |
+| 3 | 48 | 43 | 50 | 49 |
+| 4 | 54 | 44 | 62 | 50 |
+| 8 | (GEMM) | 60 | (GEMM) | 66 |
+| 16 | | 99 | | 106 |
+
+Before the vectorized unpack the GEMM took 69-90 µs at T = 2-8 on the same tensor (it was used for
+T >= 8 only): ~18 % less at T = 8, ~40 % less at T = 2-4. A step of 8 sequences costs ~3x a step of
+one in these products: the 64 MACs of a `vpdpbusd` are the same work at any T, and T = 1 reads each
+weight once while T = 8 multiplies it eight times.
 
 Single-thread matmul, T = 512, GOP/s = 2NKT / *thread CPU time* (`time.thread_time`, `ops.local_threads(1)`;
 wall time on the shared box was 2-3x noisier), old 4-row tile vs new, interleaved runs, medians of 5:
@@ -721,6 +745,7 @@ loaded box 2-thread OpenBLAS calls in attention spiked to ~20 ms each (3.3 s of 
   beat q3p through the 2-row unpack path (also pack3c): 16.2 vs 14.7 and 11.2 vs 11.0 tok/s.
 - f32 decode: mixqrt's one-row AVX-512 loop vs llama.cpp's F32 is in the llama.cpp table of each run;
   the 4-row variant lost (above).
+
 """
 
 
