@@ -648,42 +648,6 @@ gemm_kernel(const uint32_t *lvT, const float *dwT, const float *mmT, int nch,
     for (int i = 0; i < gt; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
 }
 
-/* q3p/q3u: one (d, m) per 64-weight block, i.e. per chunk pair (nch is even: blocks never straddle
- * the 16-chunk K slices). Per pair and token the float work is cvt, cvt, mul, fma (the two chunks'
- * activation scales), then one fma with dw and one with mm against s_A + s_B: 6 vector ops where two
- * gemm_kernel chunks take 8, in a kernel that is vpdpbusd-bound from T = 3 on (docs/kernels.md). */
-static inline __attribute__((always_inline)) void
-gemm_kernel_q3(const uint32_t *lvT, const float *dwT, const float *mmT, int nch,
-               const uint32_t *qb, const float *db, const float *sb, float *accb, int first, const int gt) {
-    __m512 acc[GTT];
-    for (int i = 0; i < gt; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
-    for (int c = 0; c < nch; c += 2) {
-        const __m512i *w = (const __m512i *)(lvT + (size_t)c * 128);
-        const uint32_t *qc = qb + (size_t)c * 8 * gt;
-        __m512i is[GTT], js[GTT];
-        __m512i w0 = _mm512_load_si512(w), w8 = _mm512_load_si512(w + 8);
-        for (int i = 0; i < gt; i++) {
-            is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
-            js[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w8, _mm512_set1_epi32((int)qc[(8 + 0) * gt + i]));
-        }
-        for (int s = 1; s < 8; s++) {
-            __m512i ws = _mm512_load_si512(w + s), wt = _mm512_load_si512(w + 8 + s);
-            for (int i = 0; i < gt; i++) {
-                is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
-                js[i] = _mm512_dpbusd_epi32(js[i], wt, _mm512_set1_epi32((int)qc[(8 + s) * gt + i]));
-            }
-        }
-        __m512 dw = _mm512_load_ps(dwT + 16 * c), mm = _mm512_load_ps(mmT + 16 * c);
-        for (int i = 0; i < gt; i++) {
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(db[c * gt + i]));
-            t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(js[i]), _mm512_set1_ps(db[(c + 1) * gt + i]), t);
-            acc[i] = _mm512_fmadd_ps(t, dw, acc[i]);
-            acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i] + sb[(c + 1) * gt + i]), acc[i]);
-        }
-    }
-    for (int i = 0; i < gt; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
-}
-
 /* 16x16 transpose of 32-bit elements: v[r] lane j -> v[j] lane r */
 static inline __attribute__((always_inline)) void transpose16_epi32(__m512i v[16]) {
     __m512i t[16];
@@ -809,10 +773,7 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
                 float *ab = accb + (size_t)g * gt * 16;
-                if ((fmt == MQ_Q3P || fmt == MQ_Q3U) && nch % 2 == 0)
-                    gemm_kernel_q3(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
-                                   dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt, ab, first, gt);
-                else gemm_kernel(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
+                gemm_kernel(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
                             dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
                             fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
                 if (last)
