@@ -640,6 +640,20 @@ need ~21 GB/s effective for 75 tok/s; the idle-machine matvec table above (lm_he
 a quiet moment = 31 GB/s, per-layer products ~23-38 GB/s) says that is within reach once the non-matmul
 ~3.8 ms/token (now ~1.5 ms) is gone.
 
+**q3p pack3c end to end** (2026-12-03, loaded box, load average 5-7; separate processes alternated
+under the bench lock, each the best of 3 x 32 greedy steps after a 64-token prefill; "before" = the
+commit before pack3c on its version 1 file, "after" = pack3c on a version 2 file of the same RTN
+quantization; both decode the same tokens). Run 1 (06:59): 1 thread 15.9 -> 19.3 tok/s best (medians
+15.5 -> 18.3), 2 threads 10.6 -> 13.8 (9.7 -> 12.2). Run 2 (08:01): 1 thread 19.4 -> 20.9 (17.6 ->
+18.8), 2 threads 11.6 -> 11.5 (11.2 -> 11.0). pp512 in alternated processes (07:27): 2 threads 104.6
+-> 103.7 tok/s best, 1 thread 106.9 -> 100.9 (within the run-to-run spread of 86-107); forced AVX2
+tier decode (`MIXQRT_ISA=avx2`): 1 thread 11.6 -> 12.9, 2 threads 9.3 -> 10.0. At these loads a
+decode step is 3-5x slower than on an idle box (54 tok/s at 1 thread quiet), so the kernels' compute
+gain (1.3-2x in the tables above) shows only partly; the 0.80-of-bound target needs a quiet
+re-measure. 7B shapes (`mixqrt bench` of a 2356 quantization of the synthetic Qwen2-7B checkpoint,
+3622 MB read per token, 08:05): 1.93 tok/s at 1 thread (0.34 of the 20.5 GB/s probe), 1.83 at 2
+threads (0.40 of 16.7 GB/s), load average ~6.5.
+
 ## GEMM for prefill and batched decode (AVX-512, T >= 3) and prefill attention (measured by hand)
 
 Measured by hand before the tables below were regenerated (prose kept in `benchmarks/kernels.py`).
