@@ -693,7 +693,11 @@ Batched decode (the engine's [B, D] products), single thread, `time.thread_time`
 Before the vectorized unpack the GEMM took 69-90 µs at T = 2-8 on the same tensor (it was used for
 T >= 8 only): ~18 % less at T = 8, ~40 % less at T = 2-4. A step of 8 sequences costs ~3x a step of
 one in these products: the 64 MACs of a `vpdpbusd` are the same work at any T, and T = 1 reads each
-weight once while T = 8 multiplies it eight times.
+weight once while T = 8 multiplies it eight times. What lost: a q3p/q3u micro-kernel that folds
+the two chunks of a block (they share one (d, m)) before the scale FMAs, 6 vector ops per pair and
+token instead of 8, measured 2-9 % faster on these products (thread-time A/B), but its float order
+differs from the generic tier's chunk-by-chunk order, and on the real 0.5B model one batched greedy
+token fell 0.105 below the teacher-forced argmax (test_real_pipeline allows 0.05): reverted.
 
 Single-thread matmul, T = 512, GOP/s = 2NKT / *thread CPU time* (`time.thread_time`, `ops.local_threads(1)`;
 wall time on the shared box was 2-3x noisier), old 4-row tile vs new, interleaved runs, medians of 5:
