@@ -73,7 +73,7 @@ def _calibration(a) -> dict:
     with open(a.calibrate, encoding="utf-8") as f:
         text = f.read()
     return {"calibrate": text, "calib_tokens": a.calib_tokens, "calib_label": os.path.basename(a.calibrate),
-            "damp": a.damp}
+            "damp": a.damp, "refit": a.refit}
 
 
 def cmd_imatrix(a):
@@ -209,6 +209,8 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                         "never the evaluation text")
     s.add_argument("--calib-tokens", type=int, default=4096, metavar="N", help="calibration tokens (default 4096)")
     s.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
+    s.add_argument("--refit", type=int, default=1, metavar="N",
+                   help="passes of the calibrated (d, m) header refit after GPTQ (default 1; 0: off)")
     s.add_argument("--budget-bytes", type=int, default=None, metavar="N",
                    help="with --recipe auto: total tensor bytes to fit (formats picked by measured sensitivity)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -79,7 +79,8 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
 
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
                    offline=None, imatrix=None, budget_bytes=None, calibrate=None, calib_tokens: int = 4096,
-                   calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01) -> QuantReport:
+                   calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01,
+                   refit: int = 1) -> QuantReport:
     """Quantize a model source (path, hub id or an open Source) with a recipe into an .mxq file.
 
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
@@ -89,6 +90,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     calibrate: calibration text (str): every q3p/q3u/q4/q6/q8 linear weight is quantized by GPTQ with
     the Hessian of its inputs over the first calib_tokens tokens, layer by layer through the already
     quantized layers, and quantized norms are folded into the weights after them (quant/calibrate.py).
+    refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0: off).
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
@@ -112,7 +114,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     plan = tensor_plan(source, rec)
     if calibrate is not None:
         rec.calibration = {"method": "gptq", "text": calib_label, "tokens": int(calib_tokens), "ctx": int(calib_ctx),
-                           "damp": float(damp)}
+                           "damp": float(damp), "refit": int(refit)}
     report = QuantReport(str(out_path) if out_path else None, rec.spec())
     if dry_run:
         for name, role, fmt, shape in plan:
@@ -151,7 +153,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         cls = get_model_class(source.arch)
         args = cls.args_class.from_dict(dict(source.config), model_type=source.arch)
         chunks = calibration_ids(source.tokenizer, calibrate, int(calib_tokens), int(calib_ctx))
-        cal = Calibrator(args, chunks, load, plain, damp=damp, progress=progress)
+        cal = Calibrator(args, chunks, load, plain, damp=damp, refit=refit, progress=progress)
         cal.fmts = fmt_of
         rec.calibration["tokens"] = meta["recipe"]["calibration"]["tokens"] = cal.tokens
         report.calibration = dict(rec.calibration)

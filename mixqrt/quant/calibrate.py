@@ -57,11 +57,11 @@ class Calibrator:
     uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
 
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
-                 hblock: int = 1024, fold_norms: bool = True, progress: bool = True):
+                 hblock: int = 1024, fold_norms: bool = True, refit: int = 1, progress: bool = True):
         self.a = args
         self.chunks = chunks
         self.load, self.plain = load, plain
-        self.damp, self.hblock, self.fold = float(damp), int(hblock), bool(fold_norms)
+        self.damp, self.hblock, self.fold, self.refit = float(damp), int(hblock), bool(fold_norms), int(refit)
         self.x: list[np.ndarray] | None = None      # hidden states per chunk [t, D]
         self.done: set = set()
         self.out: dict = {}
@@ -105,7 +105,7 @@ class Calibrator:
         if ratio is not None:
             w = w * ratio[None, :]
         if fmt in GPTQ_FORMATS:
-            qt = gptq_quantize(w, fmt, h, damp=self.damp)
+            qt = gptq_quantize(w, fmt, h, damp=self.damp, refit=self.refit)
         else:
             qt = self.plain(name, fmt, w)
         self.out[name] = qt
