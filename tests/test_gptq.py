@@ -140,3 +140,22 @@ def test_calibrated_quantize_model_is_closer_to_f32(tiny, tmp_path, monkeypatch)
         return d
 
     assert err(tmp_path / "cal.mxq") < err(tmp_path / "rtn.mxq")
+
+
+def test_depth_rules_place_formats_by_relative_layer(tiny):
+    from mixqrt.quant.recipes import Recipe, get_recipe
+    rep = quantize_model(str(tiny), "2356c", None, progress=False, dry_run=True)
+    fmts = {t.name: t.fmt for t in rep.tensors}
+    n = max(int(k.split(".")[2]) for k in fmts if k.startswith("model.layers.")) + 1
+    want = {round(i / 23 * (n - 1)) for i in range(1, 8)}
+    for i in range(n):
+        p = f"model.layers.{i}.mlp."
+        assert fmts[p + "down_proj.weight"] == "q4"
+        assert fmts[p + "gate_proj.weight"] == fmts[p + "up_proj.weight"] == ("q4" if i in want else "q3p")
+    assert fmts["lm_head.weight"] == "q4" and fmts["model.embed_tokens.weight"] == "q2c"
+    assert get_recipe("2356c").spec()["layer_rules"][0][1] == "q4"
+    r = Recipe("x", dict(get_recipe("2356").table), layer_rules=[(("ffn_up",), "q6", (0.0, 1.0))])
+    assert r.format_for("model.layers.0.mlp.up_proj.weight", None, 5) == "q6"
+    assert r.format_for("model.layers.2.mlp.up_proj.weight", None, 5) == "q3p"
+    assert r.format_for("model.layers.4.mlp.up_proj.weight", None, 5) == "q6"
+    assert r.format_for("model.layers.4.mlp.up_proj.weight") == "q3p"      # no depth known: the table
