@@ -80,7 +80,7 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
                    offline=None, imatrix=None, budget_bytes=None, calibrate=None, calib_tokens: int = 4096,
                    calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01,
-                   refit: int = 1) -> QuantReport:
+                   refit: int = 0) -> QuantReport:
     """Quantize a model source (path, hub id or an open Source) with a recipe into an .mxq file.
 
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
@@ -90,7 +90,8 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     calibrate: calibration text (str): every q3p/q3u/q4/q6/q8 linear weight is quantized by GPTQ with
     the Hessian of its inputs over the first calib_tokens tokens, layer by layer through the already
     quantized layers, and quantized norms are folded into the weights after them (quant/calibrate.py).
-    refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0: off).
+    refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0, the default: off,
+    because it measured worse end to end, docs/quality.md §0).
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter

@@ -57,7 +57,7 @@ class Calibrator:
     uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
 
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
-                 hblock: int = 1024, fold_norms: bool = True, refit: int = 1, progress: bool = True):
+                 hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True):
         self.a = args
         self.chunks = chunks
         self.load, self.plain = load, plain

@@ -279,7 +279,11 @@ def refit_headers(w, qt: QTensor, h, *, passes: int = 1, step: int = 8192) -> QT
     solution is rounded to fp16 and kept only for the rows where the exact change of the loss is
     negative (and d stays positive and finite), so no row's loss ever rises: the RTN bound of the
     fallback still holds. Why: GPTQ picks each header from the error-updated weights before the
-    block's columns are rounded; once the codes are known, the loss-optimal header differs."""
+    block's columns are rounded; once the codes are known, the loss-optimal header differs.
+
+    Measured end to end (docs/quality.md §0) it is worse on held-out text than GPTQ alone: H here is
+    undampened, so the fit trades error in low-variance input directions of the few calibration
+    tokens for the calibration loss (overfitting). Off by default; kept as a tested option."""
     fmt = qt.fmt
     if fmt not in GPTQ_FORMATS:
         raise QuantError(f"refit_headers supports {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
