@@ -211,7 +211,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
     s.add_argument("--refit", type=int, default=0, metavar="N",
                    help="passes of the (d, m) header refit on the calibration loss after GPTQ (default 0: "
-                        "off; it lowers the calibration loss but measured worse on held-out text, docs/quality.md)")
+                        "off; it lowers the calibration loss, held-out text measured mixed, docs/quality.md)")
     s.add_argument("--budget-bytes", type=int, default=None, metavar="N",
                    help="with --recipe auto: total tensor bytes to fit (formats picked by measured sensitivity)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -281,9 +281,9 @@ def refit_headers(w, qt: QTensor, h, *, passes: int = 1, step: int = 8192) -> QT
     fallback still holds. Why: GPTQ picks each header from the error-updated weights before the
     block's columns are rounded; once the codes are known, the loss-optimal header differs.
 
-    Measured end to end (docs/quality.md §0) it is worse on held-out text than GPTQ alone: H here is
-    undampened, so the fit trades error in low-variance input directions of the few calibration
-    tokens for the calibration loss (overfitting). Off by default; kept as a tested option."""
+    Measured end to end (docs/quality.md §0) it is not a reliable gain: worse than GPTQ alone on 2356,
+    better on 2356c. H here is undampened, so the fit can trade error in input directions the few
+    calibration tokens barely excite for calibration loss (overfitting). Off by default; a tested option."""
     fmt = qt.fmt
     if fmt not in GPTQ_FORMATS:
         raise QuantError(f"refit_headers supports {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
