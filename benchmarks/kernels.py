@@ -499,8 +499,8 @@ one masked load of the block, vpermb places the 2-bit plane / nibbles / high-bit
 per-qword shifts (vpsrlvq / vprolvq) and masks, vptestmb + masked add for the 3rd bit, vpternlog to merge
 q6's planes, vpshufb for levels (q3p: the pack3c unpack below); then one vpdpbusd, one vcvtdq2ps and one FMA with the (dw × dx) lane
 vector; the offset term is a second FMA with a precomputed `s` lane vector. Decode runs fused from the
-packed bytes, two rows per iteration sharing the activation loads. T = 2 unpacks a tile of 4 rows
-once into L1-resident u8 levels and reuses it for both tokens; T >= 3 (batched decode of 3+ sequences,
+packed bytes, two rows per iteration sharing the activation loads. T = 2-7 unpacks a tile of 4 rows
+once into L1-resident u8 levels and reuses it for every token; T >= 8 (batched decode of 8 sequences,
 and prefill) uses the VNNI GEMM below.
 
 **q3p decode (pack3c, `mv_q3c`; .mxq version 2).** q3p's codes are packed contiguously (code i at bits
@@ -654,12 +654,15 @@ re-measure. 7B shapes (`mixqrt bench` of a 2356 quantization of the synthetic Qw
 3622 MB read per token, 08:05): 1.93 tok/s at 1 thread (0.34 of the 20.5 GB/s probe), 1.83 at 2
 threads (0.40 of 16.7 GB/s), load average ~6.5.
 
-## GEMM for prefill and batched decode (AVX-512, T >= 3) and prefill attention (measured by hand)
+## GEMM for prefill and batched decode (AVX-512, T >= 8) and prefill attention (measured by hand)
 
 Measured by hand before the tables below were regenerated (prose kept in `benchmarks/kernels.py`).
 
-**Matmul.** `gemm_fmt` in `src/ops/kern_avx512.c`, used for `T >= mq_gemm_min_t` (default 3;
-`_ops.set_gemm_min_t(t)`, `t <= 0` turns it off; T = 2 keeps the 4-row tile path). Per call each
+**Matmul.** `gemm_fmt` in `src/ops/kern_avx512.c`, used for `T >= mq_gemm_min_t` (default 8;
+`_ops.set_gemm_min_t(t)`, `t <= 0` turns it off; smaller T keep the 4-row tile path; a threshold of 3
+was the default for part of 2026-12-03: the thread-time table below favours it at T = 3-4, but on the
+real 0.5B model in a quiet window `benchmarks/decode_batch.py` gave B=4 steps of 58-61 ms with the
+4-row tile against 65 ms with the GEMM, so 8 stays). Per call each
 thread first interleaves the int8 activations of groups of gt tokens (gt = 2 for T <= 2, 4 for
 T <= 4, else 8; `[group][k4][token]` u32, zero tokens pad the last group; dx and s as
 `[group][chunk][token]`). Then for a tile of 16 weight rows and a K slice of 16 chunks (512 k) the

@@ -61,7 +61,7 @@ def quantize_act(cnp.ndarray x):
     return q, d, s
 
 
-_gemm_min_t = 3
+_gemm_min_t = 8
 
 
 def set_gemm_min_t(int t):

@@ -2,7 +2,7 @@
  * at a time into one zmm of u8 levels with a broadcast, a per-qword shift and a mask (+ vpshufb for
  * table levels), then multiplied with the int8 activations by vpdpbusd. Decode (T == 1) runs fused
  * from the packed bytes; 1 < T < mq_gemm_min_t unpacks a 4-row tile once and reuses it for every token;
- * T >= mq_gemm_min_t (default 3) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md) in
+ * T >= mq_gemm_min_t (default 8) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md) in
  * token groups of 2, 4 or 8, which serves batched decode as well as prefill. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -607,7 +607,7 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define GR 16
 #define GKS 16
 #define GTT 8
-int mq_gemm_min_t = 3;
+int mq_gemm_min_t = 8;
 static int mq_lean_mv = -1;   /* -1: not decided yet; MIXQRT_LEAN_MV=0 starts it off (default on) */
 static int mq_q6_fold = 0;   /* MIXQRT_Q6_FOLD=1 routes q6 short rows to mv_q6f (opt-in: lost end to end) */
 static int lean_mv_on(void) {
