@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mixqrt.evaluate import log_softmax  # noqa: E402
+from sensitivity import chunk_runner  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from mixqrt.io import open_source  # noqa: E402
 from mixqrt.models import get_model_class  # noqa: E402
 from mixqrt.quant import layout, quantize  # noqa: E402
@@ -55,14 +55,7 @@ def main(argv=None):
         return quantize(f32[n], fmt, search=fmt in ("q6", "q4", "q3u", "q3p"))
 
     base = {n: (w if w.ndim == 1 else q(n, rec.format_for(n, role_of(n)))) for n, w in f32.items()}
-    with open(a.text, encoding="utf-8") as f:
-        text = f.read()[a.offset:]
-    toks = src.tokenizer.encode(text[: 40 * a.ctx * a.chunks], add_special_tokens=False)
-    chunks = [np.asarray(toks[i * a.ctx:(i + 1) * a.ctx], dtype=np.int64) for i in range(a.chunks)]
-
-    def run(weights):
-        m = cls(args, dict(weights))
-        return [log_softmax(m.logits(ids)) for ids in chunks]
+    run = chunk_runner(src, cls, args, a.text, a.offset, a.ctx, a.chunks)
 
     ref_lp = run(ref)
 

@@ -51,6 +51,20 @@ def _q(arr, fmt, name, imat, mode="search"):
     return quantize(arr, fmt, **opts)
 
 
+def chunk_runner(src, cls, args, text_path: str, offset: int, ctx: int, n: int):
+    """-> run(weights): log-softmax logits [ctx, V] of each of the n ctx-token chunks of the text (from
+    character `offset` on), for a model built from `weights` (shared with layer_sensitivity.py)."""
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()[offset:]
+    toks = src.tokenizer.encode(text[: 40 * ctx * n], add_special_tokens=False)
+    chunks = [np.asarray(toks[i * ctx:(i + 1) * ctx], dtype=np.int64) for i in range(n)]
+
+    def run(weights):
+        m = cls(args, dict(weights))
+        return [log_softmax(m.logits(ids)) for ids in chunks]
+    return run
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=GGUF)
@@ -77,14 +91,7 @@ def main(argv=None):
         f32["lm_head.weight"] = f32["model.embed_tokens.weight"]
     roles = {n: role_of(n) for n in f32}
     base = {n: (w if w.ndim == 1 else quantize(w, "q8")) for n, w in f32.items()}
-    with open(a.text, encoding="utf-8") as f:
-        text = f.read()[a.offset:]
-    toks = src.tokenizer.encode(text[: 40 * a.ctx * a.chunks], add_special_tokens=False)
-    chunks = [np.asarray(toks[i * a.ctx:(i + 1) * a.ctx], dtype=np.int64) for i in range(a.chunks)]
-
-    def run(weights):
-        m = cls(args, dict(weights))
-        return [log_softmax(m.logits(ids)) for ids in chunks]
+    run = chunk_runner(src, cls, args, a.text, a.offset, a.ctx, a.chunks)
 
     base_lp = run(base)
 
