@@ -46,6 +46,9 @@ QUESTIONS = ["Write a function that reverses a singly linked list.",
 FOLLOW_UP = "Now add a pytest test for it."
 
 
+SYSTEMS = ("mixqrt", "mixqrt-notiles", "llamacpp")
+
+
 def conversations() -> list[list[dict]]:
     """The fixed mix: every prompt shares the system prefix; half are a second turn of another."""
     out = []
@@ -219,6 +222,7 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
     docs = ROOT / "docs"
     write_json(docs / "data" / "serving.json", {"results": res, "machine": info, "command": cmd})
     labels = {"mixqrt": f"mixqrt serve ({Path(a.mxq).name}, {a.max_slots} slots)",
+              "mixqrt-notiles": f"mixqrt serve, --gemm-cache-bytes 0 ({a.max_slots} slots)",
               "llamacpp": f"llama-cpp-python server ({Path(a.gguf).name})"}
     run = [f"Run {info.get('date_utc')} (commit {info.get('git_commit')}): {info.get('cpu_model')}, "
            f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
@@ -228,7 +232,7 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
     T = ["| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | "
          "requests | still waiting at the end | errors | cache hit | decode batch (mean) | steps/s |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in ("mixqrt", "llamacpp"):
+    for name in SYSTEMS:
         for n in a.clients:
             r = res.get(name, {}).get(str(n))
             if r is None:
@@ -264,7 +268,7 @@ def write_plot(path, res, clients, labels) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, style in (("mixqrt", "o-"), ("llamacpp", "s--")):
+    for name, style in (("mixqrt", "o-"), ("mixqrt-notiles", "^:"), ("llamacpp", "s--")):
         ns = [n for n in clients if str(n) in res.get(name, {})]
         if not ns:
             continue
@@ -290,9 +294,12 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-slots", type=int, default=8)
+    p.add_argument("--gemm-cache-bytes", type=int, default=None,
+                   help="mixqrt serve --gemm-cache-bytes for the 'mixqrt' system (default: serve's own default)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--systems", default="mixqrt,llamacpp")
+    p.add_argument("--systems", default="mixqrt,llamacpp",
+                   help=f"comma-separated, of {', '.join(SYSTEMS)} (mixqrt-notiles: the GEMM tile cache off)")
     p.add_argument("--log-dir", default="/tmp/serve_load")
     a = p.parse_args(argv)
     systems = a.systems.split(",")
@@ -305,11 +312,15 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
-        if "mixqrt" in systems:
+        for name, gc in (("mixqrt", a.gemm_cache_bytes), ("mixqrt-notiles", 0)):
+            if name not in systems:
+                continue
             port = free_port()
-            servers["mixqrt"] = ServerProc("mixqrt", [sys.executable, "-m", "mixqrt", "serve", a.mxq, "--port",
-                                                      str(port), "-t", str(a.threads), "--ctx", str(a.ctx), "-q",
-                                                      "--max-slots", str(a.max_slots)], port, logs / "mixqrt.log")
+            servers[name] = ServerProc(name, [sys.executable, "-m", "mixqrt", "serve", a.mxq, "--port",
+                                              str(port), "-t", str(a.threads), "--ctx", str(a.ctx), "-q",
+                                              "--max-slots", str(a.max_slots)]
+                                       + ([] if gc is None else ["--gemm-cache-bytes", str(gc)]),
+                                       port, logs / f"{name}.log")
         if "llamacpp" in systems:
             port = free_port()
             servers["llamacpp"] = ServerProc("llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,

@@ -33,6 +33,7 @@ from collections import deque
 
 import numpy as np
 
+from mixqrt import ops
 from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError
 from mixqrt.generate import GenerationResponse, Sequence
@@ -184,13 +185,16 @@ class Engine:
     bound of the KV caches' resident rows (default 1 GiB; 0 turns the prompt cache off);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
-    threads (the process-wide pool; default: leave it). tokenizer / max_context default to those
-    of the Pipeline or LoadedModel given (a bare Model: no text, context min(model's, 4096)).
+    threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
+    weight tiles that batched steps read instead of unpacking (ops.set_gemm_cache, process-wide;
+    default: leave it; docs/engine.md). tokenizer / max_context default to those of the Pipeline
+    or LoadedModel given (a bare Model: no text, context min(model's, 4096)).
     """
 
     def __init__(self, model_or_pipeline, *, max_slots: int = 8, prefill_chunk: int = 256,
                  kv_cache_bytes: int | None = None, max_queue: int = 64, stall_timeout: float = 30.0,
-                 threads: int | None = None, tokenizer=None, max_context: int | None = None):
+                 threads: int | None = None, tokenizer=None, max_context: int | None = None,
+                 gemm_cache_bytes: int | None = None):
         model, tok, ctx = _unpack(model_or_pipeline)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tok
@@ -203,8 +207,9 @@ class Engine:
             ctx = _int("max_context", max_context, lo=2)
         self.max_context = min(int(ctx or DEFAULT_MAX_CONTEXT), model.args.max_position_embeddings)
         if threads is not None:
-            from mixqrt import ops
             ops.set_num_threads(_int("threads", threads, lo=1))
+        if gemm_cache_bytes is not None:
+            ops.set_gemm_cache(_int("gemm_cache_bytes", gemm_cache_bytes, lo=0))
         self._cache = PromptCache(model, self.max_context, cap)
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
@@ -255,7 +260,8 @@ class Engine:
                     "prefill_tokens": self._n["prefill_tokens"], "cached_tokens": c.cached_tokens,
                     "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
                     "idle_caches": len(c.idle), "kv_cache_bytes_used": c.used_bytes(),
-                    "kv_cache_bytes": c.capacity, "steps": self._n["steps"],
+                    "kv_cache_bytes": c.capacity, "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
+                    "steps": self._n["steps"],
                     "decode_tokens": self._n["decode_tokens"], "max_batch": self._n["max_batch"],
                     "requests": self._n["requests"],
                     "finished": self._n["finished"], "cancelled": self._n["cancelled"],

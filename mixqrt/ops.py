@@ -211,6 +211,76 @@ def _weight_args_uncached(w):
     return fid, raw, n, k, lv, lo, step
 
 
+# ----------------------------------------------------------------------------- GEMM tile cache
+class _TileCache:
+    """Unpacked GEMM tiles per packed weight (set_gemm_cache); keyed by id(QTensor), validated by
+    the identity of its raw buffer (the entry keeps it alive, as _ARGS_CACHE does)."""
+
+    def __init__(self):
+        self.budget = 0
+        self.used = 0
+        self.tiles: dict = {}
+        self.lock = threading.Lock()
+
+
+_TILES = _TileCache()
+_N_PACKED = len(layout.PACKED)     # format ids below this are packed (the kernels' numbering)
+
+
+def set_gemm_cache(nbytes: int | None) -> int:
+    """Memory (bytes) the batched products may spend on cached GEMM tiles; 0 or None turns the cache
+    off and frees it. Returns the previous budget.
+
+    A product with T >= 2 rows (batched decode, prefill) on the AVX-512 tier unpacks the packed
+    weight into VNNI-interleaved u8 tiles on every call; with a budget, the first such product of a
+    tensor stores its tiles (about 1.25 bytes per weight: 2.9x a q3p tensor, 1.5x a q6 one) and the
+    later ones read them instead, bit-identical. It trades memory for the batched step's unpack
+    time (docs/kernels.md, "GEMM tile cache"); tensors are cached first come, first served, until
+    the budget is spent. Single-sequence decode (T = 1) never reads the tiles. Other tiers: no-op."""
+    nb = 0 if nbytes is None else nbytes
+    if isinstance(nb, bool) or not isinstance(nb, (int, np.integer)) or nb < 0:
+        raise KernelError(f"gemm cache must be a byte count >= 0 (or None), got {nbytes!r}")
+    with _TILES.lock:
+        before = _TILES.budget
+        _TILES.budget = int(nb)
+        if not nb:
+            _TILES.tiles.clear()
+            _TILES.used = 0
+    return before
+
+
+def gemm_cache_info() -> dict:
+    """{"budget": bytes, "used": bytes, "tensors": count} of the GEMM tile cache."""
+    with _TILES.lock:
+        return {"budget": _TILES.budget, "used": _TILES.used, "tensors": len(_TILES.tiles)}
+
+
+def _gemm_tiles(w, fid, raw, n, k, lv, lo, step):
+    """The cached tiles of packed weight w (built on first use within the budget) or None."""
+    c = _TILES
+    hit = c.tiles.get(id(w))
+    if hit is not None and hit[0] is raw:
+        return hit[1]
+    if isinstance(w, np.ndarray) or fid >= _N_PACKED:
+        return None
+    nb = _ops.gemm_tiles_bytes(fid, n, k)
+    with c.lock:
+        if not c.budget or c.used + nb > c.budget:
+            return None
+        buf = np.empty(nb + 64, dtype=np.uint8)
+        off = (-buf.ctypes.data) % 64
+        t = buf[off:off + nb]
+        if not _ops.gemm_tiles(fid, raw, n, k, t, lv, lo, step):
+            c.budget = 0            # no AVX-512 tier here: nothing would read them
+            return None
+        old = c.tiles.pop(id(w), None)
+        if old is not None:
+            c.used -= old[1].nbytes
+        c.tiles[id(w)] = (raw, t)
+        c.used += nb
+    return t
+
+
 def matmul(w, x, out=None):
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
     Runs on the pool (or this thread: local_threads)."""
@@ -228,7 +298,8 @@ def matmul(w, x, out=None):
         y = np.empty((x2.shape[0], n), dtype=np.float32)
     else:
         y = out.reshape(1, n) if vec else out
-    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts())
+    tiles = _gemm_tiles(w, fid, raw, n, k, lv, lo, step) if _TILES.budget and x2.shape[0] >= 2 else None
+    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles)
     return y.reshape(n) if vec else y
 
 

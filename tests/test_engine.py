@@ -94,6 +94,27 @@ def test_batched_greedy_equals_sequential(lm):
     assert st["running"] == 0 and st["finished"] == len(ps)
 
 
+def test_gemm_cache_batched_greedy(lm):
+    """With the GEMM tile cache on, batched steps read cached tiles (q8: built on AVX-512) and the
+    tokens are still the greedy ones; the budget is process-wide and reported in stats."""
+    from mixqrt import isa, ops
+    ps = prompts(lm, 4)
+    old = ops.set_gemm_cache(0)
+    try:
+        with Engine(lm, max_slots=4, gemm_cache_bytes=64 << 20) as eng:
+            got = [tokens(r)[0] for r in [eng.submit(p, max_new_tokens=10, temperature=0.0, **NO_EOS) for p in ps]]
+            st = eng.stats()
+        for p, g in zip(ps, got):
+            check_greedy(lm, p, g, sequential(lm, p, max_new_tokens=10, temperature=0.0, **NO_EOS))
+        packed = lm.loaded_recipe != "f32" and isa.current() == "avx512"
+        assert (st["gemm_cache_bytes_used"] > 0) == packed
+        assert ops.gemm_cache_info()["budget"] == 64 << 20
+        with pytest.raises(GenerationError, match="gemm_cache_bytes"):
+            Engine(lm, gemm_cache_bytes=-1)
+    finally:
+        ops.set_gemm_cache(old)
+
+
 def test_seed_reproducible_whatever_the_neighbours(lm):
     p = prompts(lm, 1)[0]
     kw = dict(max_new_tokens=16, temperature=1.0, top_k=0, seed=1234, **NO_EOS)

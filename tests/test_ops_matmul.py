@@ -384,3 +384,90 @@ def test_q8_exact_long_rows(tier, t):
         x = exact_activations(t, 4864, rng)
         ye, _ = emulate_matmul("q8", (31, 4864), w.raw, x)
         np.testing.assert_array_equal(guarded_matmul(w, x), ye.astype(np.float32))
+
+
+# ---------------------------------------------------------------- cached GEMM tiles (ops.set_gemm_cache)
+def _tiles(w):
+    fid, raw, n, k, lv, lo, step = ops._weight_args(w)
+    nb = _ops.gemm_tiles_bytes(fid, n, k)
+    buf = np.empty(nb + 128, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    t = buf[off:off + nb]
+    return t, _ops.gemm_tiles(fid, raw, n, k, t, lv, lo, step)
+
+
+def _mm(w, x, tiles, threads=0):
+    fid, raw, n, k, lv, lo, step = ops._weight_args(w)
+    y = np.empty((x.shape[0], n), np.float32)
+    return _ops.matmul(fid, raw, n, k, np.ascontiguousarray(x), y, lv, lo, step, threads, tiles)
+
+
+@pytest.mark.parametrize("fmt", PACKED_FMTS)
+@pytest.mark.parametrize("n,k,t", GEMM_CASES + [(200, 896, 2), (129, 4864, 4)])
+def test_gemm_tiles_bit_identical(gemm_path, fmt, n, k, t):
+    """The cached tiles hold exactly what the GEMM unpacks: the product from them equals the
+    unpacking GEMM and the integer emulation bit for bit, on one thread and on the pool."""
+    rng = np.random.default_rng(n * 7 + k + t)
+    w = random_qtensor(fmt, n, k, rng, exact=True)
+    x = exact_activations(t, k, rng)
+    tiles, built = _tiles(w)
+    assert built
+    ye, _ = emulate_matmul(fmt, (n, k), w.raw, x)
+    for threads in (1, 0):
+        np.testing.assert_array_equal(_mm(w, x, tiles, threads), ye.astype(np.float32))
+    xr = (rng.standard_normal((t, k)) * 3).astype(np.float32)
+    np.testing.assert_array_equal(_mm(w, xr, tiles), _mm(w, xr, None))
+
+
+def test_gemm_tiles_other_tiers_and_bad_buffers(tier):
+    """Tiers without AVX-512 build nothing and ignore tiles (same product); a short or misaligned
+    buffer is refused before any kernel runs."""
+    rng = np.random.default_rng(5)
+    w = random_qtensor("q3p", 40, 96, rng, exact=True)
+    x = exact_activations(9, 96, rng)
+    tiles, built = _tiles(w)
+    assert built == (tier == "avx512")
+    ye, _ = emulate_matmul("q3p", (40, 96), w.raw, x)
+    if built:
+        np.testing.assert_array_equal(_mm(w, x, tiles), ye.astype(np.float32))
+    else:
+        np.testing.assert_array_equal(_mm(w, x, tiles), _mm(w, x, None))
+    fid = layout.FMT_ID["q3p"]
+    buf = np.zeros(tiles.nbytes + 128, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        _mm(w, x, buf[off + 1:off + 1 + tiles.nbytes])
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        _mm(w, x, buf[off:off + tiles.nbytes - 64])
+    with pytest.raises(ValueError, match="float weights"):
+        _ops.gemm_tiles_bytes(layout.FMT_ID["f32"], 4, 32)
+    assert _ops.gemm_tiles_bytes(fid, 40, 96) == 3 * 4 * (512 + 128)
+
+
+def test_set_gemm_cache_budget_and_reuse():
+    if "avx512" not in isa.available():
+        pytest.skip("no AVX-512 tier on this CPU")
+    before_isa = isa.current()
+    isa.set_isa("avx512")
+    rng = np.random.default_rng(11)
+    a = random_qtensor("q3p", 64, 256, rng, exact=True)
+    b = random_qtensor("q6", 48, 256, rng, exact=True)
+    x = exact_activations(8, 256, rng)
+    need = _ops.gemm_tiles_bytes(layout.FMT_ID["q3p"], 64, 256)
+    old = ops.set_gemm_cache(need)          # room for a only
+    try:
+        ya, yb = ops.matmul(a, x), ops.matmul(b, x)
+        assert ops.gemm_cache_info() == {"budget": need, "used": need, "tensors": 1}
+        np.testing.assert_array_equal(ya, emulate_matmul("q3p", (64, 256), a.raw, x)[0].astype(np.float32))
+        np.testing.assert_array_equal(yb, emulate_matmul("q6", (48, 256), b.raw, x)[0].astype(np.float32))
+        np.testing.assert_array_equal(ops.matmul(a, x), ya)        # from the cache
+        ops.matmul(a, x[:1])                                       # decode never builds or reads tiles
+        assert ops.gemm_cache_info()["tensors"] == 1
+        for bad in (-1, 1.5, "1G", True):
+            with pytest.raises(KernelError, match="gemm cache"):
+                ops.set_gemm_cache(bad)
+        assert ops.set_gemm_cache(0) == need
+        assert ops.gemm_cache_info() == {"budget": 0, "used": 0, "tensors": 0}
+    finally:
+        ops.set_gemm_cache(old)
+        isa.set_isa(before_isa)

@@ -24,10 +24,13 @@ cdef extern from "mq_ops.h" nogil:
         size_t ldy
         const uint8_t *q3p_levels
         float q5_lo, q5_step
+        const uint8_t *tiles
     ctypedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1) noexcept nogil
     void mq_quantize_act_rows(const float *x, size_t ldx, mq_act *a, int t0, int t1)
     void mq_mm_rows(const mq_mm_job *j, int n0, int n1)
     void mq_set_gemm_min_t(int t)
+    size_t mq_gemm_tile_stride(int nc)
+    int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1)
     int mq_set_lean_mv(int on)
     int mq_set_float_mv(int on)
     int mq_set_q6_fold(int on)

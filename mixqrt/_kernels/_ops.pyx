@@ -120,13 +120,55 @@ cdef const uint8_t *_levels(int fmt, q3p_levels, str who) except? NULL:
     return <const uint8_t*><bytes>q3p_levels
 
 
+def gemm_tiles_bytes(int fmt, int N, int K):
+    """Bytes of the cached GEMM tiles of a packed [N, K] tensor (gemm_tiles)."""
+    cdef mq_mm_job j
+    _row_geometry(fmt, K, &j, "gemm_tiles")
+    if fmt >= MQ_NPACKED:
+        raise ValueError("gemm_tiles: float weights have no tiles")
+    return <size_t>((N + 15) // 16) * mq_gemm_tile_stride(j.nc)
+
+
+def gemm_tiles(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray out, q3p_levels=None,
+               float q5_lo=0.0, float q5_step=0.0):
+    """Fill `out` (uint8, gemm_tiles_bytes(fmt, N, K) bytes, 64-byte aligned) with the tensor's
+    unpacked GEMM tiles; False (nothing written) where this CPU has no AVX-512 tier."""
+    cdef mq_mm_job j
+    cdef size_t row_bytes = _row_geometry(fmt, K, &j, "gemm_tiles")
+    if fmt >= MQ_NPACKED:
+        raise ValueError("gemm_tiles: float weights have no tiles")
+    if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous or <size_t>raw.shape[0] < <size_t>N * row_bytes:
+        raise ValueError(f"gemm_tiles: raw must be contiguous uint8 with {N * row_bytes} bytes")
+    _check_tiles(out, fmt, N, K, "gemm_tiles")
+    if not out.flags.writeable:
+        raise ValueError("gemm_tiles: out must be writable")
+    j.fmt = fmt; j.w = <const uint8_t*>_ptr(raw); j.row_bytes = row_bytes; j.N = N; j.K = K
+    j.q3p_levels = _levels(fmt, q3p_levels, "gemm_tiles"); j.q5_lo = q5_lo; j.q5_step = q5_step
+    j.a = NULL; j.x = NULL; j.y = NULL; j.T = 0; j.tiles = NULL
+    cdef uint8_t *po = <uint8_t*>_ptr(out)
+    cdef int rc
+    with nogil:
+        rc = mq_gemm_tiles_build(&j, po, 0, N)
+    return rc == 0
+
+
+cdef int _check_tiles(cnp.ndarray t, int fmt, int N, int K, str who) except -1:
+    if t.dtype != np.uint8 or t.ndim != 1 or not t.flags.c_contiguous \
+            or <size_t>t.shape[0] < gemm_tiles_bytes(fmt, N, K) or (<uintptr_t>_ptr(t)) % 64:
+        raise ValueError(f"{who}: tiles must be a 64-byte aligned contiguous uint8 array of "
+                         f"{gemm_tiles_bytes(fmt, N, K)} bytes")
+    return 0
+
+
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
-           q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0):
+           q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0, cnp.ndarray tiles=None):
     """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
 
     x: float32 [T, K] C-contiguous; y: float32 [T, N] (rows may be strided, columns contiguous).
     raw: uint8 1-D with at least N * row_bytes bytes. Runs on the native pool without the GIL;
-    threads: 0 = the whole pool, 1 = on the calling thread only (pool untouched), n = at most n parts."""
+    threads: 0 = the whole pool, 1 = on the calling thread only (pool untouched), n = at most n parts.
+    tiles: the tensor's cached GEMM tiles (gemm_tiles), used for T >= 2 on the AVX-512 tier; the
+    result is bit-identical to the unpacking path."""
     cdef mq_mm_job j
     cdef mq_act a
     cdef _qa_arg qa
@@ -149,7 +191,10 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     j.x = <const float*>_ptr(x); j.T = T; j.ldx = K
     j.y = <float*>_ptr(y); j.ldy = <size_t>(y.strides[0] // 4)
     j.q3p_levels = lv; j.q5_lo = q5_lo; j.q5_step = q5_step
-    j.a = NULL
+    j.a = NULL; j.tiles = NULL
+    if tiles is not None and fmt < MQ_NPACKED:
+        _check_tiles(tiles, fmt, N, K, "matmul")
+        j.tiles = <const uint8_t*>_ptr(tiles)
     if T == 0 or N == 0:
         return y
     cdef int kp = _padded(K)

@@ -195,6 +195,11 @@ def topology(root: str | os.PathLike | None = None) -> Topology:
     return Topology(nodes, online, str(root))
 
 
+def mem_total() -> int:
+    """This machine's MemTotal in bytes (0 where /proc/meminfo cannot be read)."""
+    return _proc_mem_total()
+
+
 def _proc_mem_total() -> int:
     try:
         with open("/proc/meminfo") as f:

@@ -30,10 +30,11 @@ class _EngineCollector:
                                ("cache_hits", "c", "requests that reused a cached prompt prefix"),
                                ("cached_tokens", "c", "prompt tokens taken from the prompt cache"),
                                ("steps", "c", "engine steps (one forward each)"),
-                               ("decode_tokens", "c", "tokens decoded by engine steps (decode batch = this / steps)")):
+                               ("decode_tokens", "c", "tokens decoded by engine steps (decode batch = this / steps)"),
+                               ("gemm_cache_bytes_used", "b", "memory held by unpacked weight tiles (gemm cache)")):
             if key not in s:
                 continue
-            fam = (GaugeMetricFamily if kind == "g" else CounterMetricFamily)(
+            fam = (GaugeMetricFamily if kind != "c" else CounterMetricFamily)(
                 f"mixqrt_{'requests_' + key if kind == 'g' else key}", doc, labels=names)
             fam.add_metric(values, float(s[key]))
             yield fam

@@ -134,6 +134,19 @@ void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
     mq_mm_rows_generic(j, n0, n1);
 }
 
+size_t mq_gemm_tile_stride(int nc) {
+    size_t nc2 = ((size_t)nc + 1) & ~(size_t)1;
+    return nc2 * (8 * 16 * 4 + 2 * 16 * 4);
+}
+
+int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1) {
+#if defined(__x86_64__)
+    if (mq_isa_get() >= MQ_ISA_AVX512) return mq_gemm_tiles_build_avx512(j, out, n0, n1);
+#endif
+    (void)j; (void)out; (void)n0; (void)n1;
+    return -1;
+}
+
 #if !defined(__x86_64__)
 /* the tier files compile to nothing off x86: their tuning knobs still exist (and do nothing) */
 void mq_set_gemm_min_t(int t) { (void)t; }

@@ -762,18 +762,29 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
             }
         }
     }
+    const int cached = j->tiles != NULL && n0 % GR == 0;
+    const size_t tstride = mq_gemm_tile_stride(nc), nc2 = ((size_t)nc + 1) & ~(size_t)1;
     for (int nt = n0; nt < n1; nt += GR) {
         int nr = n1 - nt < GR ? n1 - nt : GR;
         __mmask16 smask = (__mmask16)((1u << nr) - 1);
+        const uint8_t *tb = cached ? j->tiles + (size_t)(nt / GR) * tstride : NULL;
         for (int c0 = 0; c0 < nc; c0 += GKS) {
             int nch = nc - c0 < GKS ? nc - c0 : GKS;
-            for (int p = c0 / 2; 2 * p < c0 + nch; p++)
-                gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0,
-                                 lvT, dwT, mmT);
+            const uint32_t *lv = lvT;
+            const float *dw = dwT, *mm = mmT;
+            if (cached) {   /* the tensor's cached tiles: no unpack (same bytes as below) */
+                lv = (const uint32_t *)tb + (size_t)c0 * 8 * GR;
+                dw = (const float *)(tb + nc2 * 8 * GR * 4) + (size_t)c0 * GR;
+                mm = dw + nc2 * GR;
+            } else {
+                for (int p = c0 / 2; 2 * p < c0 + nch; p++)
+                    gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0,
+                                     lvT, dwT, mmT);
+            }
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
                 float *ab = accb + (size_t)g * gt * 16;
-                gemm_kernel(lvT, dwT, mmT, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
+                gemm_kernel(lv, dw, mm, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
                             dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
                             fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
                 if (last)
@@ -899,25 +910,59 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
     else if (j->T == 1 && mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
             && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
-    else if (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) gemm_fmt(&cx, F, j, n0, n1, j->T <= 2 ? 2 : j->T <= 4 ? 4 : GTT); \
+    else if ((mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || (j->tiles && j->T >= 2)) gemm_fmt(&cx, F, j, n0, n1, j->T <= 2 ? 2 : j->T <= 4 ? 4 : GTT); \
     else mm_fmt(&cx, F, j, n0, n1); \
     break;
+
+static void ctx_init(ctx_t *cx, const mq_mm_job *j) {
+    cx->fmt = j->fmt; cx->nc = j->nc; cx->end = j->w + (size_t)j->N * j->row_bytes; cx->q5_lo = j->q5_lo; cx->q5_step = j->q5_step;
+    uint8_t t16[16] = {0}, t64[64];
+    if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
+    for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
+    cx->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
+    cx->tab64 = _mm512_loadu_si512(t64);
+    cx->p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx->p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
+    cx->p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx->p6hi = _mm512_loadu_si512(PERM_Q6[1]);
+    cx->bitsel = _mm512_loadu_si512(BITSEL);
+    static const uint16_t pw16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 13, 13, 13, 13, 13, 13, 13, 13};
+    cx->pw16 = _mm512_loadu_si512(pw16);
+}
+
+static inline __attribute__((always_inline)) void
+tiles_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, uint8_t *out, int n0, int n1) {
+    const size_t stride = mq_gemm_tile_stride(j->nc), nc2 = ((size_t)j->nc + 1) & ~(size_t)1;
+    for (int nt = n0; nt < n1; nt += GR) {
+        uint8_t *b = out + (size_t)(nt / GR) * stride;
+        uint32_t *lvT = (uint32_t *)b;
+        float *dwT = (float *)(b + nc2 * 8 * GR * 4), *mmT = dwT + nc2 * GR;
+        int nr = n1 - nt < GR ? n1 - nt : GR;
+        for (int p = 0; 2 * p < j->nc; p++)
+            gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p, lvT, dwT, mmT);
+    }
+}
+
+int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1) {
+    if (j->fmt >= MQ_F32 || n0 % GR || ((uintptr_t)out & 63)) return -1;
+    ctx_t cx;
+    ctx_init(&cx, j);
+    switch (j->fmt) {
+    case MQ_Q8: tiles_fmt(&cx, MQ_Q8, j, out, n0, n1); break;
+    case MQ_Q6: tiles_fmt(&cx, MQ_Q6, j, out, n0, n1); break;
+    case MQ_Q4: tiles_fmt(&cx, MQ_Q4, j, out, n0, n1); break;
+    case MQ_Q3U: tiles_fmt(&cx, MQ_Q3U, j, out, n0, n1); break;
+    case MQ_Q3P: tiles_fmt(&cx, MQ_Q3P, j, out, n0, n1); break;
+    case MQ_Q2C: tiles_fmt(&cx, MQ_Q2C, j, out, n0, n1); break;
+    case MQ_Q5G: tiles_fmt(&cx, MQ_Q5G, j, out, n0, n1); break;
+    default: return -1;
+    }
+    return 0;
+}
 
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     if (j->fmt >= MQ_F32) { mm_float(j, n0, n1); return; }
     lean_mv_on();
     ctx_t cx;
-    cx.fmt = j->fmt; cx.nc = j->nc; cx.end = j->w + (size_t)j->N * j->row_bytes; cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
-    uint8_t t16[16] = {0}, t64[64];
-    if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
-    for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
-    cx.tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
-    cx.tab64 = _mm512_loadu_si512(t64);
-    cx.p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx.p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
-    cx.p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx.p6hi = _mm512_loadu_si512(PERM_Q6[1]);
-    cx.bitsel = _mm512_loadu_si512(BITSEL);
-    static const uint16_t pw16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 13, 13, 13, 13, 13, 13, 13, 13};
-    cx.pw16 = _mm512_loadu_si512(pw16);
+    ctx_init(&cx, j);
     switch (j->fmt) {
         FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
         FMT_CASE(MQ_Q5G)

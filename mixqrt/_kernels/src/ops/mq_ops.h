@@ -38,6 +38,7 @@ typedef struct {
     size_t ldy;
     const uint8_t *q3p_levels; /* 8 bytes */
     float q5_lo, q5_step;      /* q5g trailer, decoded */
+    const uint8_t *tiles;      /* NULL, or the tensor's cached GEMM tiles (mq_gemm_tiles_build; AVX-512 only) */
 } mq_mm_job;
 
 /* tiers: all have identical semantics */
@@ -55,6 +56,17 @@ void mq_set_gemm_min_t(int t);
 int mq_set_lean_mv(int on);    /* AVX-512 lean decode path for q3p/q3u/q6 (default on); on < 0 queries; returns the old state */
 int mq_set_q6_fold(int on);    /* AVX-512 q6 short-row decode by mv_q6f (default off); on < 0 queries; returns the old state */
 int mq_set_float_mv(int on);   /* AVX-512 4-row prefetched float decode (default on); on < 0 queries; returns the old state */
+
+/* Cached GEMM tiles (AVX-512 tier; the other tiers ignore j->tiles): the VNNI-interleaved levels and
+ * scale vectors that the GEMM would otherwise unpack on every call, stored once per tensor, so a
+ * batched decode step reads them instead of unpacking (docs/kernels.md, "GEMM tile cache").
+ * Layout: one block of mq_gemm_tile_stride(nc) bytes per 16 rows; in it lv u32[nc2][8][16], then
+ * dw f32[nc2][16], then mm f32[nc2][16] (nc2 = nc rounded up to even). 64-byte aligned.
+ * mq_gemm_tiles_build fills the blocks of rows [n0, n1) (n0 a multiple of 16); returns 0, or -1
+ * where this CPU has no AVX-512 tier (nothing written). */
+size_t mq_gemm_tile_stride(int nc);
+int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1);
+int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1);
 
 /* Unpack one packed row to u8 levels lv[nc*32], dw[nc], mm[nc] (mm = m - off*dw). Portable. */
 void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, float *dw, float *mm);
