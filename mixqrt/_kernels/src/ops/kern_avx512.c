@@ -607,6 +607,7 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define GR 16
 #define GKS 16
 #define GTT 8
+#define CB 160   /* one chunk of a tile, in u32: levels [8 k4 steps][16 rows], dw[16], mm[16] (640 B) */
 int mq_gemm_min_t = 8;
 static int mq_lean_mv = -1;   /* -1: not decided yet; MIXQRT_LEAN_MV=0 starts it off (default on) */
 static int mq_q6_fold = 0;   /* MIXQRT_Q6_FOLD=1 routes q6 short rows to mv_q6f (opt-in: lost end to end) */
@@ -623,12 +624,15 @@ int mq_set_q6_fold(int on) { lean_mv_on(); int old = mq_q6_fold; if (on >= 0) mq
 void mq_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 
 static inline __attribute__((always_inline)) void
-gemm_kernel(const uint32_t *lvT, const float *dwT, const float *mmT, int nch,
+gemm_kernel(const uint32_t *tb, int nch,
             const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt) {
     __m512 acc[GTT];
     for (int i = 0; i < gt; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
     for (int c = 0; c < nch; c++) {
-        const __m512i *w = (const __m512i *)(lvT + (size_t)c * 128);
+        const uint32_t *cb = tb + (size_t)c * CB;
+        _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);   /* cached tiles stream from memory */
+        _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
+        const __m512i *w = (const __m512i *)cb;
         const uint32_t *qc = qb + (size_t)c * 8 * gt;
         __m512i is[GTT];
         __m512i w0 = _mm512_load_si512(w);
@@ -637,7 +641,7 @@ gemm_kernel(const uint32_t *lvT, const float *dwT, const float *mmT, int nch,
             __m512i ws = _mm512_load_si512(w + s);
             for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
         }
-        __m512 dw = _mm512_load_ps(dwT + 16 * c), mm = _mm512_load_ps(mmT + 16 * c);
+        __m512 dw = _mm512_load_ps((const float *)cb + 128), mm = _mm512_load_ps((const float *)cb + 144);
         if (qsb)   /* q8: 128 * sum(q) of the chunk, see q8_fix */
             for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
         for (int i = 0; i < gt; i++) {
@@ -675,13 +679,13 @@ static inline __attribute__((always_inline)) void transpose16_epi32(__m512i v[16
 }
 
 /* Pair p (chunks c, c+1 of the K slice) of nr <= GR rows starting at w (stride rb) into the
- * VNNI-interleaved tile: lvT[(c*8 + s)*GR + r] = the 4 levels of row r at k4 step s, dwT/mmT[c*GR + r]
- * its scales; rows nr..GR-1 get zeros. Each row's 64 levels are unpacked in one zmm and the 16 rows
+ * VNNI-interleaved tile tb (CB u32 per chunk): tb[c*CB + s*GR + r] = the 4 levels of row r at k4 step s,
+ * then the chunk's dw[r] and mm[r] (as float); rows nr..GR-1 get zeros. Each row's 64 levels are unpacked in one zmm and the 16 rows
  * transposed as 16x16 dwords: ~6x fewer instructions than storing the tile element by element,
  * which made the unpack cost more than the products for 2-16 tokens (docs/kernels.md). */
 static inline __attribute__((always_inline)) void
 gemm_unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *w, size_t rb, int nr, int p, int c,
-                 uint32_t *lvT, float *dwT, float *mmT) {
+                 uint32_t *tb) {
     __m512i v[16];
     __m512 dA = _mm512_setzero_ps(), dB = dA, mA = dA, mB = dA;
     /* q3p/q3u/q6 (the formats with most of the bytes): the 16 rows' fp16 scales by one gather per
@@ -719,9 +723,11 @@ gemm_unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *w, size_t rb, in
         }
     }
     transpose16_epi32(v);
-    for (int s = 0; s < 16; s++) _mm512_store_si512((__m512i *)(lvT + ((size_t)c * 8 + s) * GR), v[s]);
-    _mm512_store_ps(dwT + (size_t)c * GR, dA); _mm512_store_ps(mmT + (size_t)c * GR, mA);
-    _mm512_store_ps(dwT + (size_t)(c + 1) * GR, dB); _mm512_store_ps(mmT + (size_t)(c + 1) * GR, mB);
+    uint32_t *a = tb + (size_t)c * CB, *b = a + CB;
+    for (int s = 0; s < 8; s++) _mm512_store_si512((__m512i *)(a + s * GR), v[s]);
+    for (int s = 0; s < 8; s++) _mm512_store_si512((__m512i *)(b + s * GR), v[8 + s]);
+    _mm512_store_ps((float *)a + 128, dA); _mm512_store_ps((float *)a + 144, mA);
+    _mm512_store_ps((float *)b + 128, dB); _mm512_store_ps((float *)b + 144, mB);
 }
 
 static inline __attribute__((always_inline)) void
@@ -730,14 +736,13 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
     const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
     /* dbytes (also the q8 sums) rounded to 64 B: the tile after them takes aligned zmm stores */
     size_t qbytes = (size_t)ng * k4 * gt * 4, dbytes = ((size_t)ng * ncp * gt * 4 + 63) & ~(size_t)63;
-    size_t tile = (size_t)GKS * 32 * GR, abytes = (size_t)ng * gt * 64;
-    uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 3 * dbytes + tile + 2 * (size_t)GKS * GR * 4 + abytes + 256);
+    size_t tile = (size_t)GKS * CB * 4, abytes = (size_t)ng * gt * 64;
+    uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 3 * dbytes + tile + abytes + 256);
     uint32_t *qp = (uint32_t *)buf;
     float *dxp = (float *)(buf + qbytes), *sxp = (float *)(buf + qbytes + dbytes);
     int32_t *qsp = (int32_t *)(buf + qbytes + 2 * dbytes);
-    uint32_t *lvT = (uint32_t *)(buf + qbytes + 3 * dbytes);
-    float *dwT = (float *)((uint8_t *)lvT + tile), *mmT = dwT + GKS * GR;
-    float *accb = (float *)(((uintptr_t)(mmT + GKS * GR) + 63) & ~(uintptr_t)63);
+    uint32_t *tileb = (uint32_t *)(buf + qbytes + 3 * dbytes);
+    float *accb = (float *)(((uintptr_t)((uint8_t *)tileb + tile) + 63) & ~(uintptr_t)63);
     /* interleave the activations: group g, k4 step kk, token i */
     for (int g = 0; g < ng; g++) {
         uint32_t *o = qp + (size_t)g * k4 * gt;
@@ -763,28 +768,23 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
         }
     }
     const int cached = j->tiles != NULL && n0 % GR == 0;
-    const size_t tstride = mq_gemm_tile_stride(nc), nc2 = ((size_t)nc + 1) & ~(size_t)1;
+    const size_t tstride = mq_gemm_tile_stride(nc);
     for (int nt = n0; nt < n1; nt += GR) {
         int nr = n1 - nt < GR ? n1 - nt : GR;
         __mmask16 smask = (__mmask16)((1u << nr) - 1);
         const uint8_t *tb = cached ? j->tiles + (size_t)(nt / GR) * tstride : NULL;
         for (int c0 = 0; c0 < nc; c0 += GKS) {
             int nch = nc - c0 < GKS ? nc - c0 : GKS;
-            const uint32_t *lv = lvT;
-            const float *dw = dwT, *mm = mmT;
-            if (cached) {   /* the tensor's cached tiles: no unpack (same bytes as below) */
-                lv = (const uint32_t *)tb + (size_t)c0 * 8 * GR;
-                dw = (const float *)(tb + nc2 * 8 * GR * 4) + (size_t)c0 * GR;
-                mm = dw + nc2 * GR;
-            } else {
+            const uint32_t *tl = tileb;
+            if (cached)     /* the tensor's cached tiles: no unpack (the same bytes as below) */
+                tl = (const uint32_t *)tb + (size_t)c0 * CB;
+            else
                 for (int p = c0 / 2; 2 * p < c0 + nch; p++)
-                    gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0,
-                                     lvT, dwT, mmT);
-            }
+                    gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0, tileb);
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
                 float *ab = accb + (size_t)g * gt * 16;
-                gemm_kernel(lv, dw, mm, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
+                gemm_kernel(tl, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
                             dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
                             fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
                 if (last)
@@ -930,14 +930,13 @@ static void ctx_init(ctx_t *cx, const mq_mm_job *j) {
 
 static inline __attribute__((always_inline)) void
 tiles_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, uint8_t *out, int n0, int n1) {
-    const size_t stride = mq_gemm_tile_stride(j->nc), nc2 = ((size_t)j->nc + 1) & ~(size_t)1;
+    const size_t stride = mq_gemm_tile_stride(j->nc);
+    _Static_assert(CB * 4 == 8 * 16 * 4 + 2 * 16 * 4, "mq_gemm_tile_stride's chunk size");
     for (int nt = n0; nt < n1; nt += GR) {
-        uint8_t *b = out + (size_t)(nt / GR) * stride;
-        uint32_t *lvT = (uint32_t *)b;
-        float *dwT = (float *)(b + nc2 * 8 * GR * 4), *mmT = dwT + nc2 * GR;
+        uint32_t *tb = (uint32_t *)(out + (size_t)(nt / GR) * stride);
         int nr = n1 - nt < GR ? n1 - nt : GR;
         for (int p = 0; 2 * p < j->nc; p++)
-            gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p, lvT, dwT, mmT);
+            gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p, tb);
     }
 }
 

@@ -60,8 +60,8 @@ int mq_set_float_mv(int on);   /* AVX-512 4-row prefetched float decode (default
 /* Cached GEMM tiles (AVX-512 tier; the other tiers ignore j->tiles): the VNNI-interleaved levels and
  * scale vectors that the GEMM would otherwise unpack on every call, stored once per tensor, so a
  * batched decode step reads them instead of unpacking (docs/kernels.md, "GEMM tile cache").
- * Layout: one block of mq_gemm_tile_stride(nc) bytes per 16 rows; in it lv u32[nc2][8][16], then
- * dw f32[nc2][16], then mm f32[nc2][16] (nc2 = nc rounded up to even). 64-byte aligned.
+ * Layout: one block of mq_gemm_tile_stride(nc) bytes per 16 rows; in it, per chunk c < nc2 (nc rounded
+ * up to even), 640 bytes: levels u32[8 k4 steps][16 rows], dw f32[16], mm f32[16]. 64-byte aligned.
  * mq_gemm_tiles_build fills the blocks of rows [n0, n1) (n0 a multiple of 16); returns 0, or -1
  * where this CPU has no AVX-512 tier (nothing written). */
 size_t mq_gemm_tile_stride(int nc);
