@@ -1,13 +1,32 @@
 """Preallocated KV cache (gpt-fast style): one K and one V buffer per layer, allocated once.
 
-Buffers are created with np.zeros, which the allocator maps lazily: a cache sized for the whole
-context only becomes resident as positions are written.
+The buffers of a cache are views of one anonymous mmap, so a cache sized for the whole context only
+becomes resident as positions are written (page by page). np.zeros does not promise that: glibc
+serves a 1 MiB array from recycled heap memory once its dynamic mmap threshold has risen, and
+calloc then zeroes every page of it. A server keeping hundreds of idle caches (the prompt cache)
+grew to 7-11 GB that way while it accounted for 1 GiB of written rows. Transparent huge pages are
+refused on the mapping (MADV_NOHUGEPAGE) for the same reason: a 2 MiB page would make 8192 rows of
+one head resident at the first write.
 """
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
 from mixqrt.errors import GenerationError
+
+
+def _lazy_zeros(n: int, dtype) -> np.ndarray:
+    """n zeros of dtype in a private anonymous mapping: no page is resident before it is written."""
+    dtype = np.dtype(dtype)
+    m = mmap.mmap(-1, max(1, n * dtype.itemsize), flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:      # a kernel without THP: nothing to refuse
+            pass
+    return np.frombuffer(m, dtype=dtype, count=n)
 
 
 class KVCache:
@@ -30,9 +49,12 @@ class KVCache:
         if self.dtype not in (np.float32, np.float16):
             raise GenerationError(f"KVCache dtype must be float32 or float16, got {self.dtype}")
         shape = (self.num_kv_heads, self.max_len, self.head_dim)
-        self.keys = [np.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]    # L x [Hkv, S, Dh]
-        self.values = [np.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]  # L x [Hkv, S, Dh]
-        self.offset = 0                                                                    # positions filled
+        flat = _lazy_zeros(2 * self.num_layers * int(np.prod(shape)), self.dtype)
+        per = flat.size // (2 * self.num_layers)
+        views = [flat[i * per:(i + 1) * per].reshape(shape) for i in range(2 * self.num_layers)]
+        self.keys = views[:self.num_layers]      # L x [Hkv, S, Dh]
+        self.values = views[self.num_layers:]    # L x [Hkv, S, Dh]
+        self.offset = 0                          # positions filled
 
     # ------------------------------------------------------------------ writes
     def check_room(self, pos0: int, n: int) -> None:

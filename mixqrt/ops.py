@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 
 import numpy as np
 
 from mixqrt import ops_ref
 from mixqrt.errors import KernelError
+from mixqrt.isa import TIERS
 from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
 from mixqrt.quant import layout
 from mixqrt.runtime import topology
@@ -213,18 +215,29 @@ def _weight_args_uncached(w):
 
 # ----------------------------------------------------------------------------- GEMM tile cache
 class _TileCache:
-    """Unpacked GEMM tiles per packed weight (set_gemm_cache); keyed by id(QTensor), validated by
-    the identity of its raw buffer (the entry keeps it alive, as _ARGS_CACHE does)."""
+    """Unpacked GEMM tiles per packed weight (set_gemm_cache): id(weight) -> (raw, tiles, weakref).
+    An entry is checked against the identity of the weight's raw buffer and dropped (its bytes
+    returned to the budget) when the weight is garbage-collected, so a model loaded after another
+    one gets the room back. An RLock: that drop can run from the garbage collector inside a
+    locked section of the same thread."""
 
     def __init__(self):
         self.budget = 0
         self.used = 0
         self.tiles: dict = {}
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+
+    def drop(self, key, ref) -> None:
+        with self.lock:
+            e = self.tiles.get(key)
+            if e is not None and e[2] is ref:
+                del self.tiles[key]
+                self.used -= e[1].nbytes
 
 
 _TILES = _TileCache()
-_N_PACKED = len(layout.PACKED)     # format ids below this are packed (the kernels' numbering)
+_N_PACKED = len(layout.PACKED)               # format ids below this are packed (the kernels' numbering)
+_AVX512 = TIERS.index("avx512")              # the only tier whose GEMM reads tiles
 
 
 def set_gemm_cache(nbytes: int | None) -> int:
@@ -261,22 +274,23 @@ def _gemm_tiles(w, fid, raw, n, k, lv, lo, step):
     hit = c.tiles.get(id(w))
     if hit is not None and hit[0] is raw:
         return hit[1]
-    if isinstance(w, np.ndarray) or fid >= _N_PACKED:
+    if isinstance(w, np.ndarray) or fid >= _N_PACKED or _ops.get_isa() < _AVX512:
         return None
     nb = _ops.gemm_tiles_bytes(fid, n, k)
     with c.lock:
+        stale = c.tiles.pop(id(w), None)        # id reused by a new weight, or its raw replaced
+        if stale is not None:
+            c.used -= stale[1].nbytes
         if not c.budget or c.used + nb > c.budget:
             return None
         buf = np.empty(nb + 64, dtype=np.uint8)
         off = (-buf.ctypes.data) % 64
         t = buf[off:off + nb]
         if not _ops.gemm_tiles(fid, raw, n, k, t, lv, lo, step):
-            c.budget = 0            # no AVX-512 tier here: nothing would read them
             return None
-        old = c.tiles.pop(id(w), None)
-        if old is not None:
-            c.used -= old[1].nbytes
-        c.tiles[id(w)] = (raw, t)
+        key = id(w)
+        ref = weakref.ref(w, lambda r, key=key: c.drop(key, r))
+        c.tiles[key] = (raw, t, ref)
         c.used += nb
     return t
 

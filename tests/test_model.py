@@ -1,5 +1,7 @@
 """Qwen2/Llama graph on synthetic float weights vs an independent float64 numpy forward (written here,
 not reusing mixqrt.ops_ref), KV-cache decode vs full recompute, config and weight validation."""
+import os
+
 import numpy as np
 import pytest
 
@@ -188,6 +190,33 @@ def test_cache_trim_and_overflow():
         model(np.array([cfg["vocab_size"]]), model.make_cache(4))
     with pytest.raises(GenerationError):
         model(np.array([], dtype=np.int64), model.make_cache(4))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_kv_cache_pages_resident_only_when_written():
+    """Caches sized for a long context cost only the rows written, even after caches were freed
+    (np.zeros through glibc's heap zeroed whole arrays there: a serving process with its prompt
+    cache of idle caches grew by gigabytes)."""
+    from mixqrt.cache import KVCache
+    for _ in range(3):                                       # churn: raises glibc's mmap threshold
+        KVCache(24, 2, 64, 2048).keys[0][:, :4] = 1.0
+    r0, keep = _rss(), []
+    for _ in range(30):                                      # 30 x 48 MiB virtual, 4 rows written
+        c = KVCache(24, 2, 64, 2048)
+        for a in c.keys + c.values:
+            a[:, :4] = 1.0
+        keep.append(c)
+    grown = _rss() - r0
+    assert grown < 80 << 20, f"{grown >> 20} MiB resident for 30 caches of 4 rows"
+    assert all(float(c.values[23][1, 3, 0]) == 1.0 and float(c.keys[5][0, 4, 0]) == 0.0 for c in keep)
 
 
 def test_unfused_fallback_when_formats_differ(monkeypatch):

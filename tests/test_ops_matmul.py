@@ -463,11 +463,21 @@ def test_set_gemm_cache_budget_and_reuse():
         np.testing.assert_array_equal(ops.matmul(a, x), ya)        # from the cache
         ops.matmul(a, x[:1])                                       # decode never builds or reads tiles
         assert ops.gemm_cache_info()["tensors"] == 1
+        del a, ya                                                  # a's tiles go with it
+        import gc
+        gc.collect()
+        assert ops.gemm_cache_info() == {"budget": need, "used": 0, "tensors": 0}
+        ops.matmul(b, x)                                           # now b fits
+        assert ops.gemm_cache_info()["tensors"] == 1
         for bad in (-1, 1.5, "1G", True):
             with pytest.raises(KernelError, match="gemm cache"):
                 ops.set_gemm_cache(bad)
         assert ops.set_gemm_cache(0) == need
         assert ops.gemm_cache_info() == {"budget": 0, "used": 0, "tensors": 0}
+        isa.set_isa("avx2")                                        # other tiers: no tiles, budget kept
+        ops.set_gemm_cache(need)
+        np.testing.assert_array_equal(ops.matmul(b, x), yb)
+        assert ops.gemm_cache_info() == {"budget": need, "used": 0, "tensors": 0}
     finally:
         ops.set_gemm_cache(old)
         isa.set_isa(before_isa)

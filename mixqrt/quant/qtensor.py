@@ -30,7 +30,7 @@ class QTensor:
     described in mixqrt.quant.layout. For plain formats (f32/f16/bf16) the bytes are the values.
     """
 
-    __slots__ = ("fmt", "shape", "raw", "_meta")
+    __slots__ = ("fmt", "shape", "raw", "_meta", "__weakref__")   # weakref: ops' GEMM tile cache
 
     def __init__(self, fmt: str, shape, raw: np.ndarray, meta: dict | None = None):
         if fmt not in layout.PACKED and fmt not in layout.PLAIN:
