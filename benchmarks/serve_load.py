@@ -113,16 +113,29 @@ def engine_counters(url: str) -> dict:
     return out
 
 
+def new_record() -> dict:
+    return {"tokens_in_window": 0, "ttft": [], "itl": [], "errors": 0, "requests": 0, "prompt_tokens": 0,
+            "cached_tokens": 0, "error_kinds": {}, "censored": 0, "seconds": 0.0, "steps": 0.0,
+            "decode_tokens": 0.0, "rounds": []}
+
+
 def run_load(url: str, clients: int, seconds: float, max_tokens: int, seed: int = 0) -> dict:
-    """`clients` threads each streaming chat completions back to back until the window closes."""
+    """One window of `seconds` -> its summary (see load_window)."""
+    rec = new_record()
+    load_window(url, clients, seconds, max_tokens, rec)
+    return summarize(rec)
+
+
+def load_window(url: str, clients: int, seconds: float, max_tokens: int, rec: dict) -> None:
+    """`clients` threads each streaming chat completions back to back until the window closes;
+    adds what they saw (and the engine's step counters) to `rec`."""
     from openai import OpenAI
 
     convs = conversations()
     t_start = time.perf_counter() + 0.5
     t_end = t_start + seconds
     lock = threading.Lock()
-    rec = {"tokens_in_window": 0, "ttft": [], "itl": [], "errors": 0, "requests": 0, "prompt_tokens": 0,
-           "cached_tokens": 0, "error_kinds": {}, "censored": 0}
+    tokens_before = rec["tokens_in_window"]
 
     def client(ci: int):
         oc = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -185,11 +198,11 @@ def run_load(url: str, clients: int, seconds: float, max_tokens: int, seed: int 
     for t in threads:
         t.join(seconds + 900)
     c1 = engine_counters(url)
-    out = summarize(rec, seconds)
-    if c0 and c1 and c1["steps"] > c0["steps"]:
-        out["mean_batch"] = (c1["decode_tokens"] - c0["decode_tokens"]) / (c1["steps"] - c0["steps"])
-        out["steps_per_s"] = (c1["steps"] - c0["steps"]) / seconds
-    return out
+    rec["seconds"] += seconds
+    rec["rounds"].append((rec["tokens_in_window"] - tokens_before) / seconds)
+    if c0 and c1:
+        rec["steps"] += c1["steps"] - c0["steps"]
+        rec["decode_tokens"] += c1["decode_tokens"] - c0["decode_tokens"]
 
 
 def pct(xs, q):
@@ -199,12 +212,18 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def summarize(rec: dict, seconds: float) -> dict:
-    return {"tok_s": rec["tokens_in_window"] / seconds, "requests": rec["requests"], "errors": rec["errors"],
+def summarize(rec: dict) -> dict:
+    seconds = rec["seconds"]
+    out = {"tok_s": rec["tokens_in_window"] / seconds, "tok_s_rounds": rec["rounds"],
+           "requests": rec["requests"], "errors": rec["errors"],
             "error_kinds": rec["error_kinds"], "ttft_censored": rec["censored"],
             "ttft_p50": pct(rec["ttft"], 50), "ttft_p99": pct(rec["ttft"], 99),
             "itl_p50": pct(rec["itl"], 50), "itl_p99": pct(rec["itl"], 99),
             "cache_hit_rate": (rec["cached_tokens"] / rec["prompt_tokens"]) if rec["prompt_tokens"] else None}
+    if rec["steps"] > 0:
+        out["mean_batch"] = rec["decode_tokens"] / rec["steps"]
+        out["steps_per_s"] = rec["steps"] / seconds
+    return out
 
 
 def make_q3km(source: str, threads: int) -> str:
@@ -228,7 +247,8 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
            f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
            f"{', '.join(f'{x:.1f}' for x in info.get('loadavg', ()))}; llama-cpp-python "
            f"{info.get('llama_cpp_python')}; {a.threads} threads each, {a.seconds:g} s per point, max_tokens "
-           f"{a.max_tokens}, greedy.", "", f"Command: `{cmd}`"]
+           f"{a.max_tokens}, greedy; each point's seconds split into {a.rounds} window(s) run round-robin over "
+           f"all points (tok/s per window in docs/data/serving.json).", "", f"Command: `{cmd}`"]
     T = ["| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) | "
          "requests | still waiting at the end | errors | cache hit | decode batch (mean) | steps/s |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -291,7 +311,9 @@ def main(argv=None) -> int:
     p.add_argument("--source", default=os.path.expanduser("~/.cache/mixqrt-test-models/"
                                                           "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
     p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
-    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per point (all rounds)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split each point's seconds into this many windows, run round-robin over all points")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-slots", type=int, default=8)
     p.add_argument("--gemm-cache-bytes", type=int, default=None,
@@ -333,11 +355,17 @@ def main(argv=None) -> int:
         for s in servers.values():
             s.wait_ready()
             run_load(s.url, 1, 3.0, 8)                          # warm-up: page in the weights
+        recs = {name: {n: new_record() for n in a.clients} for name in servers}
+        for rnd in range(a.rounds):          # every point once per round: slow drifts of a shared
+            for n in a.clients:              # machine hit all points alike
+                for name, s in servers.items():
+                    load_window(s.url, n, a.seconds / a.rounds, a.max_tokens, recs[name][n])
+                    print(f"round {rnd + 1}/{a.rounds} {name:9s} {n} clients: {recs[name][n]['rounds'][-1]:.1f} tok/s",
+                          flush=True)
         res = {name: {} for name in servers}
         for n in a.clients:
-            for name, s in servers.items():
-                r = run_load(s.url, n, a.seconds, a.max_tokens)
-                res[name][str(n)] = r
+            for name in servers:
+                r = res[name][str(n)] = summarize(recs[name][n])
                 print(f"{name:9s} {n} clients: {r['tok_s']:.1f} tok/s, TTFT p50 {_f(r['ttft_p50'], '{:.2f}')} "
                       f"p99 {_f(r['ttft_p99'], '{:.2f}')} s, ITL p50 {_f(r['itl_p50'], '{:.3f}')} s, "
                       f"{r['requests']} requests, {r['errors']} errors {r['error_kinds'] or ''}, cache hit "
