@@ -230,9 +230,11 @@ def _gptq(w, fmt, h, damp, header_importance, fallback, rtn) -> QTensor:
     facs = [(_inv_chol_upper(hb, damp).astype(F32), np.diagonal(hb).astype(F32)) for hb in hs.blocks]
     rb = lay.row_bytes(k)
     raw = np.empty((n, rb), dtype=np.uint8)
-    step = max(1, int(ROWS))
+    step = max(2, int(ROWS))
     for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
+        if r0 and n - r0 < 2:
+            break                   # merged into the slab before: numpy takes a 1-row product to gemv,
+        r1 = n if n - (r0 + step) < 2 else r0 + step   # whose sums may round differently
         ws = w[r0:r1]
         raw[r0:r1] = _gptq_rows(ws, fmt, hs, facs, header_importance).reshape(r1 - r0, rb)
         if not fallback:
