@@ -56,8 +56,7 @@ class Calibrator:
     """Quantizes tensors on request (quantize(name, fmt, plain)); see the module docstring.
 
     load(name) -> float32 source tensor (tied lm_head resolved), a fresh array this class may modify;
-    plain(name, fmt, arr) -> the
-    uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
+    plain(name, fmt, arr) -> the uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
 
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
                  hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True):

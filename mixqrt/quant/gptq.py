@@ -230,11 +230,13 @@ def _gptq(w, fmt, h, damp, header_importance, fallback, rtn) -> QTensor:
     facs = [(_inv_chol_upper(hb, damp).astype(F32), np.diagonal(hb).astype(F32)) for hb in hs.blocks]
     rb = lay.row_bytes(k)
     raw = np.empty((n, rb), dtype=np.uint8)
+    # never a 1-row slab unless W is one row: numpy sends a 1-row product to gemv, whose sums may
+    # round differently from gemm's, so a 1-row tail joins the slab before it
     step = max(2, int(ROWS))
     for r0 in range(0, n, step):
         if r0 and n - r0 < 2:
-            break                   # merged into the slab before: numpy takes a 1-row product to gemv,
-        r1 = n if n - (r0 + step) < 2 else r0 + step   # whose sums may round differently
+            break
+        r1 = n if n - (r0 + step) < 2 else r0 + step
         ws = w[r0:r1]
         raw[r0:r1] = _gptq_rows(ws, fmt, hs, facs, header_importance).reshape(r1 - r0, rb)
         if not fallback:
