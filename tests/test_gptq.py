@@ -44,6 +44,26 @@ def test_never_worse_than_rtn_on_the_calibration_loss(seed, n, k, t, fmt, mix):
         assert (bd[0] <= bd[1] * (1 + 1e-4) + 1e-12).all()
 
 
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([33, 257]), k=st.sampled_from([31, 64, 257]),
+       fmt=st.sampled_from(GPTQ_FORMATS), rows=st.sampled_from([1, 2, 7, 32]), given_rtn=st.booleans())
+def test_row_slabs_give_the_whole_matrix_bytes(seed, n, k, fmt, rows, given_rtn):
+    """gptq.ROWS splits vocabulary-sized matrices into row slabs (peak RSS); rows are independent in
+    the loss, so the bytes must not depend on the slab size (rows=32 with n=33: the 1-row tail merges)."""
+    from mixqrt.quant import gptq
+    w, x = _problem(seed, n, k, 60, 0.3)
+    h = Hessian(k, 64, 128)
+    h.add(x)
+    rtn = quantize(w, fmt, search=fmt != "q8") if given_rtn else None
+    whole = gptq_quantize(w, fmt, h, rtn=rtn)
+    saved, gptq.ROWS = gptq.ROWS, rows
+    try:
+        sliced = gptq_quantize(w, fmt, h, rtn=rtn)
+    finally:
+        gptq.ROWS = saved
+    assert sliced.shape == whole.shape and np.array_equal(sliced.raw, whole.raw)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.sampled_from([1, 3, 17]), k=st.sampled_from([1, 31, 33, 64, 96, 257]),
        t=st.sampled_from([2, 40, 300]), fmt=st.sampled_from(GPTQ_FORMATS), mix=st.sampled_from([0.0, 0.3, 2.0]),

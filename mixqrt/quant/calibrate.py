@@ -17,7 +17,9 @@ W diag(g/ĝ) (ratios outside [0.5, 2] are left at 1: a norm weight rounded to ~0
 The norm's 5-bit error then costs nothing beyond the linear layer's own rounding.
 
 Memory: the hidden states of the calibration tokens ([T, D] float32), one layer's weights and its
-Hessians (diagonal blocks, gptq.Hessian); the SiLU*up activations of one chunk at a time.
+Hessians (diagonal blocks, gptq.Hessian); the SiLU*up activations of one chunk at a time. The
+vocabulary-sized lm_head is the largest single weight: it is scaled in place and GPTQ works on it in
+row slabs (gptq.ROWS), so its float32 source is the only full-size copy.
 """
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ def _fold_ratio(g: np.ndarray, gq: np.ndarray) -> np.ndarray:
 class Calibrator:
     """Quantizes tensors on request (quantize(name, fmt, plain)); see the module docstring.
 
-    load(name) -> float32 source tensor (tied lm_head resolved); plain(name, fmt, arr) -> the
-    uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
+    load(name) -> float32 source tensor (tied lm_head resolved), a fresh array this class may modify;
+    plain(name, fmt, arr) -> the uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
 
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
                  hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True):
@@ -102,8 +104,8 @@ class Calibrator:
     def _linear(self, name: str, fmt: str, h: Hessian, ratio=None):
         t0 = time.perf_counter()
         w = self.load(name)
-        if ratio is not None:
-            w = w * ratio[None, :]
+        if ratio is not None:   # in place: a second copy of a 7B lm_head is 2.2 GB
+            np.multiply(w, ratio[None, :], out=w)
         if fmt in GPTQ_FORMATS:
             qt = gptq_quantize(w, fmt, h, damp=self.damp, refit=self.refit)
         else:

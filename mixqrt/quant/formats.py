@@ -73,11 +73,14 @@ def _as_f32(w, fmt: str) -> np.ndarray:
     if a.size == 0:
         raise QuantError(f"cannot quantize an empty tensor (shape {a.shape}) to {fmt}")
     x = np.ascontiguousarray(a, dtype=F32)
-    if not np.isfinite(x).all():
+    # max and min propagate NaN and reach +-Inf, so they check finiteness without the tensor-sized
+    # temporaries of isfinite(x) and abs(x) (2.2 GB for a 7B vocabulary-sized matrix)
+    hi, lo = float(x.max()), float(x.min())
+    if not (np.isfinite(hi) and np.isfinite(lo)):
         bad = "NaN" if np.isnan(x).any() else "Inf (or a float64 beyond float32 range)"
         raise QuantError(f"cannot quantize to {fmt}: the tensor contains {bad}")
     if fmt in layout.PACKED and fmt != "q5g" or fmt == "f16":
-        amax = float(np.abs(x).max())
+        amax = max(hi, -lo)
         if amax > FP16_MAX:
             raise QuantError(f"cannot quantize to {fmt}: |w| reaches {amax:g}, beyond the fp16 range "
                              f"({FP16_MAX:g}) of its scales; use q5g, bf16 or f32")

@@ -75,6 +75,12 @@ class Hessian:
 
 
 _BLK = 128
+# Rows per slab of the column sweep and the RTN fallback (rows are independent in the loss). Why:
+# whole-matrix working copies of a vocabulary-sized lm_head (152,064 x 3,584 for Qwen2-7B: 2.2 GB per
+# float32 copy; the sweep's copy, RTN's and two dequantized ones) set the 7B run's peak RSS
+# (docs/quality.md §0.1). A multiple of row_losses' step, so its sums are the same per row; every
+# matrix of a decoder layer (N <= 32768) is one slab.
+ROWS = 32768
 
 
 def _one_thread():
@@ -216,17 +222,46 @@ def _gptq(w, fmt, h, damp, header_importance, fallback, rtn) -> QTensor:
         raise QuantError("GPTQ input contains NaN or Inf")
     if not damp > 0:
         raise QuantError(f"damp must be > 0, got {damp!r}")
+    if rtn is not None and (rtn.fmt != fmt or tuple(rtn.shape) != w.shape):
+        raise QuantError(f"rtn is {rtn.fmt} {tuple(rtn.shape)}, expected {fmt} {w.shape}")
+    n, k = w.shape
+    lay = layout.PACKED[fmt]
+    hs = hs.regroup(lay.group)
+    facs = [(_inv_chol_upper(hb, damp).astype(F32), np.diagonal(hb).astype(F32)) for hb in hs.blocks]
+    rb = lay.row_bytes(k)
+    raw = np.empty((n, rb), dtype=np.uint8)
+    # never a 1-row slab unless W is one row: numpy sends a 1-row product to gemv, whose sums may
+    # round differently from gemm's, so a 1-row tail joins the slab before it
+    step = max(2, int(ROWS))
+    for r0 in range(0, n, step):
+        if r0 and n - r0 < 2:
+            break
+        r1 = n if n - (r0 + step) < 2 else r0 + step
+        ws = w[r0:r1]
+        raw[r0:r1] = _gptq_rows(ws, fmt, hs, facs, header_importance).reshape(r1 - r0, rb)
+        if not fallback:
+            continue
+        shape = (r1 - r0, k)
+        rr = (rtn.raw.reshape(n, rb)[r0:r1] if rtn is not None
+              else quantize(ws, fmt, search=fmt != "q8").raw.reshape(r1 - r0, rb))
+        lg = row_losses(ws, dequantize(QTensor(fmt, shape, raw[r0:r1].reshape(-1))), hs)
+        lr = row_losses(ws, dequantize(QTensor(fmt, shape, np.ascontiguousarray(rr).reshape(-1))), hs)
+        worse = lg > lr
+        if worse.any():
+            raw[r0:r1][worse] = rr[worse]
+    return QTensor(fmt, (n, k), raw.reshape(-1))
+
+
+def _gptq_rows(w, fmt, hs, facs, header_importance) -> np.ndarray:
+    """The column sweep over one slab of rows (rows are independent): packed bytes of w [n, K]."""
     n, k = w.shape
     lay = layout.PACKED[fmt]
     g, nb = lay.group, lay.blocks_per_row(k)
-    hs = hs.regroup(g)
     W = w.copy()
     codes = np.zeros((n, nb, g), dtype=np.int8 if fmt == "q8" else np.uint8)
     dd = np.zeros((n, nb), dtype=np.float16)
     mm = np.zeros((n, nb), dtype=np.float16) if fmt not in ("q6", "q8") else None
-    for (s0, s1), hb in zip(hs.spans, hs.blocks):
-        u = _inv_chol_upper(hb, damp).astype(F32)
-        hd = np.diagonal(hb).astype(F32)
+    for (s0, s1), (u, hd) in zip(hs.spans, facs):
         for c0 in range(s0, s1, g):
             c1, b = min(s1, c0 + g), c0 // g
             blk = W[:, c0:c1]                    # a view: updated in place below
@@ -245,20 +280,7 @@ def _gptq(w, fmt, h, damp, header_importance, fallback, rtn) -> QTensor:
                     blk[:, j + 1:] -= np.outer(e, u[jj, jj + 1:c1 - s0])
             if c1 < s1:
                 W[:, c1:s1] -= err @ u[c0 - s0:c1 - s0, c1 - s0:]
-    qt = QTensor(fmt, (n, k), np.frombuffer(layout.assemble(fmt, (n, k), layout.Parts(codes=codes, d=dd, m=mm)),
-                                            dtype=np.uint8))
-    if not fallback:
-        return qt
-    r = rtn if rtn is not None else quantize(w, fmt, search=fmt != "q8")
-    lg = row_losses(w, dequantize(qt), hs)
-    lr = row_losses(w, dequantize(r), hs)
-    worse = lg > lr
-    if not worse.any():
-        return qt
-    rb = lay.row_bytes(k)
-    raw = qt.raw.reshape(n, rb).copy()
-    raw[worse] = r.raw.reshape(n, rb)[worse]
-    return QTensor(fmt, (n, k), raw.reshape(-1))
+    return np.frombuffer(layout.assemble(fmt, (n, k), layout.Parts(codes=codes, d=dd, m=mm)), dtype=np.uint8)
 
 
 def _levels(fmt: str, codes: np.ndarray) -> np.ndarray:
