@@ -218,7 +218,8 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                         "file (never the evaluation text), or 'self': text the model samples itself from a "
                         "fixed set of prose, code and chat prompts (seeded, run in memory at q8). Repeat "
                         "to mix: the sources share --calib-tokens evenly (e.g. --calibrate self "
-                        "--calibrate tinyshakespeare.txt). Recorded in the file's recipe header")
+                        "--calibrate tinyshakespeare.txt, recommended with --damp 0.1, docs/quality.md "
+                        "§0.4). Recorded in the file's recipe header")
     s.add_argument("--calib-tokens", type=int, default=4096, metavar="N",
                    help="calibration tokens in all (default 4096)")
     s.add_argument("--calib-seed", type=int, default=0, metavar="S",
