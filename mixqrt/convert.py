@@ -89,8 +89,9 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     recipe="auto" needs budget_bytes: formats per tensor from the measured sensitivity (quant/auto.py).
     calibrate: calibration text (str), or quant/calibtext.py's TextSource / GeneratedSource (the
     model's own sampled text) or a list of them sharing calib_tokens evenly: every q3p/q3u/q4/q6/q8
-    linear weight is quantized by GPTQ with the Hessian of its inputs over the first calib_tokens tokens, layer by layer through the already
-    quantized layers, and quantized norms are folded into the weights after them (quant/calibrate.py).
+    linear weight is quantized by GPTQ with the Hessian of its inputs over the first calib_tokens
+    tokens, layer by layer through the already quantized layers, and quantized norms are folded into
+    the weights after them (quant/calibrate.py).
     refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0, the default: off,
     because it measured worse end to end, docs/quality.md §0).
     """
