@@ -68,12 +68,21 @@ def cmd_quantize(a):
 
 
 def _calibration(a) -> dict:
-    if not a.calibrate:
+    """--calibrate FILE|self (repeatable; the sources share --calib-tokens evenly)."""
+    from mixqrt.quant.calibtext import GeneratedSource, TextSource
+
+    sources = []
+    for item in a.calibrate or ():
+        if item == "self":
+            sources.append(GeneratedSource(seed=a.calib_seed, save=a.calib_save))
+            continue
+        with open(item, encoding="utf-8") as f:
+            sources.append(TextSource(f.read(), os.path.basename(item)))
+    if a.calib_save and not any(isinstance(s, GeneratedSource) for s in sources):
+        raise SystemExit("mixqrt quantize: --calib-save needs --calibrate self")
+    if not sources:
         return {}
-    with open(a.calibrate, encoding="utf-8") as f:
-        text = f.read()
-    return {"calibrate": text, "calib_tokens": a.calib_tokens, "calib_label": os.path.basename(a.calibrate),
-            "damp": a.damp, "refit": a.refit}
+    return {"calibrate": sources, "calib_tokens": a.calib_tokens, "damp": a.damp, "refit": a.refit}
 
 
 def cmd_imatrix(a):
@@ -204,10 +213,19 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="plan and size only; write nothing")
     s.add_argument("--imatrix", default=None, metavar="FILE",
                    help="importance matrix from `mixqrt imatrix`: activation-weighted quantization")
-    s.add_argument("--calibrate", default=None, metavar="TEXT",
-                   help="calibration text file: GPTQ error-compensating quantization (docs/quality.md); "
-                        "never the evaluation text")
-    s.add_argument("--calib-tokens", type=int, default=4096, metavar="N", help="calibration tokens (default 4096)")
+    s.add_argument("--calibrate", action="append", default=None, metavar="TEXT|self",
+                   help="calibration text for GPTQ error-compensating quantization (docs/quality.md): a text "
+                        "file (never the evaluation text), or 'self': text the model samples itself from a "
+                        "fixed set of prose, code and chat prompts (seeded, run in memory at q8). Repeat "
+                        "to mix: the sources share --calib-tokens evenly (e.g. --calibrate self "
+                        "--calibrate tinyshakespeare.txt, recommended with --damp 0.1, docs/quality.md "
+                        "§0.4). Recorded in the file's recipe header")
+    s.add_argument("--calib-tokens", type=int, default=4096, metavar="N",
+                   help="calibration tokens in all (default 4096)")
+    s.add_argument("--calib-seed", type=int, default=0, metavar="S",
+                   help="sampling seed of --calibrate self (default 0; same seed, same text)")
+    s.add_argument("--calib-save", default=None, metavar="FILE",
+                   help="also write the text --calibrate self generated to FILE")
     s.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H)")
     s.add_argument("--refit", type=int, default=0, metavar="N",
                    help="passes of the (d, m) header refit on the calibration loss after GPTQ (default 0: "

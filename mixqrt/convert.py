@@ -87,9 +87,11 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     imatrix: a file from `mixqrt imatrix` (or its {name: [K] array} dict): per-column weights for the
     error-minimising quantizer of every linear weight it covers (q6/q4/q3u/q3p).
     recipe="auto" needs budget_bytes: formats per tensor from the measured sensitivity (quant/auto.py).
-    calibrate: calibration text (str): every q3p/q3u/q4/q6/q8 linear weight is quantized by GPTQ with
-    the Hessian of its inputs over the first calib_tokens tokens, layer by layer through the already
-    quantized layers, and quantized norms are folded into the weights after them (quant/calibrate.py).
+    calibrate: calibration text (str), or quant/calibtext.py's TextSource / GeneratedSource (the
+    model's own sampled text) or a list of them sharing calib_tokens evenly: every q3p/q3u/q4/q6/q8
+    linear weight is quantized by GPTQ with the Hessian of its inputs over the first calib_tokens
+    tokens, layer by layer through the already quantized layers, and quantized norms are folded into
+    the weights after them (quant/calibrate.py).
     refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0, the default: off,
     because it measured worse end to end, docs/quality.md §0).
     """
@@ -114,7 +116,10 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     imat = load_imatrix(imatrix) if imatrix is not None else None
     plan = tensor_plan(source, rec)
     if calibrate is not None:
-        rec.calibration = {"method": "gptq", "text": calib_label, "tokens": int(calib_tokens), "ctx": int(calib_ctx),
+        from mixqrt.quant.calibtext import TextSource, labels
+        if isinstance(calibrate, str):
+            calibrate = TextSource(calibrate, calib_label)
+        rec.calibration = {"method": "gptq", "text": labels(calibrate), "tokens": int(calib_tokens), "ctx": int(calib_ctx),
                            "damp": float(damp), "refit": int(refit)}
     report = QuantReport(str(out_path) if out_path else None, rec.spec())
     if dry_run:
@@ -145,7 +150,8 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     cal = None
     if calibrate is not None:
         from mixqrt.models import get_model_class
-        from mixqrt.quant.calibrate import Calibrator, calibration_ids
+        from mixqrt.quant.calibrate import Calibrator
+        from mixqrt.quant.calibtext import calibration_set
 
         def load(n):
             a = source.get("model.embed_tokens.weight" if (tied and n == "lm_head.weight") else n)
@@ -153,10 +159,11 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
 
         cls = get_model_class(source.arch)
         args = cls.args_class.from_dict(dict(source.config), model_type=source.arch)
-        chunks = calibration_ids(source.tokenizer, calibrate, int(calib_tokens), int(calib_ctx))
+        chunks, where = calibration_set(source, calibrate, int(calib_tokens), int(calib_ctx), progress=progress)
         cal = Calibrator(args, chunks, load, plain, damp=damp, refit=refit, progress=progress)
         cal.fmts = fmt_of
-        rec.calibration["tokens"] = meta["recipe"]["calibration"]["tokens"] = cal.tokens
+        rec.calibration.update(where)
+        meta["recipe"]["calibration"] = dict(rec.calibration)
         report.calibration = dict(rec.calibration)
     pending: dict[str, QTensor] = {}
     with MxqWriter(out_path, meta) as w:

@@ -32,6 +32,7 @@ LAYERS = [
     ("runtime", ["mixqrt.runtime"]),
     ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate", "mixqrt.convert",
                   "mixqrt.quant.calibrate",                 # runs the model layer by layer
+                  "mixqrt.quant.calibtext",                 # samples the model's own text
                   "mixqrt.engine", "mixqrt.engine_cache"]),
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
