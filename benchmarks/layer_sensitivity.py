@@ -22,9 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sensitivity import chunk_runner  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from mixqrt.io import open_source  # noqa: E402
-from mixqrt.models import get_model_class  # noqa: E402
+from sensitivity import chunk_runner, load_source  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from mixqrt.quant import layout, quantize  # noqa: E402
 from mixqrt.quant.recipes import get_recipe, role_of  # noqa: E402
 
@@ -43,11 +41,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     t0 = time.time()
-    src = open_source(a.model, progress=False)
-    cls = get_model_class(src.arch)
-    args = cls.args_class.from_dict(src.config)
-    f32 = {n: src.get(n) for n in src.tensor_names()}
-    f32.setdefault("lm_head.weight", f32["model.embed_tokens.weight"])
+    src, cls, args, f32 = load_source(a.model)
     rec = get_recipe("2356")
     ref = {n: (w if w.ndim == 1 else quantize(w, "q8")) for n, w in f32.items()}
 

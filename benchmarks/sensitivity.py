@@ -51,6 +51,16 @@ def _q(arr, fmt, name, imat, mode="search"):
     return quantize(arr, fmt, **opts)
 
 
+def load_source(model: str):
+    """-> (source, model class, args, {name: float32 tensor}) with a tied lm_head resolved."""
+    src = open_source(model, progress=False)
+    cls = get_model_class(src.arch)
+    args = cls.args_class.from_dict(src.config)
+    f32 = {n: src.get(n) for n in src.tensor_names()}
+    f32.setdefault("lm_head.weight", f32["model.embed_tokens.weight"])
+    return src, cls, args, f32
+
+
 def chunk_runner(src, cls, args, text_path: str, offset: int, ctx: int, n: int):
     """-> run(weights): log-softmax logits [ctx, V] of each of the n ctx-token chunks of the text (from
     character `offset` on), for a model built from `weights` (shared with layer_sensitivity.py)."""
@@ -81,14 +91,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     t0 = time.time()
-    src = open_source(a.model, progress=False)
-    cls = get_model_class(src.arch)
-    args = cls.args_class.from_dict(src.config)
+    src, cls, args, f32 = load_source(a.model)
     imat = load_imatrix(a.imatrix) if a.imatrix else None
     names = list(src.tensor_names())
-    f32 = {n: src.get(n) for n in names}
-    if "lm_head.weight" not in f32:
-        f32["lm_head.weight"] = f32["model.embed_tokens.weight"]
     roles = {n: role_of(n) for n in f32}
     base = {n: (w if w.ndim == 1 else quantize(w, "q8")) for n, w in f32.items()}
     run = chunk_runner(src, cls, args, a.text, a.offset, a.ctx, a.chunks)

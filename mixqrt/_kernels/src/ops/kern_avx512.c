@@ -624,14 +624,16 @@ int mq_set_q6_fold(int on) { lean_mv_on(); int old = mq_q6_fold; if (on >= 0) mq
 void mq_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 
 static inline __attribute__((always_inline)) void
-gemm_kernel(const uint32_t *tb, int nch,
+gemm_kernel(const uint32_t *tb, int nch, int pf,
             const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt) {
     __m512 acc[GTT];
     for (int i = 0; i < gt; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
     for (int c = 0; c < nch; c++) {
         const uint32_t *cb = tb + (size_t)c * CB;
-        _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);   /* cached tiles stream from memory */
-        _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
+        if (pf) {   /* cached tiles stream from memory (the unpacked scratch tile is in L1 already) */
+            _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);
+            _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
+        }
         const __m512i *w = (const __m512i *)cb;
         const uint32_t *qc = qb + (size_t)c * 8 * gt;
         __m512i is[GTT];
@@ -784,7 +786,7 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
                 float *ab = accb + (size_t)g * gt * 16;
-                gemm_kernel(tl, nch, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
+                gemm_kernel(tl, nch, cached && g == 0, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
                             dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
                             fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
                 if (last)
