@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     q.add_argument("--tokens", type=int, default=4096)
     q.add_argument("--refit", type=int, default=0)
     q.add_argument("--damp", type=float, default=0.01)
+    q.add_argument("--rotate", action="append", default=None, metavar="ROLE=BLOCK|none",
+                   help="as `mixqrt quantize --rotate`")
     q.add_argument("-o", "--output", required=True)
     a = ap.parse_args(argv)
 
@@ -74,8 +76,9 @@ def main(argv=None) -> int:
     if a.text:
         with open(a.text, encoding="utf-8") as f:
             sources.append(TextSource(f.read(), os.path.basename(a.text)))
+    from mixqrt.cli import parse_rotate
     rep = quantize_model(a.src, a.recipe, a.output, calibrate=sources, calib_tokens=a.tokens, refit=a.refit,
-                         damp=a.damp)
+                         damp=a.damp, rotate=parse_rotate(a.rotate))
     print(describe(rep))
     print(json.dumps({k: v for k, v in rep.calibration.items() if k != "sources"}),
           [(p["text"], p["tokens"]) for p in rep.calibration.get("sources", [])])

@@ -53,11 +53,29 @@ def cmd_doctor(a):
     print(json.dumps(info, indent=2) if a.json else format_report(info))
 
 
+def parse_rotate(items):
+    """--rotate values -> None (the recipe's), {} (none) or {role: block}; UsageError naming a bad one."""
+    if not items:
+        return None
+    from mixqrt.models.spec import ROLES
+    out = {}
+    for item in items:
+        if item.strip().lower() == "none":
+            return {}
+        role, _, b = item.partition("=")
+        if role not in ROLES or not b.isdigit() or int(b) < 2 or int(b) > 1024 or int(b) & (int(b) - 1):
+            raise SystemExit(f"mixqrt quantize: --rotate {item!r}: want ROLE=BLOCK with ROLE one of "
+                             f"{', '.join(ROLES)} and BLOCK a power of two in [2, 1024], or 'none'")
+        out[role] = int(b)
+    return out
+
+
 def cmd_quantize(a):
     from mixqrt.convert import describe, dumps_report, quantize_model
     rep = quantize_model(a.src, a.recipe or "2356", a.output, overrides=a.tensor_type,
                          progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
-                         imatrix=a.imatrix, budget_bytes=a.budget_bytes, **_calibration(a))
+                         imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
+                         **_calibration(a))
     if a.json:
         print(dumps_report(rep))
         return
@@ -232,6 +250,10 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                         "off; it lowers the calibration loss, held-out text measured mixed, docs/quality.md)")
     s.add_argument("--budget-bytes", type=int, default=None, metavar="N",
                    help="with --recipe auto: total tensor bytes to fit (formats picked by measured sensitivity)")
+    s.add_argument("--rotate", action="append", default=None, metavar="ROLE=BLOCK|none",
+                   help="randomized block Hadamard rotation of a role's weights (e.g. ffn_down=64; the input is "
+                        "rotated online to match, docs/quality.md); replaces the recipe's rotations; 'none' "
+                        "turns them off (the file then stays readable by mixqrt before rotations); repeatable")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("-q", "--quiet", action="store_true")
     s.add_argument("--offline", action="store_true")

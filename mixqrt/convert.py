@@ -80,7 +80,7 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
                    offline=None, imatrix=None, budget_bytes=None, calibrate=None, calib_tokens: int = 4096,
                    calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01,
-                   refit: int = 0) -> QuantReport:
+                   refit: int = 0, rotate=None) -> QuantReport:
     """Quantize a model source (path, hub id or an open Source) with a recipe into an .mxq file.
 
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
@@ -94,6 +94,8 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     the weights after them (quant/calibrate.py).
     refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0, the default: off,
     because it measured worse end to end, docs/quality.md §0).
+    rotate: None keeps the recipe's Hadamard rotations (quant/rotation.py); False turns them off; a
+    {role: block} dict replaces them.
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
@@ -113,6 +115,8 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         rec = auto_recipe(source, int(budget_bytes), overrides=overrides)
     else:
         rec = get_recipe(recipe, overrides)
+    if rotate is not None:
+        rec.rotate = dict(rotate or {})
     imat = load_imatrix(imatrix) if imatrix is not None else None
     plan = tensor_plan(source, rec)
     if calibrate is not None:
@@ -142,6 +146,10 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     def plain(name, fmt, arr):
         opts = {"lo": q5_range[0], "hi": q5_range[1]} if (fmt == "q5g" and q5_range) else {}
         imp = importance_for(imat, name, arr.shape[1]) if (imat and arr.ndim == 2) else None
+        rot = rec.rotation_for(name, fmt, arr.shape)
+        if rot is not None:
+            opts["rot"] = rot
+            imp = None          # per input column, which the rotation mixes
         if fmt in SEARCH_FORMATS and arr.ndim == 2 and (rec.search or imp is not None):
             opts["search"] = True
             opts["importance"] = imp
@@ -160,7 +168,8 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         cls = get_model_class(source.arch)
         args = cls.args_class.from_dict(dict(source.config), model_type=source.arch)
         chunks, where = calibration_set(source, calibrate, int(calib_tokens), int(calib_ctx), progress=progress)
-        cal = Calibrator(args, chunks, load, plain, damp=damp, refit=refit, progress=progress)
+        cal = Calibrator(args, chunks, load, plain, damp=damp, refit=refit, progress=progress,
+                         rotation_for=rec.rotation_for)
         cal.fmts = fmt_of
         rec.calibration.update(where)
         meta["recipe"]["calibration"] = dict(rec.calibration)

@@ -312,9 +312,36 @@ def matmul(w, x, out=None):
         y = np.empty((x2.shape[0], n), dtype=np.float32)
     else:
         y = out.reshape(1, n) if vec else out
+    rot = _rot(w, k)
+    if rot is not None:                      # a rotated weight stores W R: feed it R^T x (quant.rotation)
+        xr = np.empty_like(x2)
+        _ops.hadamard(x2, xr, rot[1], rot[0], rot[2])
+        x2 = xr
     tiles = _gemm_tiles(w, fid, raw, n, k, lv, lo, step) if _TILES.budget and x2.shape[0] >= 2 else None
     _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles)
     return y.reshape(n) if vec else y
+
+
+def hadamard(x, block: int, signs=None, out=None) -> np.ndarray:
+    """Block Hadamard rotation H_b (signs * x) of the rows of x ([K] or [T, K] float32): blocks of
+    `block` values (a power of two <= 1024 dividing K), scaled by 1/sqrt(block); signs: float32 [K]
+    of +-1 or None. Bit-identical on every ISA tier and to ops_ref.hadamard (mixqrt.quant.rotation)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim not in (1, 2):
+        raise KernelError(f"hadamard: x must be [K] or [T, K], got shape {x.shape}")
+    k = x.shape[-1]
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block <= 1024 \
+            or block & (block - 1) or k == 0 or k % block:
+        raise KernelError(f"hadamard: block {block!r} must be a power of two <= 1024 dividing {k}")
+    if signs is not None:
+        signs = np.ascontiguousarray(signs, dtype=np.float32)
+        if signs.shape != (k,):
+            raise KernelError(f"hadamard: signs must be [{k}], got shape {signs.shape}")
+    if _ops is None:
+        return ops_ref.hadamard(x, block, signs)
+    y = np.empty_like(x) if out is None else out
+    _ops.hadamard(x, y, signs, int(block), float(np.float32(1.0 / np.sqrt(block))))   # = rotation.scale
+    return y
 
 
 def _threads(threads) -> int:
@@ -334,7 +361,34 @@ def embed(w, ids) -> np.ndarray:
         return np.asarray(w[ids], dtype=np.float32)
     fid, raw, n, k, lv, lo, step = _weight_args(w)
     out = np.empty((ids.shape[0], k), dtype=np.float32)
-    return _ops.dequant_rows(fid, raw, n, k, ids, out, lv, lo, step)
+    out = _ops.dequant_rows(fid, raw, n, k, ids, out, lv, lo, step)
+    rot = _rot(w, k)
+    if rot is not None:                      # stored rows are rotated: s * H_b row
+        _ops.hadamard(out, out, None, rot[0], rot[2])
+        out *= rot[1]
+    return out
+
+
+_ROT_CACHE: dict = {}
+
+
+def _rot(w, k: int):
+    """(block, signs, scale) of a rotated tensor (meta["rot"], mixqrt.quant.rotation), else None;
+    checked once per (block, seed, K)."""
+    meta = getattr(w, "meta", None)
+    r = meta.get("rot") if meta else None
+    if r is None:
+        return None
+    key = (r.get("block"), r.get("seed"), k) if hasattr(r, "get") else None
+    hit = _ROT_CACHE.get(key) if key is not None and all(isinstance(v, int) for v in key) else None
+    if hit is None:
+        from mixqrt.quant import rotation
+        b, seed = rotation.check(r, k, "matmul: weight rotation")
+        hit = (b, rotation.signs(seed, k), float(rotation.scale(b)))
+        if len(_ROT_CACHE) > 256:
+            _ROT_CACHE.clear()
+        _ROT_CACHE[(b, seed, k)] = hit
+    return hit
 
 
 # ----------------------------------------------------------------------------- float ops

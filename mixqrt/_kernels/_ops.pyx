@@ -341,6 +341,30 @@ def rmsnorm(cnp.ndarray x, cnp.ndarray w, float eps, cnp.ndarray out):
     return out
 
 
+def hadamard(cnp.ndarray x, cnp.ndarray out, signs, int block, float scale):
+    """out = H_b (signs * x) on the rows of float32 [T, K] (C-contiguous; out may be x); signs: float32
+    [K] or None; block a power of two in [1, 1024] dividing K (the caller's checks, repeated here)."""
+    _f32c(x, "x"); _f32c(out, "out")
+    cdef int K = x.shape[x.ndim - 1] if x.ndim else 0
+    if x.ndim not in (1, 2) or out.size != x.size or block < 1 or block > 1024 or block & (block - 1) \
+            or K == 0 or K % block:
+        raise ValueError(f"hadamard: rows of {K} values do not split into blocks of {block} (a power of two <= 1024)")
+    cdef int T = x.size // K
+    cdef const float *ps = NULL
+    cdef cnp.ndarray sa
+    if signs is not None:
+        sa = signs
+        _f32c(sa, "signs")
+        if sa.size != K:
+            raise ValueError(f"hadamard: {sa.size} signs for rows of {K}")
+        ps = <const float*>_ptr(sa)
+    cdef const float *px = <const float*>_ptr(x)
+    cdef float *po = <float*>_ptr(out)
+    with nogil:
+        mq_hadamard(px, po, ps, T, K, block, scale)
+    return out
+
+
 def rope_(cnp.ndarray x, cnp.ndarray pos, double theta):
     """In place on x [T, H, Dh]; pos int64 [T]."""
     _f32c(x, "x")

@@ -31,8 +31,12 @@ MAGIC = b"MXQ\0"
 # 2: q3p codes are packed pack3c (layout.py). Version 1 files still load unless they hold q3p tensors
 # (their codes are in the old planar packing, which no kernel reads any more): those raise
 # FormatError asking to re-quantize.
+# 3: a tensor entry may carry "rot" (a rotated tensor, mixqrt.quant.rotation). Files without one are
+# still written as version 2, so older readers keep reading them; a version 2 reader refuses a
+# version 3 file by its version, never misreading its rotated rows.
 VERSION = 2
-READABLE = (1, 2)
+VERSION_ROT = 3
+READABLE = (1, 2, 3)
 PREFIX = struct.Struct("<4sIQQQI28x")          # magic, version, hdr_off, hdr_len, file_size, hdr_crc32
 PREFIX_SIZE = PREFIX.size                      # 64
 MAX_HEADER = 64 << 20                          # bytes of JSON header; Qwen's tokenizer.json is ~7 MB
@@ -46,6 +50,7 @@ BLOB_MIN = 1 << 16                             # top-level meta strings this lon
 _TOP_KEYS = frozenset({"format", "version", "alignment", "page", "meta", "blobs", "tensors", "spans"})
 _BLOB_KEYS = frozenset({"offset", "nbytes", "crc32"})
 _TENSOR_KEYS = frozenset({"fmt", "shape", "offset", "nbytes", "layer"})
+_TENSOR_OPT = frozenset({"rot"})               # version 3 on
 _SPAN_KEYS = frozenset({"key", "offset", "nbytes"})
 
 
@@ -57,6 +62,7 @@ class TensorInfo:
     offset: int           # absolute file offset, multiple of the file's alignment
     nbytes: int           # == layout.expected_nbytes(fmt, shape)
     layer: int | None     # None: embedding, final norm, lm_head (each in a span of its own)
+    rot: dict | None = None   # rotation record (version 3), mixqrt.quant.rotation
 
 
 # ============================================================================ header parsing
@@ -107,12 +113,14 @@ def _parse_prefix(arena: Arena) -> tuple[int, int, int, int]:
     return version, hoff, hlen, crc
 
 
-def _check_tensor(name, e, hoff: int, alignment: int, page: int) -> TensorInfo:
+def _check_tensor(name, e, hoff: int, alignment: int, page: int, version: int = VERSION) -> TensorInfo:
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME:
         raise FormatError(f"tensor name {str(name)[:80]!r} must be a string of 1..{MAX_NAME} characters")
     where = f"tensor {name!r}"
-    if not isinstance(e, dict) or set(e) != _TENSOR_KEYS:
-        raise FormatError(f"{where}: entry must be an object with keys {sorted(_TENSOR_KEYS)}")
+    opt = _TENSOR_OPT if version >= VERSION_ROT else frozenset()
+    if not isinstance(e, dict) or not _TENSOR_KEYS <= set(e) <= _TENSOR_KEYS | opt:
+        raise FormatError(f"{where}: entry must be an object with keys {sorted(_TENSOR_KEYS)}"
+                          + (f" (optional: {sorted(opt)})" if opt else ""))
     fmt, shape, off, nb, lay = e["fmt"], e["shape"], e["offset"], e["nbytes"], e["layer"]
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise FormatError(f"{where}: unknown format {str(fmt)[:40]!r}; known: {', '.join(sorted(FORMATS))}")
@@ -130,7 +138,18 @@ def _check_tensor(name, e, hoff: int, alignment: int, page: int) -> TensorInfo:
         raise FormatError(f"{where}: offset {off} is not {alignment}-byte aligned")
     if off < page or off + nb > hoff:
         raise FormatError(f"{where}: bytes [{off}, {off + nb}) outside the data region [{page}, {hoff})")
-    return TensorInfo(name, fmt, tuple(shape), off, nb, lay)
+    rot = e.get("rot")
+    if rot is not None:
+        from mixqrt.errors import QuantError
+        from mixqrt.quant import rotation
+        if fmt not in layout.PACKED or fmt == "q5g" or len(shape) != 2:
+            raise FormatError(f"{where}: a rotation needs a packed matrix format, not {fmt} {tuple(shape)}")
+        try:
+            b, seed = rotation.check(rot, shape[1], f"{where}: rot")
+        except QuantError as err:
+            raise FormatError(str(err)) from None
+        rot = {"block": b, "seed": seed}
+    return TensorInfo(name, fmt, tuple(shape), off, nb, lay, rot)
 
 
 def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
@@ -160,7 +179,7 @@ def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", di
     if not isinstance(ttab, dict) or not isinstance(stab, list):
         raise FormatError(f"{where}: tensors must be an object and spans a list")
 
-    tensors = {name: _check_tensor(name, e, hoff, alignment, page) for name, e in ttab.items()}
+    tensors = {name: _check_tensor(name, e, hoff, alignment, page, version) for name, e in ttab.items()}
     if h["version"] < 2 and not old_q3p:
         old = next((t.name for t in tensors.values() if t.fmt == "q3p"), None)
         if old is not None:
@@ -288,7 +307,10 @@ class MxqFile:
             self.tensors = {}
             for name, t in self.info.items():
                 try:
-                    self.tensors[name] = QTensor.from_bytes(self.arena.view(t.offset, t.nbytes), t.fmt, t.shape)
+                    qt = QTensor.from_bytes(self.arena.view(t.offset, t.nbytes), t.fmt, t.shape)
+                    if t.rot is not None:
+                        qt.meta = {"rot": t.rot}
+                    self.tensors[name] = qt
                 except MixqrtError as e:
                     raise FormatError(f"{self.path}: tensor {name!r}: {e}") from None
         except BaseException:
@@ -437,6 +459,18 @@ class MxqWriter:
         self._f.write(memoryview(raw))
         self._pos += want
         self._tensors[name] = {"fmt": fmt, "shape": list(shape), "offset": off, "nbytes": want, "layer": layer}
+        meta = getattr(qtensor, "meta", None)
+        rot = meta.get("rot") if meta else None
+        if rot is not None:
+            from mixqrt.errors import QuantError
+            from mixqrt.quant import rotation
+            try:
+                b, seed = rotation.check(rot, shape[-1], f"tensor {name!r}: rot")
+            except QuantError as err:
+                raise FormatError(str(err)) from None
+            if fmt not in layout.PACKED or fmt == "q5g" or len(shape) != 2:
+                raise FormatError(f"tensor {name!r}: a rotation needs a packed matrix format, not {fmt} {shape}")
+            self._tensors[name]["rot"] = {"block": b, "seed": seed}
 
     # ------------------------------------------------------------------ commit / abort
     def commit(self) -> None:
@@ -452,7 +486,8 @@ class MxqWriter:
                 self._pos += len(b)
             self._pad_to(align_up(self._pos, self.page))
             hoff = self._pos
-            header = {"format": "mxq", "version": VERSION, "alignment": ALIGN, "page": self.page,
+            version = VERSION_ROT if any("rot" in t for t in self._tensors.values()) else VERSION
+            header = {"format": "mxq", "version": version, "alignment": ALIGN, "page": self.page,
                       "meta": self._meta, "blobs": blobs, "tensors": self._tensors, "spans": self._spans}
             raw = json.dumps(header, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
             if len(raw) > MAX_HEADER:
@@ -460,7 +495,7 @@ class MxqWriter:
             self._f.write(raw)
             size = hoff + len(raw)
             self._f.seek(0)
-            self._f.write(PREFIX.pack(MAGIC, VERSION, hoff, len(raw), size, zlib.crc32(raw)))
+            self._f.write(PREFIX.pack(MAGIC, version, hoff, len(raw), size, zlib.crc32(raw)))
             self._f.flush()
             os.fchmod(self._f.fileno(), 0o666 & ~_umask())
             os.fsync(self._f.fileno())

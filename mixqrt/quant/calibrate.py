@@ -29,6 +29,7 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.errors import QuantError
+from mixqrt.quant import rotation
 from mixqrt.quant.formats import dequantize, dequantize_rows
 from mixqrt.quant.gptq import GPTQ_FORMATS, Hessian, gptq_quantize
 
@@ -59,7 +60,8 @@ class Calibrator:
     plain(name, fmt, arr) -> the uncalibrated quantizer of the recipe (RTN with search, q5g options...)."""
 
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
-                 hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True):
+                 hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True,
+                 rotation_for=None):
         self.a = args
         self.chunks = chunks
         self.load, self.plain = load, plain
@@ -70,6 +72,8 @@ class Calibrator:
         self.seconds: dict[str, float] = {}
         self.progress = progress
         self.tokens = int(sum(c.size for c in chunks))
+        self.rotation_for = rotation_for or (lambda name, fmt, shape: None)
+        self._hrot: dict = {}           # (id(Hessian), block, seed) -> rotated Hessian, per layer
 
     # ------------------------------------------------------------------ entry point
     def quantize(self, name: str, fmt: str, arr: np.ndarray):
@@ -106,7 +110,15 @@ class Calibrator:
         w = self.load(name)
         if ratio is not None:   # in place: a second copy of a 7B lm_head is 2.2 GB
             np.multiply(w, ratio[None, :], out=w)
-        if fmt in GPTQ_FORMATS:
+        rot = self.rotation_for(name, fmt, w.shape)
+        if fmt in GPTQ_FORMATS and rot is not None:
+            # GPTQ on the stored rows W R with the Hessian of the rotated inputs R^T X^T X R
+            key = (id(h), rot["block"], rot["seed"])
+            if key not in self._hrot:
+                self._hrot[key] = (h, h.rotated(rot))      # h kept alive: its id stays unique
+            qt = gptq_quantize(rotation.rotate(w, rot), fmt, self._hrot[key][1], damp=self.damp, refit=self.refit)
+            qt.meta = {**qt.meta, "rot": rot}
+        elif fmt in GPTQ_FORMATS:
             qt = gptq_quantize(w, fmt, h, damp=self.damp, refit=self.refit)
         else:
             qt = self.plain(name, fmt, w)
@@ -119,6 +131,7 @@ class Calibrator:
 
     # ------------------------------------------------------------------ one decoder layer
     def _layer(self, i: int) -> None:
+        self._hrot.clear()
         a, fmts = self.a, self.fmts
         p = f"model.layers.{i}."
         eps = a.rms_norm_eps
@@ -170,6 +183,7 @@ class Calibrator:
             x += ops.matmul(down, ops.silu_mul(ops.matmul(gate, h), ops.matmul(up, h)))
 
     def _final(self) -> None:
+        self._hrot.clear()
         gq, ratio = self._norm("model.norm.weight", self.fmts["model.norm.weight"])
         H = self._hess(self.a.hidden_size)
         for x in self.x:

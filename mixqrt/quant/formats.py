@@ -391,13 +391,17 @@ def _plain_raw(x: np.ndarray, fmt: str) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- public API
 def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool = False,
-             importance=None) -> QTensor:
+             importance=None, rot=None) -> QTensor:
     """Quantize a float array to `fmt`; impl="ref" runs the numpy reference (the spec).
 
     q5g: lo/hi give the bound range (see bind_range); without them the tensor's own min/max is used.
     search / importance: error-minimising headers for q6/q4/q3u/q3p (module docstring); importance is
     [K] per-column weights (an imatrix row) and implies search. Ignored by the other formats.
+    rot: {"block": b, "seed": s} stores the rows rotated (mixqrt.quant.rotation; 2-D packed formats
+    only, not with importance); dequantize undoes it and ops.matmul rotates the input to match.
     """
+    if rot is not None:
+        return _quantize_rotated(w, fmt, rot, impl=impl, search=search, importance=importance)
     x = _as_f32(w, fmt)
     shape = x.shape
     if fmt != "q5g" and (lo is not None or hi is not None):
@@ -432,6 +436,42 @@ def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool 
     return QTensor(fmt, shape, raw, meta)
 
 
+def _quantize_rotated(w, fmt: str, rot, **kw) -> QTensor:
+    from mixqrt.quant import rotation
+    if fmt not in layout.PACKED or fmt == "q5g":
+        raise QuantError(f"rotation needs a packed matrix format, not {fmt}")
+    if kw.get("importance") is not None:
+        raise QuantError("rotation and importance (imatrix) cannot be combined: the importance is per "
+                         "input column, which the rotation mixes")
+    x = _as_f32(w, fmt)
+    if x.ndim != 2:
+        raise QuantError(f"rotation needs a 2-D weight, got shape {x.shape}")
+    b, seed = rotation.check(rot, x.shape[1], "rot")
+    # rows are independent in every packed format: rotate and quantize in slabs of rows, so a
+    # vocabulary-sized table (2.2 GB float32 for a 7B embedding) never has a whole rotated copy
+    parts = [quantize(rotation.rotate(x[r:r + _ROT_ROWS], rot), fmt, **kw)
+             for r in range(0, x.shape[0], _ROT_ROWS)]
+    raw = parts[0].raw if len(parts) == 1 else np.concatenate([p.raw for p in parts])
+    return QTensor(fmt, x.shape, raw, {**parts[0].meta, "rot": {"block": b, "seed": seed}})
+
+
+_ROT_ROWS = 16384
+
+
+def rot_of(qt):
+    """A tensor's rotation record (mixqrt.quant.rotation) or None."""
+    meta = getattr(qt, "meta", None)
+    return meta.get("rot") if meta else None
+
+
+def _unrotated(qt: QTensor, w: np.ndarray) -> np.ndarray:
+    rot = rot_of(qt)
+    if rot is None:
+        return w
+    from mixqrt.quant import rotation
+    return rotation.unrotate(w.reshape(-1, w.shape[-1]), rot).reshape(w.shape)
+
+
 def _lo_hi(qt: QTensor) -> tuple[float, float]:
     if qt.fmt != "q5g":
         return 0.0, 0.0
@@ -446,7 +486,12 @@ def _levels(qt: QTensor) -> np.ndarray:
 
 
 def dequantize(qt: QTensor, *, impl: str = "fast") -> np.ndarray:
-    """QTensor -> float32 array of qt.shape."""
+    """QTensor -> float32 array of qt.shape: the effective weight (a rotated tensor's rows unrotated)."""
+    return _unrotated(qt, dequantize_stored(qt, impl=impl))
+
+
+def dequantize_stored(qt: QTensor, *, impl: str = "fast") -> np.ndarray:
+    """The stored values as float32 (a rotated tensor's rows as stored, rotated)."""
     if impl == "ref" or _fast is None:
         if qt.fmt == "f32":
             return qt.raw.view("<f4").astype(np.float32).reshape(qt.shape)
@@ -482,7 +527,7 @@ def dequantize_rows(qt: QTensor, row_ids) -> np.ndarray:
         return dequantize(qt, impl="ref").reshape(n, k)[ids]
     lo, hi = _lo_hi(qt)
     _fast.dequantize_rows(_FAST_IDS[qt.fmt], qt.raw, k, ids, out, _levels(qt), lo, hi)
-    return out
+    return _unrotated(qt, out)
 
 
 def _make(name: str, bits: int, kind: str) -> Format:

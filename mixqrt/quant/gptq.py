@@ -66,6 +66,20 @@ class Hessian:
         out.blocks = [h]
         return out
 
+    def rotated(self, rot) -> "Hessian":
+        """The Hessian of the inputs rotated by rot (mixqrt.quant.rotation): R^T H R per span, exact
+        because a rotation block never straddles a span (spans are whole 64-column groups)."""
+        from mixqrt.quant import rotation
+        b, seed = rotation.check(rot, self.k, "Hessian rotation")
+        out = Hessian.__new__(Hessian)
+        out.k, out.spans, out.tokens = self.k, list(self.spans), self.tokens
+        out.blocks = []
+        for (c0, c1), blk in zip(self.spans, self.blocks):
+            if c0 % b or (c1 - c0) % b:
+                raise QuantError(f"Hessian span {c0}:{c1} splits {b}-column rotation blocks")
+            out.blocks.append(rotation.rotate_hessian(blk, rot, rotation.signs(seed, self.k)[c0:c1]))
+        return out
+
     def regroup(self, group: int) -> "Hessian":
         """The same blocks, checked to be whole groups of `group` columns (a span may not split a block)."""
         for c0, c1 in self.spans:

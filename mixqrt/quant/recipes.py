@@ -102,6 +102,19 @@ class Recipe:
     # 1 = last); layer round(p * (n_layers - 1)) of those roles gets fmt. Relative, so one rule fits
     # models of any depth (how 2356c places its extra bits, docs/quality.md).
     layer_rules: list = field(default_factory=list)
+    # randomized block Hadamard rotation (mixqrt.quant.rotation) per role: role -> block size; applied
+    # to packed matrices whose input width the block divides. {} = none (files stay .mxq version 2).
+    rotate: dict = field(default_factory=dict)
+
+    def rotation_for(self, name: str, fmt: str, shape, role: str | None = None) -> dict | None:
+        """The rotation record of one tensor ({"block", "seed"}) or None."""
+        from mixqrt.quant import layout
+        from mixqrt.quant.rotation import DEFAULT_SEED
+        b = self.rotate.get(role or role_of(name))
+        shape = tuple(shape)
+        if not b or fmt not in layout.PACKED or fmt == "q5g" or len(shape) != 2 or shape[1] % b:
+            return None
+        return {"block": int(b), "seed": DEFAULT_SEED}
 
     def rule_layers(self, n_layers: int) -> list[tuple[tuple, str, set]]:
         return [(tuple(roles), fmt, {int(round(float(p) * (n_layers - 1))) for p in pos})
@@ -131,6 +144,8 @@ class Recipe:
             d["per_tensor"] = dict(self.per_tensor)
         if self.layer_rules:
             d["layer_rules"] = [[list(r), f, [float(p) for p in pos]] for r, f, pos in self.layer_rules]
+        if self.rotate:
+            d["rotate"] = dict(self.rotate)
         if self.calibration:
             d["calibration"] = dict(self.calibration)
         return d

@@ -86,6 +86,47 @@ void MQ_FN(mq_silu_mul_)(const float *g, const float *u, float *y, size_t n) {
     }
 }
 
+/* Block Hadamard rotation of T rows of K values: y = H_b (s * x) per block of b values, H_b the
+ * Sylvester Hadamard matrix scaled by 1/sqrt(b) (orthonormal and symmetric), s the +-1 signs (NULL:
+ * none). Butterflies in a fixed order (stage h = 1, 2, 4, ..., b/2), each output an a+b or a-b of two
+ * floats, then one multiply by the scale: no reassociation, so every tier gives the same bits.
+ * b is a power of two <= 1024 dividing K (checked by the caller); y may alias x. */
+void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K, int b, float scale) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * K;
+        float *yr = y + (size_t)t * K;
+        if (s) for (int i = 0; i < K; i++) yr[i] = xr[i] * s[i];
+        else if (yr != xr) memcpy(yr, xr, (size_t)K * 4);
+        for (int i0 = 0; i0 < K; i0 += b) {
+            float *v = yr + i0;
+            int h = 1;
+            if (b >= 8) {               /* stages 1, 2, 4 on registers: 8 values at a time */
+                for (int j = 0; j < b; j += 8) {
+                    float *u = v + j;
+                    float a0 = u[0] + u[1], a1 = u[0] - u[1], a2 = u[2] + u[3], a3 = u[2] - u[3];
+                    float a4 = u[4] + u[5], a5 = u[4] - u[5], a6 = u[6] + u[7], a7 = u[6] - u[7];
+                    float c0 = a0 + a2, c2 = a0 - a2, c1 = a1 + a3, c3 = a1 - a3;
+                    float c4 = a4 + a6, c6 = a4 - a6, c5 = a5 + a7, c7 = a5 - a7;
+                    u[0] = c0 + c4; u[4] = c0 - c4; u[1] = c1 + c5; u[5] = c1 - c5;
+                    u[2] = c2 + c6; u[6] = c2 - c6; u[3] = c3 + c7; u[7] = c3 - c7;
+                }
+                h = 8;
+            }
+            for (; h < b; h *= 2)
+                for (int j0 = 0; j0 < b; j0 += 2 * h) {
+                    float *p = v + j0, *q = v + j0 + h;
+#pragma GCC ivdep
+                    for (int j = 0; j < h; j++) {
+                        float a = p[j], c = q[j];
+                        p[j] = a + c;
+                        q[j] = a - c;
+                    }
+                }
+        }
+        for (int i = 0; i < K; i++) yr[i] = yr[i] * scale;
+    }
+}
+
 /* one row in place; returns nothing. fast=0 uses libm expf everywhere (the "exact" variant). */
 static void MQ_FN(softmax_row_)(float *x, int n, int fast) {
     float mx = -INFINITY;

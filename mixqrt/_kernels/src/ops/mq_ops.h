@@ -114,6 +114,8 @@ uint64_t mq_bw_sweep_avx512_4s_nt(const uint8_t *b, size_t n);
 void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps);
 void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta);
 void mq_silu_mul(const float *g, const float *u, float *y, size_t n);
+/* y = H_b (s * x) per block of b (a power of two dividing K), H_b scaled by `scale`; s may be NULL */
+void mq_hadamard(const float *x, float *y, const float *s, int T, int K, int b, float scale);
 void mq_softmax_rows(float *x, int rows, int n, int fast);
 /* causal softmax of score rows [r0, r1) of [rows, n]; row r is query r % T at position pos0 + r % T */
 void mq_softmax_causal(float *x, int n, int T, int pos0, int r0, int r1);
