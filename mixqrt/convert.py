@@ -119,6 +119,11 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         rec.rotate = dict(rotate or {})
     imat = load_imatrix(imatrix) if imatrix is not None else None
     plan = tensor_plan(source, rec)
+    if imat is not None and any(rec.rotation_for(n, f, s, r) for n, r, f, s in plan):
+        import warnings
+        warnings.warn("the imatrix is not applied to rotated tensors (its importance is per input column, which "
+                      "the rotation mixes): pass rotate={} (`--rotate none`) to use it on every tensor",
+                      UserWarning, stacklevel=2)
     if calibrate is not None:
         from mixqrt.quant.calibtext import TextSource, labels
         if isinstance(calibrate, str):

@@ -39,7 +39,8 @@ def _inspect_mxq(path: Path, placement: bool, as_json: bool) -> str:
             rows.append({"name": name, "role": _role(name), "fmt": qt.fmt, "shape": list(qt.shape),
                          "bpw": round(qt.bits_per_weight, 4), "nbytes": qt.nbytes,
                          "offset": f.offsets[name] if hasattr(f, "offsets") else None,
-                         "layer": int(m.group(1)) if m else None})
+                         "layer": int(m.group(1)) if m else None,
+                         "rot": (qt.meta or {}).get("rot") and dict(qt.meta["rot"])})
         total = sum(r["nbytes"] for r in rows)
         params = sum(int(np.prod(r["shape"])) for r in rows)
         spans = {str(k): list(v) for k, v in getattr(f, "spans", {}).items()}
@@ -63,7 +64,7 @@ def _inspect_mxq(path: Path, placement: bool, as_json: bool) -> str:
            f"{'name':56s} {'role':12s} {'fmt':5s} {'shape':>14s} {'bpw':>7s} {'bytes':>12s}"]
     for r in rows:
         out.append(f"{r['name']:56s} {r['role']:12s} {r['fmt']:5s} {'x'.join(map(str, r['shape'])):>14s} "
-                   f"{r['bpw']:7.3f} {r['nbytes']:12,d}")
+                   f"{r['bpw']:7.3f} {r['nbytes']:12,d}" + (f"  rot H{r['rot']['block']}" if r["rot"] else ""))
     out.append(f"{'total':56s} {'':12s} {'':5s} {params:14,d} {info['bits_per_weight']:7.3f} {total:12,d}")
     if spans:
         out.append(f"{len(spans)} page-aligned spans (layer: offset, bytes): " +

@@ -71,8 +71,8 @@ def test_file_round_trip_and_validation(tiny, tmp_path):
 def test_quantize_model_with_imatrix_changes_only_covered_search_formats(tiny, tmp_path):
     doc = collect(mixqrt.load(str(tiny), "f32", progress=False), TEXT, chunks=2, ctx=16, progress=False)
     save(doc, tmp_path / "im.json")
-    a = quantize_model(str(tiny), "2356", tmp_path / "a.mxq", progress=False)
-    b = quantize_model(str(tiny), "2356", tmp_path / "b.mxq", progress=False, imatrix=tmp_path / "im.json")
+    a = quantize_model(str(tiny), "2356-norot", tmp_path / "a.mxq", progress=False)
+    b = quantize_model(str(tiny), "2356-norot", tmp_path / "b.mxq", progress=False, imatrix=tmp_path / "im.json")
     assert a.total_bytes == b.total_bytes                       # same layouts
     fa, fb = mixqrt.io.mxq.MxqFile(tmp_path / "a.mxq"), mixqrt.io.mxq.MxqFile(tmp_path / "b.mxq")
     same_embed = fa.tensors["model.embed_tokens.weight"].raw.tobytes() == fb.tensors["model.embed_tokens.weight"].raw.tobytes()
@@ -91,3 +91,16 @@ def test_cli_imatrix_and_quantize(tiny, tmp_path, capsys):
     assert cli_main(["quantize", str(tiny), "--recipe", "2356", "--imatrix", str(tmp_path / "im.json"),
                      "-o", str(tmp_path / "m.mxq"), "-q"]) == 0
     assert (tmp_path / "m.mxq").exists()
+
+
+def test_imatrix_skips_rotated_tensors_and_says_so(tiny, tmp_path):
+    """The importance is per input column, which a rotation mixes: rotated tensors (the 2356 default's
+    FFN) quantize as without it, and the user is warned."""
+    doc = collect(mixqrt.load(str(tiny), "f32", progress=False), TEXT, chunks=2, ctx=16, progress=False)
+    save(doc, tmp_path / "im.json")
+    a = quantize_model(str(tiny), "2356", tmp_path / "a.mxq", progress=False)
+    with pytest.warns(UserWarning, match="rotated"):
+        quantize_model(str(tiny), "2356", tmp_path / "b.mxq", progress=False, imatrix=tmp_path / "im.json")
+    with mixqrt.io.mxq.MxqFile(tmp_path / "a.mxq") as fa, mixqrt.io.mxq.MxqFile(tmp_path / "b.mxq") as fb:
+        n = "model.layers.0.mlp.down_proj.weight"
+        assert fa.info[n].rot and fa.tensors[n].raw.tobytes() == fb.tensors[n].raw.tobytes()

@@ -21,7 +21,8 @@ ROOT = Path(mixqrt.__file__).parent
 LAYERS = [
     ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.isa", "mixqrt.perf",
                   "mixqrt.ops_ref", "mixqrt.runtime.topology", "mixqrt.runtime.affinity"]),
-    ("quant.layout", ["mixqrt.quant.layout", "mixqrt.quant.kmeans"]),
+    ("quant.layout", ["mixqrt.quant.layout", "mixqrt.quant.kmeans",
+                      "mixqrt.quant.rotation"]),          # a tensor's rotation: part of its format
     ("quant.qtensor", ["mixqrt.quant.qtensor"]),
     ("quant.formats", ["mixqrt.quant.formats", "mixqrt.quant.__init__"]),
     ("ops", ["mixqrt.ops"]),

@@ -25,7 +25,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from mixqrt import ops_ref
 from mixqrt.errors import QuantError
+
+try:
+    from mixqrt._kernels import _ops
+except ImportError:  # not built: the numpy reference (bit-identical)
+    _ops = None
 
 MAX_BLOCK = 1024
 DEFAULT_SEED = 0x2356
@@ -70,21 +76,31 @@ def scale(block: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(block))
 
 
+def _hadamard(x: np.ndarray, b: int, s) -> np.ndarray:
+    """The kernel of ops.hadamard on the rows of x (any leading shape), without its argument checks
+    (this module sits below mixqrt.ops, tests/test_layers.py)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if _ops is None:
+        return ops_ref.hadamard(x, b, s)
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 1 else x
+    y = np.empty_like(x2)
+    _ops.hadamard(x2, y, s, b, float(scale(b)))
+    return y.reshape(x.shape)
+
+
 def rotate(x: np.ndarray, rot) -> np.ndarray:
     """H_b (s * x) on the last axis of x (a new float32 array): the activations of a rotated tensor,
     or the stored rows of a weight."""
-    from mixqrt import ops
     x = np.asarray(x, dtype=np.float32)
     b, seed = check(rot, x.shape[-1])
-    return ops.hadamard(x, b, signs(seed, x.shape[-1]))
+    return _hadamard(x, b, signs(seed, x.shape[-1]))
 
 
 def unrotate(y: np.ndarray, rot) -> np.ndarray:
     """s * H_b y on the last axis (a new float32 array): the inverse of rotate."""
-    from mixqrt import ops
     y = np.asarray(y, dtype=np.float32)
     b, seed = check(rot, y.shape[-1])
-    out = ops.hadamard(y, b, None)
+    out = _hadamard(y, b, None)
     out *= signs(seed, y.shape[-1])
     return out
 
