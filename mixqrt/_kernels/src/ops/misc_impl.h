@@ -91,6 +91,37 @@ void MQ_FN(mq_silu_mul_)(const float *g, const float *u, float *y, size_t n) {
  * none). Butterflies in a fixed order (stage h = 1, 2, 4, ..., b/2), each output an a+b or a-b of two
  * floats, then one multiply by the scale: no reassociation, so every tier gives the same bits.
  * b is a power of two <= 1024 dividing K (checked by the caller); y may alias x. */
+#if defined(__AVX512F__)
+#define MQ_HV 16                         /* lanes per vector: stages 1, 2, 4, 8 run in a register */
+typedef __m512 mq_hv;
+#define MQ_HLOAD _mm512_loadu_ps
+#define MQ_HSTORE _mm512_storeu_ps
+#define MQ_HADD _mm512_add_ps
+#define MQ_HSUB _mm512_sub_ps
+/* one butterfly stage h < 16 inside a vector: lane j pairs with lane j^h. Lanes with bit h clear get
+ * v[j] + v[j^h] (= a + c), the others v[j^h] - v[j] (= a - c): the scalar loop's operands, exactly. */
+static inline __m512 MQ_FN(hstage_)(__m512 v, int h) {
+    static const int masks[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 p = _mm512_permutexvar_ps(_mm512_xor_si512(lane, _mm512_set1_epi32(h)), v);
+    int k = h == 1 ? 0 : h == 2 ? 1 : h == 4 ? 2 : 3;
+    return _mm512_mask_blend_ps((__mmask16)masks[k], _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
+}
+#elif defined(__AVX2__)
+#define MQ_HV 8
+typedef __m256 mq_hv;
+#define MQ_HLOAD _mm256_loadu_ps
+#define MQ_HSTORE _mm256_storeu_ps
+#define MQ_HADD _mm256_add_ps
+#define MQ_HSUB _mm256_sub_ps
+static inline __m256 MQ_FN(hstage_)(__m256 v, int h) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 p = _mm256_permutevar8x32_ps(v, _mm256_xor_si256(lane, _mm256_set1_epi32(h)));
+    __m256 s = _mm256_add_ps(v, p), d = _mm256_sub_ps(p, v);
+    return h == 1 ? _mm256_blend_ps(s, d, 0xAA) : h == 2 ? _mm256_blend_ps(s, d, 0xCC) : _mm256_blend_ps(s, d, 0xF0);
+}
+#endif
+
 void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K, int b, float scale) {
     for (int t = 0; t < T; t++) {
         const float *xr = x + (size_t)t * K;
@@ -100,6 +131,23 @@ void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K,
         for (int i0 = 0; i0 < K; i0 += b) {
             float *v = yr + i0;
             int h = 1;
+#if defined(MQ_HV)
+            if (b >= 2 * MQ_HV) {            /* the first log2(lanes) stages in registers */
+                for (int j = 0; j < b; j += MQ_HV) {
+                    mq_hv r = MQ_HLOAD(v + j);
+                    for (int hh = 1; hh < MQ_HV; hh *= 2) r = MQ_FN(hstage_)(r, hh);
+                    MQ_HSTORE(v + j, r);
+                }
+                for (h = MQ_HV; h < b; h *= 2)
+                    for (int j0 = 0; j0 < b; j0 += 2 * h)
+                        for (int j = j0; j < j0 + h; j += MQ_HV) {
+                            mq_hv a = MQ_HLOAD(v + j), c = MQ_HLOAD(v + j + h);
+                            MQ_HSTORE(v + j, MQ_HADD(a, c));
+                            MQ_HSTORE(v + j + h, MQ_HSUB(a, c));
+                        }
+                continue;
+            }
+#endif
             if (b >= 8) {               /* stages 1, 2, 4 on registers: 8 values at a time */
                 for (int j = 0; j < b; j += 8) {
                     float *u = v + j;
@@ -126,6 +174,13 @@ void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K,
         for (int i = 0; i < K; i++) yr[i] = yr[i] * scale;
     }
 }
+#if defined(MQ_HV)
+#undef MQ_HV
+#undef MQ_HLOAD
+#undef MQ_HSTORE
+#undef MQ_HADD
+#undef MQ_HSUB
+#endif
 
 /* one row in place; returns nothing. fast=0 uses libm expf everywhere (the "exact" variant). */
 static void MQ_FN(softmax_row_)(float *x, int n, int fast) {
