@@ -273,3 +273,14 @@ def test_rotated_row_slabs_give_the_whole_matrix_bytes(fmt, monkeypatch):
     monkeypatch.setattr(formats, "_ROT_ROWS", 5)
     slabs = quantize(w, fmt, rot=ROT, search=fmt != "q2c")
     assert np.array_equal(whole.raw, slabs.raw) and dict(slabs.meta["rot"]) == ROT
+
+
+def test_in_place_rotation_matches_and_refuses_views_it_cannot_write():
+    w = np.random.default_rng(6).standard_normal((9, 128)).astype(np.float32)
+    want = rotation.rotate(w, ROT)
+    got = rotation.rotate(w, ROT, inplace=True)
+    assert got is w and np.array_equal(got, want)
+    with pytest.raises(QuantError, match="in-place"):
+        rotation.rotate(np.ones((4, 128)), ROT, inplace=True)              # float64: would need a copy
+    with pytest.raises(QuantError, match="in-place"):
+        rotation.rotate(np.ones((4, 256), np.float32)[:, ::2], ROT, inplace=True)

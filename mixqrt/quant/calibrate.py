@@ -116,7 +116,9 @@ class Calibrator:
             key = (id(h), rot["block"], rot["seed"])
             if key not in self._hrot:
                 self._hrot[key] = (h, h.rotated(rot))      # h kept alive: its id stays unique
-            qt = gptq_quantize(rotation.rotate(w, rot), fmt, self._hrot[key][1], damp=self.damp, refit=self.refit)
+            w = np.ascontiguousarray(w, dtype=np.float32)     # load() gives a fresh array: rotate it in place
+            qt = gptq_quantize(rotation.rotate(w, rot, inplace=True), fmt, self._hrot[key][1], damp=self.damp,
+                               refit=self.refit)
             qt.meta = {**qt.meta, "rot": rot}
         elif fmt in GPTQ_FORMATS:
             qt = gptq_quantize(w, fmt, h, damp=self.damp, refit=self.refit)

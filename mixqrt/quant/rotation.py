@@ -76,24 +76,33 @@ def scale(block: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(block))
 
 
-def _hadamard(x: np.ndarray, b: int, s) -> np.ndarray:
+def _hadamard(x: np.ndarray, b: int, s, inplace: bool = False) -> np.ndarray:
     """The kernel of ops.hadamard on the rows of x (any leading shape), without its argument checks
-    (this module sits below mixqrt.ops, tests/test_layers.py)."""
+    (this module sits below mixqrt.ops, tests/test_layers.py). inplace: x (float32, C-contiguous) is
+    overwritten and returned."""
+    if inplace and not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
+                        and x.flags.writeable):
+        raise QuantError("an in-place rotation needs a writeable C-contiguous float32 array")
     x = np.ascontiguousarray(x, dtype=np.float32)
     if _ops is None:
-        return ops_ref.hadamard(x, b, s)
+        y = ops_ref.hadamard(x, b, s)
+        if inplace:
+            x[...] = y
+            return x
+        return y
     x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 1 else x
-    y = np.empty_like(x2)
+    y = x2 if inplace else np.empty_like(x2)
     _ops.hadamard(x2, y, s, b, float(scale(b)))
-    return y.reshape(x.shape)
+    return x if inplace else y.reshape(x.shape)
 
 
-def rotate(x: np.ndarray, rot) -> np.ndarray:
-    """H_b (s * x) on the last axis of x (a new float32 array): the activations of a rotated tensor,
-    or the stored rows of a weight."""
-    x = np.asarray(x, dtype=np.float32)
+def rotate(x: np.ndarray, rot, inplace: bool = False) -> np.ndarray:
+    """H_b (s * x) on the last axis of x (a new float32 array, or x itself with inplace=True: no copy
+    of a vocabulary-sized weight): the activations of a rotated tensor, or the stored rows of a weight."""
+    if not inplace:
+        x = np.asarray(x, dtype=np.float32)
     b, seed = check(rot, x.shape[-1])
-    return _hadamard(x, b, signs(seed, x.shape[-1]))
+    return _hadamard(x, b, signs(seed, x.shape[-1]), inplace)
 
 
 def unrotate(y: np.ndarray, rot) -> np.ndarray:
