@@ -40,8 +40,8 @@ def fake_quant(w: np.ndarray, fmt: str, spec: str) -> np.ndarray:
     if seed is not None:
         return dequantize(quantize(w, fmt, search=search, rot={"block": b, "seed": seed}))
     # no signs: the bare block Hadamard (H is its own inverse)
-    hw = rotation._hadamard(w, b, None)
-    return rotation._hadamard(dequantize(quantize(hw, fmt, search=search)), b, None)
+    hw = rotation.hadamard(w, b, None)
+    return rotation.hadamard(dequantize(quantize(hw, fmt, search=search)), b, None)
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ from mixqrt import ops_ref
 from mixqrt.errors import KernelError
 from mixqrt.isa import TIERS
 from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
-from mixqrt.quant import layout
+from mixqrt.quant import layout, rotation
 from mixqrt.runtime import topology
 
 try:
@@ -322,7 +322,7 @@ def matmul(w, x, out=None):
     return y.reshape(n) if vec else y
 
 
-def hadamard(x, block: int, signs=None, out=None) -> np.ndarray:
+def hadamard(x, block: int, signs=None) -> np.ndarray:
     """Block Hadamard rotation H_b (signs * x) of the rows of x ([K] or [T, K] float32): blocks of
     `block` values (a power of two <= 1024 dividing K), scaled by 1/sqrt(block); signs: float32 [K]
     of +-1 or None. Bit-identical on every ISA tier and to ops_ref.hadamard (mixqrt.quant.rotation)."""
@@ -337,11 +337,7 @@ def hadamard(x, block: int, signs=None, out=None) -> np.ndarray:
         signs = np.ascontiguousarray(signs, dtype=np.float32)
         if signs.shape != (k,):
             raise KernelError(f"hadamard: signs must be [{k}], got shape {signs.shape}")
-    if _ops is None:
-        return ops_ref.hadamard(x, block, signs)
-    y = np.empty_like(x) if out is None else out
-    _ops.hadamard(x, y, signs, int(block), float(np.float32(1.0 / np.sqrt(block))))   # = rotation.scale
-    return y
+    return rotation.hadamard(x, int(block), signs)
 
 
 def _threads(threads) -> int:
@@ -382,7 +378,6 @@ def _rot(w, k: int):
     key = (r.get("block"), r.get("seed"), k) if hasattr(r, "get") else None
     hit = _ROT_CACHE.get(key) if key is not None and all(isinstance(v, int) for v in key) else None
     if hit is None:
-        from mixqrt.quant import rotation
         b, seed = rotation.check(r, k, "matmul: weight rotation")
         hit = (b, rotation.signs(seed, k), float(rotation.scale(b)))
         if len(_ROT_CACHE) > 256:

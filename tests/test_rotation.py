@@ -198,6 +198,14 @@ def test_mxq_records_rotations_in_version_3(tmp_path):
             f.add("v", type("T", (), {"fmt": "f32", "shape": (4, 64), "raw": np.zeros(1024, np.uint8),
                                       "meta": {"rot": ROT}})())
     assert not (tmp_path / "bad.mxq").exists()
+    # a refused rotation is refused before any byte is written: the writer goes on without the tensor
+    with MxqWriter(tmp_path / "go.mxq", {"arch": "x"}) as f:
+        with pytest.raises(FormatError, match="does not divide"):
+            f.add("a", type("T", (), {"fmt": qt.fmt, "shape": qt.shape, "raw": qt.raw,
+                                      "meta": {"rot": {"block": 256, "seed": 1}}})())
+        f.add("b", plain)
+    with MxqFile(tmp_path / "go.mxq") as f:
+        assert list(f.info) == ["b"] and version("go.mxq") == 2
 
 
 def _rewrite_header(path, edit, version=None):

@@ -140,16 +140,18 @@ def _check_tensor(name, e, hoff: int, alignment: int, page: int, version: int = 
         raise FormatError(f"{where}: bytes [{off}, {off + nb}) outside the data region [{page}, {hoff})")
     rot = e.get("rot")
     if rot is not None:
-        from mixqrt.errors import QuantError
-        from mixqrt.quant import rotation
-        if fmt not in layout.PACKED or fmt == "q5g" or len(shape) != 2:
-            raise FormatError(f"{where}: a rotation needs a packed matrix format, not {fmt} {tuple(shape)}")
-        try:
-            b, seed = rotation.check(rot, shape[1], f"{where}: rot")
-        except QuantError as err:
-            raise FormatError(str(err)) from None
-        rot = {"block": b, "seed": seed}
+        rot = _rot_record(rot, fmt, shape, f"{where}: rot")
     return TensorInfo(name, fmt, tuple(shape), off, nb, lay, rot)
+
+
+def _rot_record(rot, fmt, shape, where: str) -> dict:
+    """quant.rotation.record, its QuantError as a FormatError (reader and writer)."""
+    from mixqrt.errors import QuantError
+    from mixqrt.quant import rotation
+    try:
+        return rotation.record(rot, fmt, shape, where)
+    except QuantError as err:
+        raise FormatError(str(err)) from None
 
 
 def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
@@ -447,6 +449,10 @@ class MxqWriter:
         want = layout.expected_nbytes(fmt, shape)
         if raw.size != want:
             raise FormatError(f"tensor {name!r}: {fmt} of shape {shape} needs {want} bytes, got {raw.size}")
+        meta = getattr(qtensor, "meta", None)
+        rot = meta.get("rot") if meta else None
+        if rot is not None:          # checked before any byte is written
+            rot = _rot_record(rot, fmt, shape, f"tensor {name!r}: rot")
         key = name if layer is None else layer
         if self._span is None or self._span["key"] != key or layer is None:
             self._close_span()
@@ -459,18 +465,8 @@ class MxqWriter:
         self._f.write(memoryview(raw))
         self._pos += want
         self._tensors[name] = {"fmt": fmt, "shape": list(shape), "offset": off, "nbytes": want, "layer": layer}
-        meta = getattr(qtensor, "meta", None)
-        rot = meta.get("rot") if meta else None
         if rot is not None:
-            from mixqrt.errors import QuantError
-            from mixqrt.quant import rotation
-            try:
-                b, seed = rotation.check(rot, shape[-1], f"tensor {name!r}: rot")
-            except QuantError as err:
-                raise FormatError(str(err)) from None
-            if fmt not in layout.PACKED or fmt == "q5g" or len(shape) != 2:
-                raise FormatError(f"tensor {name!r}: a rotation needs a packed matrix format, not {fmt} {shape}")
-            self._tensors[name]["rot"] = {"block": b, "seed": seed}
+            self._tensors[name]["rot"] = rot
 
     # ------------------------------------------------------------------ commit / abort
     def commit(self) -> None:

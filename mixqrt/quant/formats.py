@@ -438,34 +438,24 @@ def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool 
 
 def _quantize_rotated(w, fmt: str, rot, **kw) -> QTensor:
     from mixqrt.quant import rotation
-    if fmt not in layout.PACKED or fmt == "q5g":
-        raise QuantError(f"rotation needs a packed matrix format, not {fmt}")
     if kw.get("importance") is not None:
         raise QuantError("rotation and importance (imatrix) cannot be combined: the importance is per "
                          "input column, which the rotation mixes")
     x = _as_f32(w, fmt)
-    if x.ndim != 2:
-        raise QuantError(f"rotation needs a 2-D weight, got shape {x.shape}")
-    b, seed = rotation.check(rot, x.shape[1], "rot")
+    rec = rotation.record(rot, fmt, x.shape, "rot")
     # rows are independent in every packed format: rotate and quantize in slabs of rows, so a
     # vocabulary-sized table (2.2 GB float32 for a 7B embedding) never has a whole rotated copy
     parts = [quantize(rotation.rotate(x[r:r + _ROT_ROWS], rot), fmt, **kw)
              for r in range(0, x.shape[0], _ROT_ROWS)]
     raw = parts[0].raw if len(parts) == 1 else np.concatenate([p.raw for p in parts])
-    return QTensor(fmt, x.shape, raw, {**parts[0].meta, "rot": {"block": b, "seed": seed}})
+    return QTensor(fmt, x.shape, raw, {**parts[0].meta, "rot": rec})
 
 
 _ROT_ROWS = 16384
 
 
-def rot_of(qt):
-    """A tensor's rotation record (mixqrt.quant.rotation) or None."""
-    meta = getattr(qt, "meta", None)
-    return meta.get("rot") if meta else None
-
-
 def _unrotated(qt: QTensor, w: np.ndarray) -> np.ndarray:
-    rot = rot_of(qt)
+    rot = qt.meta.get("rot") if qt.meta else None
     if rot is None:
         return w
     from mixqrt.quant import rotation

@@ -121,11 +121,9 @@ class Recipe:
 
     def rotation_for(self, name: str, fmt: str, shape, role: str | None = None) -> dict | None:
         """The rotation record of one tensor ({"block", "seed"}) or None."""
-        from mixqrt.quant import layout
-        from mixqrt.quant.rotation import DEFAULT_SEED
+        from mixqrt.quant.rotation import DEFAULT_SEED, rotatable
         b = self.rotate.get(role or role_of(name))
-        shape = tuple(shape)
-        if not b or fmt not in layout.PACKED or fmt == "q5g" or len(shape) != 2 or shape[1] % b:
+        if not b or not rotatable(fmt, shape) or tuple(shape)[1] % b:
             return None
         return {"block": int(b), "seed": DEFAULT_SEED}
 

@@ -38,6 +38,22 @@ DEFAULT_SEED = 0x2356
 _M64 = (1 << 64) - 1
 
 
+def rotatable(fmt: str, shape) -> bool:
+    """Whether a tensor of this format and shape can be stored rotated: a packed matrix (the plain
+    formats have no groups to protect, q5g holds vectors)."""
+    from mixqrt.quant import layout
+    return fmt in layout.PACKED and fmt != "q5g" and len(tuple(shape)) == 2
+
+
+def record(rot, fmt: str, shape, where: str = "rotation") -> dict:
+    """The checked rotation record {"block": b, "seed": s} of a tensor of fmt and shape, or QuantError
+    naming what is wrong (the quantizer, the .mxq writer and the .mxq reader all go through here)."""
+    if not rotatable(fmt, shape):
+        raise QuantError(f"{where}: a rotation needs a packed matrix format, not {fmt} {tuple(shape)}")
+    b, seed = check(rot, tuple(shape)[1], where)
+    return {"block": b, "seed": seed}
+
+
 def check(rot, k: int, where: str = "rotation") -> tuple[int, int]:
     """-> (block, seed) of a rotation record {"block": b, "seed": s} for rows of k values, or
     QuantError naming what is wrong."""
@@ -76,10 +92,10 @@ def scale(block: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(block))
 
 
-def _hadamard(x: np.ndarray, b: int, s, inplace: bool = False) -> np.ndarray:
-    """The kernel of ops.hadamard on the rows of x (any leading shape), without its argument checks
-    (this module sits below mixqrt.ops, tests/test_layers.py). inplace: x (float32, C-contiguous) is
-    overwritten and returned."""
+def hadamard(x: np.ndarray, b: int, s, inplace: bool = False) -> np.ndarray:
+    """H_b (s * x) on the rows of x (any leading shape) by the C kernel (numpy reference when not
+    built), without argument checks: ops.hadamard checks and calls this (this module sits below
+    mixqrt.ops, tests/test_layers.py). inplace: x (float32, C-contiguous) is overwritten and returned."""
     if inplace and not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous
                         and x.flags.writeable):
         raise QuantError("an in-place rotation needs a writeable C-contiguous float32 array")
@@ -102,14 +118,14 @@ def rotate(x: np.ndarray, rot, inplace: bool = False) -> np.ndarray:
     if not inplace:
         x = np.asarray(x, dtype=np.float32)
     b, seed = check(rot, x.shape[-1])
-    return _hadamard(x, b, signs(seed, x.shape[-1]), inplace)
+    return hadamard(x, b, signs(seed, x.shape[-1]), inplace)
 
 
 def unrotate(y: np.ndarray, rot) -> np.ndarray:
     """s * H_b y on the last axis (a new float32 array): the inverse of rotate."""
     y = np.asarray(y, dtype=np.float32)
     b, seed = check(rot, y.shape[-1])
-    out = _hadamard(y, b, None)
+    out = hadamard(y, b, None)
     out *= signs(seed, y.shape[-1])
     return out
 
