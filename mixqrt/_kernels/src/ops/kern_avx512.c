@@ -912,7 +912,10 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
     else if (j->T == 1 && mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
             && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
     else if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); \
-    else if ((mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || (j->tiles && j->T >= 2)) gemm_fmt(&cx, F, j, n0, n1, j->T <= 2 ? 2 : j->T <= 4 ? 4 : GTT); \
+    else if ((mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || (j->tiles && j->T >= 2)) {   /* gt a constant per call: a runtime gt left acc[]/is[] in memory (1.7x slower at T = 128) */ \
+        if (j->T <= 2) gemm_fmt(&cx, F, j, n0, n1, 2); \
+        else if (j->T <= 4) gemm_fmt(&cx, F, j, n0, n1, 4); \
+        else gemm_fmt(&cx, F, j, n0, n1, GTT); } \
     else mm_fmt(&cx, F, j, n0, n1); \
     break;
 
