@@ -80,7 +80,7 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
 def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
                    offline=None, imatrix=None, budget_bytes=None, calibrate=None, calib_tokens: int = 4096,
                    calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01,
-                   refit: int = 0, rotate=None) -> QuantReport:
+                   refit: int = 0, rotate=None, gptq_span: int = 1024) -> QuantReport:
     """Quantize a model source (path, hub id or an open Source) with a recipe into an .mxq file.
 
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
@@ -96,6 +96,9 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     because it measured worse end to end, docs/quality.md §0).
     rotate: None keeps the recipe's Hadamard rotations (quant/rotation.py); False turns them off; a
     {role: block} dict replaces them.
+    gptq_span: columns per diagonal block of the GPTQ Hessian (gptq.Hessian's hblock); a matrix with at
+    most this many input columns gets the exact, full Hessian. Memory grows as span^2 x 8 bytes per
+    Hessian (docs/quality.md §0.6).
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
@@ -125,11 +128,13 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
                       "the rotation mixes): pass rotate={} (`--rotate none`) to use it on every tensor",
                       UserWarning, stacklevel=2)
     if calibrate is not None:
+        if isinstance(gptq_span, bool) or not isinstance(gptq_span, int) or not 64 <= gptq_span <= 65536:
+            raise QuantError(f"gptq_span must be an integer in [64, 65536] (input columns), got {gptq_span!r}")
         from mixqrt.quant.calibtext import TextSource, labels
         if isinstance(calibrate, str):
             calibrate = TextSource(calibrate, calib_label)
         rec.calibration = {"method": "gptq", "text": labels(calibrate), "tokens": int(calib_tokens), "ctx": int(calib_ctx),
-                           "damp": float(damp), "refit": int(refit)}
+                           "damp": float(damp), "refit": int(refit), "span": int(gptq_span)}
     report = QuantReport(str(out_path) if out_path else None, rec.spec())
     if dry_run:
         for name, role, fmt, shape in plan:
@@ -173,7 +178,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         cls = get_model_class(source.arch)
         args = cls.args_class.from_dict(dict(source.config), model_type=source.arch)
         chunks, where = calibration_set(source, calibrate, int(calib_tokens), int(calib_ctx), progress=progress)
-        cal = Calibrator(args, chunks, load, plain, damp=damp, refit=refit, progress=progress,
+        cal = Calibrator(args, chunks, load, plain, damp=damp, refit=refit, hblock=gptq_span, progress=progress,
                          rotation_for=rec.rotation_for)
         cal.fmts = fmt_of
         rec.calibration.update(where)

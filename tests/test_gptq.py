@@ -162,6 +162,25 @@ def test_calibrated_quantize_model_is_closer_to_f32(tiny, tmp_path, monkeypatch)
     assert err(tmp_path / "cal.mxq") < err(tmp_path / "rtn.mxq")
 
 
+def test_gptq_span_is_recorded_used_and_checked(tiny, tmp_path, monkeypatch):
+    """gptq_span sets the Hessian's span width (a K <= span matrix gets one exact block), is recorded
+    in the calibration header, and a bad value is refused before anything is written."""
+    from mixqrt.quant import calibrate
+    seen = []
+    orig = calibrate.Calibrator._hess
+    monkeypatch.setattr(calibrate.Calibrator, "_hess", lambda self, k: seen.append(orig(self, k)) or seen[-1])
+    rep = quantize_model(str(tiny), "2356", tmp_path / "s.mxq", progress=False, calibrate=TEXT,
+                         calib_tokens=64, calib_ctx=32, gptq_span=64)
+    assert rep.calibration["span"] == 64
+    assert seen and all(len(h.spans) == -(-h.k // 64) for h in seen)
+    assert any(h.k > 64 for h in seen)
+    for bad in (0, 32, 10 ** 6, 1.5, True, "64"):
+        with pytest.raises(QuantError, match="gptq_span"):
+            quantize_model(str(tiny), "2356", tmp_path / "bad.mxq", progress=False, calibrate=TEXT,
+                           calib_tokens=64, calib_ctx=32, gptq_span=bad)
+    assert not (tmp_path / "bad.mxq").exists()
+
+
 def test_depth_rules_place_formats_by_relative_layer(tiny):
     from mixqrt.quant.recipes import Recipe, get_recipe
     rep = quantize_model(str(tiny), "2356c", None, progress=False, dry_run=True)

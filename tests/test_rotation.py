@@ -106,6 +106,40 @@ def test_rotation_round_trip_on_every_tier(tier, fmt, k):
     np.testing.assert_array_equal(ops.embed(qt, [0, 5, 32]), dequantize(qt)[[0, 5, 32]])
 
 
+def test_rotated_matmul_scratch_is_reused_safely():
+    """ops.matmul rotates the input into one reused per-thread buffer (ops._rot_scratch): calls of
+    different sizes in a row, and two threads at once, each get their own product."""
+    import threading
+    rng = np.random.default_rng(5)
+    a = quantize((rng.standard_normal((40, 896)) * 0.05).astype(np.float32), "q3p", rot=ROT)
+    b = quantize((rng.standard_normal((24, 128)) * 0.05).astype(np.float32), "q6", rot=ROT)
+    xs = [rng.standard_normal((t, k)).astype(np.float32) for t, k in ((9, 896), (1, 128), (3, 896), (17, 128))]
+    want = [ops_ref.matmul(a if x.shape[1] == 896 else b, x) for x in xs]
+    for _ in range(2):
+        for x, ref in zip(xs, want):
+            got = ops.matmul(a if x.shape[1] == 896 else b, x)
+            np.testing.assert_allclose(got, ref, rtol=0, atol=0.02 * np.abs(ref).max())
+    x_before = [x.copy() for x in xs]
+    errors = []
+
+    def worker(order):
+        try:
+            for _ in range(30):
+                for i in order:
+                    got = ops.matmul(a if xs[i].shape[1] == 896 else b, xs[i])
+                    np.testing.assert_allclose(got, want[i], rtol=0, atol=0.02 * np.abs(want[i]).max())
+        except Exception as e:    # noqa: BLE001 (reported below)
+            errors.append(e)
+    ths = [threading.Thread(target=worker, args=(o,)) for o in ([0, 1, 2, 3], [3, 2, 1, 0])]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert not errors, errors[0]
+    for x, x0 in zip(xs, x_before):
+        np.testing.assert_array_equal(x, x0)      # the caller's input is never rotated in place
+
+
 @pytest.mark.parametrize("fmt", ["q3p", "q4", "q2c"])
 def test_rotation_lowers_the_error_on_outlier_weights(fmt):
     rng = np.random.default_rng(1)
