@@ -44,7 +44,8 @@ LCPP_FTYPES = {"F32": 0, "Q8_0": 7, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12, "Q2_
 RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the 2356 mix",
                 "2356-q3u": "ablation: uniform q3u FFN instead of q3p", "2356-q8embed": "ablation: q8 embedding",
                 "2356-f32norm": "ablation: f32 norms instead of q5g", "2356-bound": "ablation: one global q5g range",
-                "2356-minmax": "ablation: plain min/max quantizer, no error-minimising search"}
+                "2356-minmax": "ablation: plain min/max quantizer, no error-minimising search",
+                "2356-norot": "ablation: no Hadamard rotation (the 2356 of 2026-12-02)"}
 BASE = "mixqrt:f32"
 QUANT_CODE = ("mixqrt/quant", "mixqrt/convert.py", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
               "mixqrt/_kernels/_quant.pyx")
