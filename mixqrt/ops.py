@@ -295,21 +295,6 @@ def _gemm_tiles(w, fid, raw, n, k, lv, lo, step):
     return t
 
 
-_ROT_SCRATCH_MAX = 8 << 20   # float32 values (32 MiB)
-
-
-def _rot_scratch(n: int) -> np.ndarray:
-    """This thread's buffer for a rotated matmul input (float32, >= n values), reused call after call:
-    a fresh array per call made glibc give the heap back and fault it in again, 66k page faults and
-    ~40 % of a 128-token prefill on the rotated 2356 (docs/kernels.md)."""
-    buf = getattr(_local, "rot_buf", None)
-    if buf is None or buf.size < n:
-        buf = np.empty(max(n, 1 << 16), dtype=np.float32)
-        if n <= _ROT_SCRATCH_MAX:            # a huge prompt's buffer is not kept
-            _local.rot_buf = buf
-    return buf[:n]
-
-
 def matmul(w, x, out=None):
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
     Runs on the pool (or this thread: local_threads)."""
@@ -327,13 +312,12 @@ def matmul(w, x, out=None):
         y = np.empty((x2.shape[0], n), dtype=np.float32)
     else:
         y = out.reshape(1, n) if vec else out
-    rot = _rot(w, k)
-    if rot is not None:                      # a rotated weight stores W R: feed it R^T x (quant.rotation)
-        xr = _rot_scratch(x2.size).reshape(x2.shape)
-        _ops.hadamard(x2, xr, rot[1], rot[0], rot[2])
-        x2 = xr
     tiles = _gemm_tiles(w, fid, raw, n, k, lv, lo, step) if _TILES.budget and x2.shape[0] >= 2 else None
-    _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles)
+    rot = _rot(w, k)
+    if rot is None:
+        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles)
+    else:                                    # a rotated weight stores W R: the C call feeds it R^T x
+        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, rot[1], rot[0], rot[2])
     return y.reshape(n) if vec else y
 
 

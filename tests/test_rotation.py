@@ -106,8 +106,38 @@ def test_rotation_round_trip_on_every_tier(tier, fmt, k):
     np.testing.assert_array_equal(ops.embed(qt, [0, 5, 32]), dequantize(qt)[[0, 5, 32]])
 
 
-def test_rotated_matmul_scratch_is_reused_safely():
-    """ops.matmul rotates the input into one reused per-thread buffer (ops._rot_scratch): calls of
+@pytest.mark.parametrize("fmt", ["q3p", "q6", "q8", "q2c"])
+def test_rotation_inside_the_matmul_call_is_bit_identical(tier, fmt):
+    """_ops.matmul rotates a rotated weight's input itself (in its C call, on the pool for T > 1):
+    the same bits as ops.hadamard first, then the product on the unrotated-meta tensor."""
+    import copy
+    rng = np.random.default_rng(11)
+    k = 896
+    qt = quantize((rng.standard_normal((37, k)) * 0.05).astype(np.float32), fmt, rot=ROT)
+    plain = copy.copy(qt)
+    plain.meta = {key: v for key, v in qt.meta.items() if key != "rot"}
+    sg = rotation.signs(ROT["seed"], k)
+    for t in (1, 2, 3, 9, 17):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        np.testing.assert_array_equal(ops.matmul(qt, x), ops.matmul(plain, ops.hadamard(x, ROT["block"], sg)))
+
+
+def test_matmul_refuses_bad_rotation_arguments():
+    from mixqrt._kernels import _ops
+    qt = quantize(np.ones((4, 64), np.float32), "q6")
+    x, y = np.zeros((1, 64), np.float32), np.zeros((1, 4), np.float32)
+    fid, raw, n, k, lv, lo, step = ops._weight_args(qt)
+    for sg, b, match in ((np.ones(64, np.float32), 48, "power of two"), (np.ones(64, np.float32), 128, "power of two"),
+                         (None, 32, "needs its signs"), (np.ones(32, np.float32), 32, "32 rotation signs")):
+        with pytest.raises(ValueError, match=match):
+            _ops.matmul(fid, raw, n, k, x, y, lv, lo, step, 0, None, sg, b, 0.1)
+    f32 = np.ones((4, 64), np.float32)
+    with pytest.raises(ValueError, match="packed weight"):
+        _ops.matmul(7, f32.view(np.uint8).reshape(-1), 4, 64, x, y, None, 0.0, 0.0, 0, None, np.ones(64, np.float32), 32, 0.1)
+
+
+def test_rotated_matmul_is_safe_across_sizes_and_threads():
+    """ops.matmul rotates the input into a per-thread buffer that calls reuse (mq_call_buf): calls of
     different sizes in a row, and two threads at once, each get their own product."""
     import threading
     rng = np.random.default_rng(5)

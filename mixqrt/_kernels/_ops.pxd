@@ -42,6 +42,8 @@ cdef extern from "mq_ops.h" nogil:
     void mq_pool_set_hot(int hot)
     int mq_pool_get_hot()
     void *mq_scratch(size_t n)
+    void *mq_call_buf(size_t n)
+    void mq_call_buf_release(void *p)
     double mq_read_bandwidth(size_t nbytes, int threads, int reps)
     int mq_bw_npatterns()
     const char *mq_bw_pattern_name(int i)

@@ -33,10 +33,19 @@ cdef struct _qa_arg:
     const float *x
     size_t ldx
     mq_act *a
+    float *xr           # rotated weight: rows i of x rotated into xr (K floats each) first; else NULL
+    const float *rs     # its signs [K]
+    int rb              # its block
+    float rscale
+    int K
 
 cdef void _qa_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
     cdef _qa_arg *p = <_qa_arg*>arg
-    mq_quantize_act_rows(p.x, p.ldx, p.a, <int>i0, <int>i1)
+    if p.xr != NULL:
+        mq_hadamard(p.x + <size_t>i0 * p.ldx, p.xr + <size_t>i0 * p.K, p.rs, <int>(i1 - i0), p.K, p.rb, p.rscale)
+        mq_quantize_act_rows(p.xr, <size_t>p.K, p.a, <int>i0, <int>i1)
+    else:
+        mq_quantize_act_rows(p.x, p.ldx, p.a, <int>i0, <int>i1)
 
 
 cdef int _padded(int K) noexcept nogil:
@@ -161,14 +170,18 @@ cdef int _check_tiles(cnp.ndarray t, int fmt, int N, int K, str who) except -1:
 
 
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
-           q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0, cnp.ndarray tiles=None):
+           q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0, cnp.ndarray tiles=None,
+           rot_signs=None, int rot_block=0, float rot_scale=0.0):
     """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
 
     x: float32 [T, K] C-contiguous; y: float32 [T, N] (rows may be strided, columns contiguous).
     raw: uint8 1-D with at least N * row_bytes bytes. Runs on the native pool without the GIL;
     threads: 0 = the whole pool, 1 = on the calling thread only (pool untouched), n = at most n parts.
     tiles: the tensor's cached GEMM tiles (gemm_tiles), used for T >= 2 on the AVX-512 tier; the
-    result is bit-identical to the unpacking path."""
+    result is bit-identical to the unpacking path.
+    rot_block > 0: a rotated packed weight (stores W R): x's rows go through mq_hadamard (H_b(signs * x),
+    scaled by rot_scale) into this call's scratch before the activation quantization, on the pool for
+    T > 1; bit-identical to hadamard() then matmul, without a Python call or array per product."""
     cdef mq_mm_job j
     cdef mq_act a
     cdef _qa_arg qa
@@ -199,25 +212,43 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         return y
     cdef int kp = _padded(K)
     cdef char *buf = NULL
+    cdef size_t abytes
+    cdef cnp.ndarray sa
+    qa.xr = NULL; qa.rs = NULL; qa.rb = 0; qa.rscale = 0.0; qa.K = K
+    if rot_block:
+        if fmt >= MQ_NPACKED or rot_block < 1 or rot_block > 1024 or rot_block & (rot_block - 1) or K % rot_block:
+            raise ValueError(f"matmul: a rotation of block {rot_block} needs a packed weight whose {K} columns "
+                             f"split into blocks of a power of two <= 1024")
+        if rot_signs is None:
+            raise ValueError("matmul: a rotation needs its signs")
+        sa = rot_signs
+        _f32c(sa, "rot_signs")
+        if sa.size != K:
+            raise ValueError(f"matmul: {sa.size} rotation signs for rows of {K}")
+        qa.rs = <const float*>_ptr(sa); qa.rb = rot_block; qa.rscale = rot_scale
     if fmt < MQ_NPACKED:
-        buf = <char*>malloc(<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 64)
+        abytes = (<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 63) // 64 * 64
+        buf = <char*>mq_call_buf(abytes + (<size_t>T * K * 4 if rot_block else 0) + 64)
         if buf == NULL:
             raise MemoryError()
         a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
         a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
         j.a = &a
         qa.x = j.x; qa.ldx = K; qa.a = &a
+        if rot_block:
+            qa.xr = <float*>(buf + abytes)
+            j.x = qa.xr
     with nogil:
         if fmt < MQ_NPACKED:
             if T > 1 and threads != 1:
                 mq_pool_run_n(_qa_task, &qa, T, 1, threads)
             else:
-                mq_quantize_act_rows(j.x, K, &a, 0, T)
+                _qa_task(&qa, 0, T)
         if threads == 1:
             mq_mm_rows(&j, 0, N)
         else:
             mq_pool_run_n(_mm_task, &j, N, 16 if T == 1 else 64, threads)
-    free(buf)
+    mq_call_buf_release(buf)
     return y
 
 

@@ -83,6 +83,33 @@ void *mq_scratch(size_t n) {      /* per-thread scratch, 64 B aligned, grows, ne
     return tl_buf;
 }
 
+/* ops.matmul's activation buffer (quantized rows, and the rotated rows of a rotated weight): a second
+ * per-thread buffer, since the kernels take mq_scratch inside the same call. Kept between calls up to
+ * MQ_CALL_BUF_KEEP bytes (a 512-token prefill chunk of K = 4864 needs ~12.5 MB); a malloc per call
+ * made glibc give the pages back and fault them in again, 54k page faults per rotated 128-token
+ * prefill. Larger requests get their own block, which mq_call_buf_release frees. */
+#define MQ_CALL_BUF_KEEP ((size_t)64 << 20)
+static __thread uint8_t *tl_call = NULL;
+static __thread size_t tl_call_cap = 0;
+
+void *mq_call_buf(size_t n) {
+    if (n > MQ_CALL_BUF_KEEP) {
+        void *p = NULL;
+        return posix_memalign(&p, 64, n) ? NULL : p;
+    }
+    if (n > tl_call_cap) {
+        free(tl_call);
+        size_t cap = (n + 4095) & ~(size_t)4095;
+        if (posix_memalign((void **)&tl_call, 64, cap)) { tl_call = NULL; tl_call_cap = 0; return NULL; }
+        tl_call_cap = cap;
+    }
+    return tl_call;
+}
+
+void mq_call_buf_release(void *p) {
+    if (p != NULL && p != (void *)tl_call) free(p);
+}
+
 static float dot_f32(const float *w, const float *x, int K) {
     float a[8] = {0};
     int k = 0;

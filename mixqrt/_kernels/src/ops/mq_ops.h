@@ -72,6 +72,8 @@ int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1)
 void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, float *dw, float *mm);
 /* per-thread scratch, 64 B aligned, grows, never freed (generic.c) */
 void *mq_scratch(size_t n);
+void *mq_call_buf(size_t n);          /* ops.matmul's per-thread activation buffer (generic.c) */
+void mq_call_buf_release(void *p);
 
 /* ---------------------------------------------------------------- thread pool (pool.c) */
 typedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1);
