@@ -73,14 +73,19 @@ void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, 
 static __thread uint8_t *tl_buf = NULL;
 static __thread size_t tl_cap = 0;
 
-void *mq_scratch(size_t n) {      /* per-thread scratch, 64 B aligned, grows, never freed */
-    if (n > tl_cap) {
-        free(tl_buf);
-        size_t cap = (n + 4095) & ~(size_t)4095;
-        if (posix_memalign((void **)&tl_buf, 64, cap)) { tl_buf = NULL; tl_cap = 0; return NULL; }
-        tl_cap = cap;
+/* a per-thread buffer of at least n bytes, 64 B aligned: grown (contents not kept), never shrunk */
+static void *grow(uint8_t **buf, size_t *cap, size_t n) {
+    if (n > *cap) {
+        free(*buf);
+        size_t c = (n + 4095) & ~(size_t)4095;
+        if (posix_memalign((void **)buf, 64, c)) { *buf = NULL; *cap = 0; return NULL; }
+        *cap = c;
     }
-    return tl_buf;
+    return *buf;
+}
+
+void *mq_scratch(size_t n) {      /* per-thread scratch of the kernels, never freed */
+    return grow(&tl_buf, &tl_cap, n);
 }
 
 /* ops.matmul's activation buffer (quantized rows, and the rotated rows of a rotated weight): a second
@@ -97,13 +102,7 @@ void *mq_call_buf(size_t n) {
         void *p = NULL;
         return posix_memalign(&p, 64, n) ? NULL : p;
     }
-    if (n > tl_call_cap) {
-        free(tl_call);
-        size_t cap = (n + 4095) & ~(size_t)4095;
-        if (posix_memalign((void **)&tl_call, 64, cap)) { tl_call = NULL; tl_call_cap = 0; return NULL; }
-        tl_call_cap = cap;
-    }
-    return tl_call;
+    return grow(&tl_call, &tl_call_cap, n);
 }
 
 void mq_call_buf_release(void *p) {
