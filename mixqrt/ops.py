@@ -312,8 +312,8 @@ def matmul(w, x, out=None):
         y = np.empty((x2.shape[0], n), dtype=np.float32)
     else:
         y = out.reshape(1, n) if vec else out
+    rot = _rot(w, k)                         # checks a rotation record before anything is built
     tiles = _gemm_tiles(w, fid, raw, n, k, lv, lo, step) if _TILES.budget and x2.shape[0] >= 2 else None
-    rot = _rot(w, k)
     if rot is None:
         _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles)
     else:                                    # a rotated weight stores W R: the C call feeds it R^T x
