@@ -136,6 +136,22 @@ def test_matmul_refuses_bad_rotation_arguments():
         _ops.matmul(7, f32.view(np.uint8).reshape(-1), 4, 64, x, y, None, 0.0, 0.0, 0, None, np.ones(64, np.float32), 32, 0.1)
 
 
+def test_rotated_matmul_above_the_kept_buffer_size():
+    """An input too large for the per-thread kept buffer (mq_call_buf keeps <= 64 MiB) gets its own
+    block, freed after the call: the same bits as rotating first and multiplying the plain tensor
+    (whose buffer, without the rotated rows, is kept), and the call after it is unaffected."""
+    import copy
+    rng = np.random.default_rng(3)
+    k = 4864
+    qt = quantize((rng.standard_normal((16, k)) * 0.05).astype(np.float32), "q3p", rot=ROT)
+    plain = copy.copy(qt)
+    plain.meta = {key: v for key, v in qt.meta.items() if key != "rot"}
+    sg = rotation.signs(ROT["seed"], k)
+    x = rng.standard_normal((3600, k)).astype(np.float32)       # 70 MB of rotated rows + activations
+    np.testing.assert_array_equal(ops.matmul(qt, x), ops.matmul(plain, ops.hadamard(x, ROT["block"], sg)))
+    np.testing.assert_array_equal(ops.matmul(qt, x[:5]), ops.matmul(plain, ops.hadamard(x[:5], ROT["block"], sg)))
+
+
 def test_rotated_matmul_is_safe_across_sizes_and_threads():
     """ops.matmul rotates the input into a per-thread buffer that calls reuse (mq_call_buf): calls of
     different sizes in a row, and two threads at once, each get their own product."""
