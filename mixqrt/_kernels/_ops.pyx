@@ -216,16 +216,13 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     cdef cnp.ndarray sa
     qa.xr = NULL; qa.rs = NULL; qa.rb = 0; qa.rscale = 0.0; qa.K = K
     if rot_block:
-        if fmt >= MQ_NPACKED or rot_block < 1 or rot_block > 1024 or rot_block & (rot_block - 1) or K % rot_block:
-            raise ValueError(f"matmul: a rotation of block {rot_block} needs a packed weight whose {K} columns "
-                             f"split into blocks of a power of two <= 1024")
+        if fmt >= MQ_NPACKED:
+            raise ValueError("matmul: a rotation needs a packed weight")
         if rot_signs is None:
             raise ValueError("matmul: a rotation needs its signs")
-        sa = rot_signs
-        _f32c(sa, "rot_signs")
-        if sa.size != K:
-            raise ValueError(f"matmul: {sa.size} rotation signs for rows of {K}")
-        qa.rs = <const float*>_ptr(sa); qa.rb = rot_block; qa.rscale = rot_scale
+        sa = rot_signs                        # a reference: the signs outlive the nogil section
+        qa.rs = _rot_args(K, rot_block, sa, "matmul")
+        qa.rb = rot_block; qa.rscale = rot_scale
     if fmt < MQ_NPACKED:
         abytes = (<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 63) // 64 * 64
         buf = <char*>mq_call_buf(abytes + (<size_t>T * K * 4 if rot_block else 0) + 64)
@@ -372,23 +369,30 @@ def rmsnorm(cnp.ndarray x, cnp.ndarray w, float eps, cnp.ndarray out):
     return out
 
 
+cdef const float *_rot_args(int K, int block, signs, str who) except? NULL:
+    """The checks of a block Hadamard rotation of rows of K values (block a power of two <= 1024
+    dividing K; signs None or float32 [K]): the signs' pointer, NULL for None. The caller keeps a
+    reference to signs while the pointer is used."""
+    if block < 1 or block > 1024 or block & (block - 1) or K == 0 or K % block:
+        raise ValueError(f"{who}: rows of {K} values do not split into blocks of {block} (a power of two <= 1024)")
+    if signs is None:
+        return NULL
+    cdef cnp.ndarray sa = signs
+    _f32c(sa, "signs")
+    if sa.size != K:
+        raise ValueError(f"{who}: {sa.size} rotation signs for rows of {K}")
+    return <const float*>_ptr(sa)
+
+
 def hadamard(cnp.ndarray x, cnp.ndarray out, signs, int block, float scale):
     """out = H_b (signs * x) on the rows of float32 [T, K] (C-contiguous; out may be x); signs: float32
     [K] or None; block a power of two in [1, 1024] dividing K (the caller's checks, repeated here)."""
     _f32c(x, "x"); _f32c(out, "out")
     cdef int K = x.shape[x.ndim - 1] if x.ndim else 0
-    if x.ndim not in (1, 2) or out.size != x.size or block < 1 or block > 1024 or block & (block - 1) \
-            or K == 0 or K % block:
-        raise ValueError(f"hadamard: rows of {K} values do not split into blocks of {block} (a power of two <= 1024)")
+    if x.ndim not in (1, 2) or out.size != x.size:
+        raise ValueError(f"hadamard: x and out must be the same [K] or [T, K] float32, got {np.shape(x)}, {np.shape(out)}")
+    cdef const float *ps = _rot_args(K, block, signs, "hadamard")
     cdef int T = x.size // K
-    cdef const float *ps = NULL
-    cdef cnp.ndarray sa
-    if signs is not None:
-        sa = signs
-        _f32c(sa, "signs")
-        if sa.size != K:
-            raise ValueError(f"hadamard: {sa.size} signs for rows of {K}")
-        ps = <const float*>_ptr(sa)
     cdef const float *px = <const float*>_ptr(x)
     cdef float *po = <float*>_ptr(out)
     with nogil:
