@@ -58,12 +58,13 @@ def _vm_hwm_bytes() -> int | None:
 
 
 def decode_bytes_per_token(model, ctx_tokens: int) -> int:
-    """Bytes a decode step must read: every weight but the embedding table (one row is gathered),
-    plus the K and V cache rows attended to."""
+    """Bytes a decode step must read: every weight but the embedding table (one row is gathered;
+    a tied table is read whole as the lm_head), plus the K and V cache rows attended to."""
     from mixqrt.models.base import is_qtensor
     total = 0
+    tied = model.lm_head is model.embed_tokens
     for name, t in _weights(model):
-        if name == "embed":
+        if name == "embed" and not tied:
             continue
         total += t.nbytes if is_qtensor(t) or hasattr(t, "nbytes") else 0
     a = model.args

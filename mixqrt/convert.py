@@ -18,7 +18,7 @@ import numpy as np
 from mixqrt.errors import ModelError, QuantError
 from mixqrt.perf import peak_rss_bytes
 from mixqrt.models import spec
-from mixqrt.quant.recipes import Recipe, get_recipe, tensor_plan  # noqa: F401  (tensor_plan re-exported)
+from mixqrt.quant.recipes import Recipe, get_recipe, tensor_plan, tie_source  # noqa: F401  (tensor_plan re-exported)
 
 MXQ_KIND = "mixqrt-llm"
 
@@ -121,7 +121,8 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     if rotate is not None:
         rec.rotate = dict(rotate or {})
     imat = load_imatrix(imatrix) if imatrix is not None else None
-    plan = tensor_plan(source, rec)
+    tie = tie_source(source) if rec.tie else None   # one tensor for embedding and output (recipe.tie)
+    plan = tensor_plan(source, rec, tie=tie)
     if imat is not None and any(rec.rotation_for(n, f, s, r) for n, r, f, s in plan):
         import warnings
         warnings.warn("the imatrix is not applied to rotated tensors (its importance is per input column, which "
@@ -148,7 +149,14 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     q5_range = bind_range([source.get(n) for n in q5]) if (q5 and rec.q5g_binding == "global") else None
 
     meta = build_meta(source, rec)
+    if tie is not None:
+        meta["config"]["tie_word_embeddings"] = True    # the model reads its embedding as lm_head
     tied = "lm_head.weight" not in source.tensor_names()
+
+    def src_name(n):   # the source tensor behind .mxq tensor n
+        if tie is not None and n == spec.EMBED:
+            return tie
+        return spec.EMBED if (tied and n == spec.LM_HEAD) else n
     from tqdm.auto import tqdm
 
     fmt_of = {n: f for n, _, f, _ in plan}
@@ -172,7 +180,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
         from mixqrt.quant.calibtext import calibration_set
 
         def load(n):
-            a = source.get("model.embed_tokens.weight" if (tied and n == "lm_head.weight") else n)
+            a = source.get(src_name(n))
             return np.asarray(a, dtype=np.float32)
 
         cls = get_model_class(source.arch)
@@ -187,7 +195,7 @@ def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progres
     pending: dict[str, QTensor] = {}
     with MxqWriter(out_path, meta) as w:
         for name, role, fmt, shape in tqdm(plan, desc="quantizing", unit="tensor", disable=not progress):
-            arr = source.get("model.embed_tokens.weight" if (tied and name == "lm_head.weight") else name)
+            arr = source.get(src_name(name))
             _check_finite(name, arr)
             if tuple(arr.shape) != tuple(shape):
                 raise ModelError(f"tensor {name}: source says shape {shape} but holds {arr.shape}")

@@ -314,7 +314,7 @@ def test_gemm_path_extreme_levels_and_threads(gemm_path, fmt):
     np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6", "q6-fold"])
+@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6", "q6-fold", "q4"])
 @pytest.mark.parametrize("lean", [True, False])
 @settings(max_examples=10, deadline=None)
 @given(n=st.sampled_from([1, 3, 4, 5, 31, 33, 257]), k=st.sampled_from([1, 31, 33, 64, 255, 257, 896, 4864]),

@@ -386,24 +386,41 @@ class GGUFSource(Source):
         dims, qtype, start, nbytes = self._gguf[self._names[name]]
         return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start), qtype.name
 
+    def _decode(self, gname: str, raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:
+        """Raw bytes of whole rows of a GGUF tensor -> float32 of `shape` (a fresh array)."""
+        if qtype == GGMLQuantizationType.F32:
+            return raw.view("<f4").reshape(shape).copy()
+        if qtype == GGMLQuantizationType.F16:
+            return raw.view("<f2").astype(np.float32).reshape(shape)
+        if qtype == GGMLQuantizationType.BF16:
+            return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        try:
+            w = dequantize(raw.reshape(-1, raw.size // (int(np.prod(shape)) // shape[-1])), qtype)
+        except NotImplementedError:
+            raise ModelError(f"{self.path}: tensor {gname!r}: cannot dequantize ggml type "
+                             f"{qtype.name}") from None
+        return np.asarray(w, dtype=np.float32).reshape(shape)
+
+    def rows(self, name: str, idx) -> np.ndarray:
+        """Only the rows asked for are read and dequantized (GGUF rows are contiguous blocks)."""
+        gname = self._names[name]
+        dims, qtype, start, nbytes = self._gguf[gname]
+        shape = tuple(int(d) for d in reversed(dims))
+        idx = np.asarray(idx, dtype=np.int64)
+        if len(shape) != 2 or (self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight"))) \
+                or idx.size == 0 or idx.min() < 0 or idx.max() >= shape[0]:
+            return super().rows(name, idx)             # row permutation, odd shapes, bad indices
+        rb = nbytes // shape[0]
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start).reshape(shape[0], rb)
+        w = self._decode(gname, np.ascontiguousarray(raw[idx]).reshape(-1), qtype, (idx.size, shape[1]))
+        return np.ascontiguousarray(w, dtype=np.float32)
+
     def _read(self, name: str) -> np.ndarray:
         gname = self._names[name]
         dims, qtype, start, nbytes = self._gguf[gname]
         shape = tuple(int(d) for d in reversed(dims))
         raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
-        if qtype == GGMLQuantizationType.F32:
-            w = raw.view("<f4").reshape(shape).copy()
-        elif qtype == GGMLQuantizationType.F16:
-            w = raw.view("<f2").astype(np.float32).reshape(shape)
-        elif qtype == GGMLQuantizationType.BF16:
-            w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
-        else:
-            try:
-                w = dequantize(raw.reshape(-1, nbytes // (int(np.prod(shape)) // shape[-1])), qtype)
-            except NotImplementedError:
-                raise ModelError(f"{self.path}: tensor {gname!r}: cannot dequantize ggml type "
-                                 f"{qtype.name}") from None
-            w = np.asarray(w, dtype=np.float32).reshape(shape)
+        w = self._decode(gname, raw, qtype, shape)
         if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, self.config["num_attention_heads"])
         elif self.arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):

@@ -68,6 +68,11 @@ class Source:
             raise FormatError(f"{self.path}: tensor {name!r} holds {bad} NaN/Inf value(s)")
         return arr
 
+    def rows(self, name: str, idx) -> np.ndarray:
+        """Rows `idx` of a 2-D tensor as float32 [len(idx), cols] (readers that can, read only
+        those rows; this fallback reads the tensor once and keeps the rows)."""
+        return np.ascontiguousarray(self.get(name)[np.asarray(idx, dtype=np.int64)])
+
     def __contains__(self, name: str) -> bool:
         return name in self._info
 

@@ -190,5 +190,6 @@ class Calibrator:
         H = self._hess(self.a.hidden_size)
         for x in self.x:
             H.add(ops.rmsnorm(x, gq, self.a.rms_norm_eps))
-        self._linear("lm_head.weight", self.fmts["lm_head.weight"], H, ratio)
+        if "lm_head.weight" in self.fmts:   # absent when the recipe ties it to the (RTN) embedding
+            self._linear("lm_head.weight", self.fmts["lm_head.weight"], H, ratio)
         self.x = None

@@ -463,6 +463,85 @@ static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* ------------------------------------------------------------------ decode: q4, even chunk count
+ * mv_q3c's 4-row fold on q4's pairs of 20-byte blocks (d, m, 16 code bytes; 40 bytes per 64 weights):
+ * per pair and row one 64-byte load, a vpermb that puts each block's 16 code bytes in two 128-bit
+ * lanes, a per-qword shift (0 or 4) and a mask for the nibbles, one vpdpbusd. The 4 rows' 16 header
+ * halves (d_A m_A d_B m_B per row) come from two vpermt2d and one insert of the loaded vectors, one
+ * vcvtph2ps; then the float work of mv_q3c (lane 4j + r: j < 2 block A, else block B), and m * s
+ * accumulates lane-wise against (0, s_A, 0, s_B) per row. Odd chunk counts take mv_fmt. */
+static const uint8_t PERM_Q4P[64] = {
+     4, 5, 6, 7, 8, 9,10,11,12,13,14,15,16,17,18,19,  4, 5, 6, 7, 8, 9,10,11,12,13,14,15,16,17,18,19,
+    24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39, 24,25,26,27,28,29,30,31,32,33,34,35,36,37,38,39};
+_Static_assert(MQ_Q4_HEADER == 4 && MQ_Q4_BLOCK == 20 && MQ_HDR_M == 2, "PERM_Q4P / the header gather index q4 blocks");
+
+static inline __attribute__((always_inline)) __m512i q4p_levels(__m512i v, __m512i perm) {
+    const __m512i sh4 = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    return _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi8(perm, v), sh4), _mm512_set1_epi8(15));
+}
+
+static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const int8_t *q = j->a->q;
+    const int np = j->nc / 2;
+    const size_t rb = j->row_bytes, pb = 2 * MQ_Q4_BLOCK;
+    const float *dx = j->a->d, *s = j->a->s;
+    /* per pair: dx lanes (dx_2p in 0-7, dx_2p+1 in 8-15) and the offset-term activations
+     * (0, s_2p, 0, s_2p+1) in every 4 lanes, against the gathered (d_A, m_A, d_B, m_B) of a row */
+    uint8_t *scr = (uint8_t *)mq_scratch((size_t)np * 128 + 64);
+    __m512 *pv = (__m512 *)(((uintptr_t)scr + 63) & ~(uintptr_t)63);
+    const __m512i didx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i sidx = _mm512_setr_epi32(2, 0, 2, 1, 2, 0, 2, 1, 2, 0, 2, 1, 2, 0, 2, 1);
+    for (int p = 0; p < np; p++) {
+        __m128 v = _mm_setr_ps(s[2 * p], s[2 * p + 1], 0.0f, 0.0f);
+        pv[2 * p] = _mm512_permutexvar_ps(didx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(dx + 2 * p)))));
+        pv[2 * p + 1] = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(v));
+    }
+    const __m512i perm = _mm512_loadu_si512(PERM_Q4P);
+    const __m512i hsel = _mm512_setr_epi32(0, 5, 16, 21, 0, 5, 16, 21, 0, 5, 16, 21, 0, 5, 16, 21);
+    /* wv lane 4j + r = d of row r's block (j >= 2): dm lane 4r (A) or 4r + 2 (B) */
+    const __m512i dsel = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 2, 6, 10, 14, 2, 6, 10, 14);
+    const size_t pd = rb < LEAN_PF ? rb : LEAN_PF, tile = (size_t)NRL * rb;
+    const int in_row = tile > LEAN_SHORT_TILE;
+    const size_t tile_pf = tile * ((LEAN_TILE_PF + tile - 1) / tile);
+    /* the 64-byte loads read 24 bytes past a pair: the tensor's last row goes to the guarded loop */
+    const int nf = j->w + (size_t)n1 * rb + 24 > cx->end ? n1 - 1 : n1;
+    int n = n0;
+    for (; n + NRL <= nf; n += NRL) {
+        const uint8_t *r = j->w + (size_t)n * rb;
+        if (!in_row && r + tile_pf + tile <= cx->end)
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+        __m512 acc = _mm512_setzero_ps(), am = _mm512_setzero_ps();
+        for (int p = 0; p < np; p++) {
+            __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
+            const uint8_t *b0 = r + (size_t)p * pb;
+            if (in_row) {
+                size_t v = (size_t)p * pb + pd;
+                size_t pfo = v < rb ? v : v - rb + tile;   /* past the row: same row, next tile */
+                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+            }
+            __m512i v0 = _mm512_loadu_si512((const void *)b0), v1 = _mm512_loadu_si512((const void *)(b0 + rb));
+            __m512i v2 = _mm512_loadu_si512((const void *)(b0 + 2 * rb)), v3 = _mm512_loadu_si512((const void *)(b0 + 3 * rb));
+            const __m512i z = _mm512_setzero_si512();
+            __m512i i0 = _mm512_dpbusd_epi32(z, q4p_levels(v0, perm), xq);
+            __m512i i1 = _mm512_dpbusd_epi32(z, q4p_levels(v1, perm), xq);
+            __m512i i2 = _mm512_dpbusd_epi32(z, q4p_levels(v2, perm), xq);
+            __m512i i3 = _mm512_dpbusd_epi32(z, q4p_levels(v3, perm), xq);
+            /* dwords 0 (d_A, m_A) and 5 (d_B, m_B) of each row: rows 0-1 and 2-3, then one ymm */
+            __m512i h01 = _mm512_permutex2var_epi32(v0, hsel, v1), h23 = _mm512_permutex2var_epi32(v2, hsel, v3);
+            __m256i h = _mm256_inserti128_si256(_mm512_castsi512_si256(h01), _mm512_castsi512_si128(h23), 1);
+            __m512 dm = _mm512_cvtph_ps(h);                   /* row r: lanes 4r .. 4r+3 = d_A m_A d_B m_B */
+            __m512 wv = _mm512_mul_ps(_mm512_permutexvar_ps(dsel, dm), pv[2 * p]);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(red4(i0, i1, i2, i3)), wv, acc);
+            am = _mm512_fmadd_ps(dm, pv[2 * p + 1], am);
+        }
+        float t[16], u[16];
+        _mm512_storeu_ps(t, acc); _mm512_storeu_ps(u, am);
+        for (int i = 0; i < NRL; i++)
+            j->y[n + i] = ((t[i] + t[4 + i]) + (t[8 + i] + t[12 + i])) + (u[4 * i + 1] + u[4 * i + 3]);
+    }
+    if (n < n1) mv_fmt(cx, MQ_Q4, j, n, n1);
+}
+
 /* q6 with an even chunk count: mv_q3c's 4-row fold of the float work (lanes 4j + r, j < 2 chunk A
  * of the pair, else chunk B) on mv_lean's q6 unpack; the 4 rows' 8 fp16 scales (d of both blocks)
  * are gathered by scalar loads into one xmm, the offset term (-32 d s) accumulates in one ymm.
@@ -907,6 +986,7 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
 
 #define FMT_CASE(F) case F: \
     if (j->T == 1 && mq_lean_mv && F == MQ_Q3P) mv_q3c(&cx, j, n0, n1); \
+    else if (j->T == 1 && mq_lean_mv && F == MQ_Q4 && j->nc % 2 == 0) mv_q4c(&cx, j, n0, n1); \
     else if (j->T == 1 && mq_lean_mv && F == MQ_Q6 && j->nc % 2 == 0 && (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE \
              && mq_q6_fold) mv_q6f(&cx, j, n0, n1); \
     else if (j->T == 1 && mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
