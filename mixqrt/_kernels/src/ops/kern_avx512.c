@@ -258,6 +258,9 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #ifndef LEAN_SHORT_TILE
 #define LEAN_SHORT_TILE 4096
 #endif
+#ifndef LEAN_PF_HINT
+#define LEAN_PF_HINT _MM_HINT_T0   /* the decode kernels' software prefetch level */
+#endif
 static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk) {   /* q3u */
     const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
     __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(blk + Q3_C0))),
@@ -326,7 +329,7 @@ mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     for (; n + NRL <= n1; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
         if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
         __m512 acc[NRL];
         __m128 am[NRL];
         for (int i = 0; i < NRL; i++) { acc[i] = _mm512_setzero_ps(); am[i] = _mm_setzero_ps(); }
@@ -339,7 +342,7 @@ mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
             size_t pfo = v < rb ? v : v - rb + (size_t)NRL * rb;   /* past the row: same row, next tile */
             for (int i = 0; i < NRL; i++) {
                 /* prefetch never faults; one per 64 B consumed is enough */
-                if (in_row && (fmt == MQ_Q6 || (p & 1) == 0)) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+                if (in_row && (fmt == MQ_Q6 || (p & 1) == 0)) _mm_prefetch((const char *)(r + i * rb + pfo), LEAN_PF_HINT);
                 lean_pair(fmt, r + i * rb, p, cx->tab, xq, dxv, dx2, sv, &acc[i], &am[i]);
             }
         }
@@ -412,7 +415,7 @@ static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     for (; n + NRL <= nf; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
         if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
         __m512 acc = _mm512_setzero_ps();
         __m256 am = _mm256_setzero_ps();
         for (int p = 0; p < np; p++) {
@@ -423,7 +426,7 @@ static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
             if (in_row && (p & 1) == 0) {
                 size_t v = (size_t)p * MQ_Q3_BLOCK + pd;
                 size_t pfo = v < rb ? v : v - rb + tile;   /* past the row: same row, next tile */
-                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), LEAN_PF_HINT);
             }
             __m256i v0 = _mm256_loadu_si256((const __m256i *)b0), v1 = _mm256_loadu_si256((const __m256i *)(b0 + rb));
             __m256i v2 = _mm256_loadu_si256((const __m256i *)(b0 + 2 * rb)), v3 = _mm256_loadu_si256((const __m256i *)(b0 + 3 * rb));
@@ -509,7 +512,7 @@ static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     for (; n + NRL <= nf; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
         if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
         __m512 acc = _mm512_setzero_ps(), am = _mm512_setzero_ps();
         for (int p = 0; p < np; p++) {
             __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
@@ -517,7 +520,7 @@ static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
             if (in_row) {
                 size_t v = (size_t)p * pb + pd;
                 size_t pfo = v < rb ? v : v - rb + tile;   /* past the row: same row, next tile */
-                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), LEAN_PF_HINT);
             }
             __m512i v0 = _mm512_loadu_si512((const void *)b0), v1 = _mm512_loadu_si512((const void *)(b0 + rb));
             __m512i v2 = _mm512_loadu_si512((const void *)(b0 + 2 * rb)), v3 = _mm512_loadu_si512((const void *)(b0 + 3 * rb));
@@ -569,7 +572,7 @@ static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     for (; n + NRL <= n1; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
         if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, _MM_HINT_T0);
+            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
         __m512 acc = _mm512_setzero_ps();
         __m256 am = _mm256_setzero_ps();
         for (int p = 0; p < np; p++) {
@@ -578,7 +581,7 @@ static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
             if (in_row) {
                 size_t v = (size_t)p * pb + pd;
                 size_t pfo = v < rb ? v : v - rb + tile;
-                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), _MM_HINT_T0);
+                for (int i = 0; i < NRL; i++) _mm_prefetch((const char *)(r + i * rb + pfo), LEAN_PF_HINT);
             }
             const __m512i z = _mm512_setzero_si512();
             __m512i i0 = _mm512_dpbusd_epi32(z, q6_codes(a0), xq);
