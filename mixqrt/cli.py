@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from mixqrt.quant.recipes import DEFAULT_RECIPE
+
 
 def _add_model(p, optional=False):
     if optional:
@@ -14,7 +16,7 @@ def _add_model(p, optional=False):
                             "default: the demo Qwen2.5-Coder-0.5B-Instruct from mixqrt[demo]")
     else:
         p.add_argument("model", help="a .mxq, a .gguf, a Hugging Face folder, or a hub id / alias")
-    p.add_argument("--recipe", default=None, help="quantization recipe (default 2356, or the name's suffix)")
+    p.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")
     p.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument("--offline", action="store_true", help="never touch the network (like HF_HUB_OFFLINE=1)")
@@ -72,7 +74,7 @@ def parse_rotate(items):
 
 def cmd_quantize(a):
     from mixqrt.convert import describe, dumps_report, quantize_model
-    rep = quantize_model(a.src, a.recipe or "2356", a.output, overrides=a.tensor_type,
+    rep = quantize_model(a.src, a.recipe or DEFAULT_RECIPE, a.output, overrides=a.tensor_type,
                          progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
                          imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
                          **_calibration(a))
@@ -224,8 +226,9 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("quantize", help="quantize a model with a recipe into a .mxq file")
     s.add_argument("src", help="a .gguf, a Hugging Face folder or a hub id")
-    s.add_argument("--recipe", default="2356", help="2356 (default), 2356+, auto (needs --budget-bytes), f32, f16, "
-                   "q8, q4, or an ablation (2356-minmax, 2356-q3u, ...)")
+    s.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{DEFAULT_RECIPE} (default: 2356 with a tied embedding "
+                   "stored once), 2356, 2356c, 2356+, auto (needs --budget-bytes), f32, f16, q8, q4, or an "
+                   "ablation (2356-minmax, 2356-q3u, ...)")
     s.add_argument("--tensor-type", action="append", default=None, metavar="PATTERN=FMT",
                    help="override a tensor's format (regex on the HF name, or a role like ffn_down); repeatable")
     s.add_argument("-o", "--output", default=None, help="output .mxq path")
@@ -316,7 +319,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                     "timed runs; bandwidth ratio = tg tok/s x bytes per decode step / that bandwidth. Peak RSS "
                     "counts from after the first probe (its buffer is freed).")
     s.add_argument("model")
-    s.add_argument("--recipe", default=None, help="recipe when MODEL needs quantizing (default 2356)")
+    s.add_argument("--recipe", default=None, help=f"recipe when MODEL needs quantizing (default {DEFAULT_RECIPE})")
     s.add_argument("-t", "--threads", default="2", help="comma list of thread counts (default 2)")
     s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default 512)")
     s.add_argument("-n", "--n-gen", type=int, default=128, help="decode steps for tg (default 128)")

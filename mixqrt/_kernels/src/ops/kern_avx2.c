@@ -174,6 +174,9 @@ static inline __attribute__((always_inline)) __m256i cdot(const int fmt, __m256i
 #ifndef PF_SHORT_ROW
 #define PF_SHORT_ROW 2048   /* rows up to this many bytes keep the whole-rows-ahead prefetch */
 #endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0   /* the decode prefetch level */
+#endif
 static inline __attribute__((always_inline)) void
 mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
@@ -188,15 +191,15 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
          * loop, past the row's end into the same row of the next pair (rows ahead would overflow L1
          * next to the activations: see docs/kernels.md, "Lessons measured") */
         if (rb <= PF_SHORT_ROW && r0 + PF_ROWS * rb + 2 * rb <= end)
-            for (size_t o = 0; o < 2 * rb; o += 64) _mm_prefetch((const char *)r0 + PF_ROWS * rb + o, _MM_HINT_T0);
+            for (size_t o = 0; o < 2 * rb; o += 64) _mm_prefetch((const char *)r0 + PF_ROWS * rb + o, PF_HINT);
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
         float am0 = 0.0f, am1 = 0.0f;
         size_t po = pd, pstep = rb / (size_t)nc;
         for (int c = 0; c < nc; c++, po += pstep) {
             if (rb > PF_SHORT_ROW && (pstep >= 32 || (c & 1) == 0)) {
                 size_t o = po < rb ? po : po - rb + 2 * rb;
-                _mm_prefetch((const char *)r0 + o, _MM_HINT_T0);
-                _mm_prefetch((const char *)r1 + o, _MM_HINT_T0);
+                _mm_prefetch((const char *)r0 + o, PF_HINT);
+                _mm_prefetch((const char *)r1 + o, PF_HINT);
             }
             float d0, m0, d1, m1;
             __m256i u0 = unpack_chunk(cx, fmt, r0, c, &d0, &m0);

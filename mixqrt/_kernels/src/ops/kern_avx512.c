@@ -187,8 +187,17 @@ static void pair_vectors(const mq_act *a, int np, __m512 *pv) {
 }
 
 #define NR 2
+/* Decode prefetch goes to L2 (T1), PF_ROWS rows ahead (at most MV_PF_MAX bytes): prefetching into L1
+ * 16 KB ahead evicted the lines before use (q4 gate_up 9728 x 896 streamed 8 GB/s per core with T0,
+ * 18-20 with T1; end to end decode 1.3-1.5x, docs/kernels.md "Prefetch level") */
 #ifndef PF_ROWS
-#define PF_ROWS 8
+#define PF_ROWS 32
+#endif
+#ifndef MV_PF_MAX
+#define MV_PF_MAX 65536
+#endif
+#ifndef MV_PF_HINT
+#define MV_PF_HINT _MM_HINT_T1   /* mv_fmt's software prefetch level */
 #endif
 static inline __attribute__((always_inline)) void
 mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
@@ -196,14 +205,16 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     int np = (j->nc + 1) / 2;
     __m512 *pv = (__m512 *)mq_scratch((size_t)np * 128);
     pair_vectors(j->a, np, pv);
+    const size_t pf_rows = (size_t)PF_ROWS * j->row_bytes <= MV_PF_MAX ? PF_ROWS
+                         : (MV_PF_MAX / j->row_bytes > NR ? MV_PF_MAX / j->row_bytes : NR);
     int n = n0;
     for (; n + NR <= n1; n += NR) {
         const uint8_t *r0 = j->w + (size_t)n * j->row_bytes, *r1 = r0 + j->row_bytes;
         /* software prefetch PF_ROWS ahead: the hardware prefetcher alone left decode at ~40 % of
          * the read bandwidth on tensors that miss the LLC */
-        const uint8_t *pf = r0 + PF_ROWS * j->row_bytes;
+        const uint8_t *pf = r0 + pf_rows * j->row_bytes;
         if (pf + NR * j->row_bytes <= cx->end)
-            for (size_t o = 0; o < NR * j->row_bytes; o += 64) _mm_prefetch((const char *)pf + o, _MM_HINT_T0);
+            for (size_t o = 0; o < NR * j->row_bytes; o += 64) _mm_prefetch((const char *)pf + o, MV_PF_HINT);
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, am0 = acc0, am1 = acc0;
         for (int p = 0; p < np; p++) {
             __m512 d0, m0, d1, m1;
@@ -259,7 +270,7 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define LEAN_SHORT_TILE 4096
 #endif
 #ifndef LEAN_PF_HINT
-#define LEAN_PF_HINT _MM_HINT_T0   /* the decode kernels' software prefetch level */
+#define LEAN_PF_HINT _MM_HINT_T1   /* the decode kernels' software prefetch level (see MV_PF_HINT) */
 #endif
 static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk) {   /* q3u */
     const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
