@@ -92,9 +92,9 @@ def set_lean_mv(on=None):
 
 def set_q6_fold(on=None):
     """AVX-512 decode of q6 with short rows (4 rows <= 4 KB, e.g. K = 896) through mv_q6f, the lean
-    q6 unpack with the float work of 4 rows folded into one vector (on; MIXQRT_Q6_FOLD=1 starts a
-    process with it on) or the unpack path (the default: faster end to end where measured,
-    docs/kernels.md). on=None only queries. Returns the previous state."""
+    q6 unpack with the float work of 4 rows folded into one vector (on, the default: faster end to
+    end since the decode prefetch goes to L2, docs/kernels.md) or the unpack path (off;
+    MIXQRT_Q6_FOLD=0 starts a process with it off). on=None only queries. Returns the previous state."""
     return bool(mq_set_q6_fold(-1 if on is None else (1 if on else 0)))
 
 

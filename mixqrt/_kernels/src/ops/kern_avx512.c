@@ -559,9 +559,10 @@ static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
 /* q6 with an even chunk count: mv_q3c's 4-row fold of the float work (lanes 4j + r, j < 2 chunk A
  * of the pair, else chunk B) on mv_lean's q6 unpack; the 4 rows' 8 fp16 scales (d of both blocks)
  * are gathered by scalar loads into one xmm, the offset term (-32 d s) accumulates in one ymm.
- * For the short rows (K = 896: the 0.5B model's attention and lm_head). Opt-in (MIXQRT_Q6_FOLD=1,
- * _ops.set_q6_fold): 1.2-1.5x the unpack path in thread CPU time on these shapes, but 0.85-0.9x end
- * to end on the 0.5B 2356 decode (alternated in one process, docs/kernels.md), as mv_lean before. */
+ * For the short rows (K = 896: the 0.5B model's attention and lm_head). On by default since the
+ * decode prefetch went to L2 (1.02-1.10x end to end on the 0.5B 2356 decode, docs/kernels.md
+ * "Prefetch level"); with the old L1 prefetch it lost (0.85-0.9x). MIXQRT_Q6_FOLD=0 or
+ * _ops.set_q6_fold(False) selects the unpack path. */
 static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
     const int np = j->nc / 2;
@@ -703,12 +704,12 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define CB 160   /* one chunk of a tile, in u32: levels [8 k4 steps][16 rows], dw[16], mm[16] (640 B) */
 int mq_gemm_min_t = 8;
 static int mq_lean_mv = -1;   /* -1: not decided yet; MIXQRT_LEAN_MV=0 starts it off (default on) */
-static int mq_q6_fold = 0;   /* MIXQRT_Q6_FOLD=1 routes q6 short rows to mv_q6f (opt-in: lost end to end) */
+static int mq_q6_fold = 1;   /* q6 short rows through mv_q6f; MIXQRT_Q6_FOLD=0 starts it off */
 static int lean_mv_on(void) {
     if (mq_lean_mv < 0) {
         const char *e = getenv("MIXQRT_LEAN_MV"), *f = getenv("MIXQRT_Q6_FOLD");
         mq_lean_mv = !(e && e[0] == '0');
-        mq_q6_fold = f && f[0] == '1';
+        mq_q6_fold = !(f && f[0] == '0');
     }
     return mq_lean_mv;
 }
