@@ -8,6 +8,7 @@ JSON line on stdout), so peak RSS is per system and a crash costs one row, not t
     python benchmarks/compare_llamacpp.py                       # all systems, 8 chunks, 2 threads
     python benchmarks/compare_llamacpp.py --chunks 1 --systems mixqrt:f32,llamacpp:F32 --no-speed
     python benchmarks/compare_llamacpp.py --extra-recipe 2356:imatrix=/tmp/imat.dat --extra-recipe auto:budget_bytes=330e6
+    python benchmarks/compare_llamacpp.py --extra-recipe "2356t:calibrate=self+$T:damp=0.1"  # GPTQ-calibrated
     python benchmarks/compare_llamacpp.py --report-only         # rebuild the report from the cache
 
 Systems are `mixqrt:RECIPE[:key=value...]` (key=value pairs go to quantize_model or get_recipe,
@@ -69,7 +70,7 @@ class System:
         if self.kind == "llamacpp":
             return f"llama.cpp {self.name}"
         name = Path(self.name).stem if self.name.endswith(".mxq") else self.name
-        return name + "".join(f"+{k}({Path(v).name if '/' in v else v})" for k, v in self.opts)
+        return name + "".join(f"+{k}({'+'.join(Path(x).name for x in v.split('+'))})" for k, v in self.opts)
 
 
 def parse_system(text: str, extra: bool = False) -> System:
@@ -166,6 +167,11 @@ def prepare_mixqrt(sysm: System, s: dict) -> dict:
         rec, spec = sysm.name, {"name": sysm.name}
     # path-valued options (an imatrix file) are identified by size and mtime, not only by name
     opt_ids = {k: (file_id(v) if isinstance(v, str) and os.path.exists(v) else v) for k, v in {**qkw, **rkw}.items()}
+    if "calibrate" in qkw:        # calibrate=self+/path/text.txt: `mixqrt quantize --calibrate` names, '+'-joined
+        from mixqrt.quant.calibtext import parse_sources
+        names = str(qkw["calibrate"]).split("+")
+        opt_ids["calibrate"] = [n if n == "self" else file_id(n) for n in names]
+        qkw["calibrate"] = parse_sources(names)
     h = sha({"spec": spec, "opts": opt_ids, "src": file_id(s["model"]), "code": s["quant_code"]})[:12]
     out = Path(s["cache_dir"]) / "mxq" / f"{safe(sysm.label)}-{h}.mxq"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -698,7 +704,8 @@ def _goals_block(results, keys, lab) -> list[str]:
 def _note(results, k) -> str:
     note = RECIPE_NOTES.get(results[k]["system"].name, "") if k.startswith("mixqrt:") else "llama.cpp type"
     if results[k]["system"].extra:
-        note = "--extra-recipe"
+        note = "--extra-recipe" + ("; GPTQ-calibrated, `mixqrt quantize --calibrate`" if any(
+            o == "calibrate" for o, _ in results[k]["system"].opts) else "")
     if results[k].get("implicit"):
         note += " (KL base only)"
     errs = [f"{t}: {results[k][t]['error']}" for t in ("prepare", "ppl", "speed") if "error" in (results[k].get(t) or {})]

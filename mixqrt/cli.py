@@ -89,17 +89,11 @@ def cmd_quantize(a):
 
 def _calibration(a) -> dict:
     """--calibrate FILE|self (repeatable; the sources share --calib-tokens evenly)."""
-    from mixqrt.quant.calibtext import GeneratedSource, TextSource
+    from mixqrt.quant.calibtext import parse_sources
 
-    sources = []
-    for item in a.calibrate or ():
-        if item == "self":
-            sources.append(GeneratedSource(seed=a.calib_seed, save=a.calib_save))
-            continue
-        with open(item, encoding="utf-8") as f:
-            sources.append(TextSource(f.read(), os.path.basename(item)))
-    if a.calib_save and not any(isinstance(s, GeneratedSource) for s in sources):
+    if a.calib_save and "self" not in (a.calibrate or ()):
         raise SystemExit("mixqrt quantize: --calib-save needs --calibrate self")
+    sources = parse_sources(a.calibrate or (), seed=a.calib_seed, save=a.calib_save)
     if not sources:
         return {}
     return {"calibrate": sources, "calib_tokens": a.calib_tokens, "damp": a.damp, "refit": a.refit,

@@ -48,6 +48,8 @@ def test_tie_source_decides_from_the_data(tied_hf, untied_hf, tmp_path):
         assert tie_source(s) == spec.EMBED                       # no lm_head: the model is tied
     with open_source(str(untied_hf), progress=False) as s:
         assert tie_source(s) is None                             # two trained matrices
+        s.rows = None                    # an HF folder's config decides: no rows are read (7B: 2 x 2 GB)
+        assert s.declares_tie and tie_source(s) is None
     # a GGUF that stored the tied embedding twice (re-quantized): tied, from the lm_head copy
     g = make_tiny_gguf(tied_hf, tmp_path / "copy.gguf", qtype="Q8_0", edit=_copy_head(0.05))
     with open_source(str(g), progress=False) as s:

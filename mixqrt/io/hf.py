@@ -162,6 +162,7 @@ def _read_json(path: Path, what: str) -> dict:
 
 class HFSource(Source):
     """An HF model folder with safetensors weights."""
+    declares_tie = True              # config.json's tie_word_embeddings (see Source.declares_tie)
 
     # tensors a checkpoint may carry that no graph reads
     _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

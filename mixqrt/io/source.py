@@ -68,6 +68,11 @@ class Source:
             raise FormatError(f"{self.path}: tensor {name!r} holds {bad} NaN/Inf value(s)")
         return arr
 
+    # True where the format's own tie flag is authoritative (HF config.json's tie_word_embeddings:
+    # the reader drops lm_head when tied), so a source holding both matrices is untied without
+    # comparing them; GGUF has no such flag, and recipes.tie_source compares rows there.
+    declares_tie: bool = False
+
     def rows(self, name: str, idx) -> np.ndarray:
         """Rows `idx` of a 2-D tensor as float32 [len(idx), cols] (readers that can, read only
         those rows; this fallback reads the tensor once and keeps the rows)."""

@@ -71,6 +71,27 @@ class GeneratedSource:
     label: str = "self"
 
 
+def parse_sources(items, *, seed: int = 0, save: str | None = None) -> list:
+    """Calibration sources from their command-line names: "self" (the model's own sampled text) or
+    the path of a UTF-8 text file, labelled with its file name. `mixqrt quantize --calibrate` and
+    the benchmarks both use this, so a name means the same text everywhere."""
+    import os
+
+    out: list = []
+    for item in items:
+        if item == "self":
+            out.append(GeneratedSource(seed=seed, save=save))
+            continue
+        try:
+            with open(item, encoding="utf-8") as f:
+                out.append(TextSource(f.read(), os.path.basename(item)))
+        except (OSError, UnicodeDecodeError) as e:
+            raise QuantError(f"calibration text {item!r}: {e}") from None
+    if save and not any(isinstance(s, GeneratedSource) for s in out):
+        raise QuantError("saving the generated calibration text needs the source 'self'")
+    return out
+
+
 def _prompt_ids(tokenizer, kind: str, text: str) -> list[int]:
     if kind == "chat" and getattr(tokenizer, "chat_template", None):
         return [int(t) for t in tokenizer.encode_chat([{"role": "user", "content": text}],

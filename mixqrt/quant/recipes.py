@@ -228,6 +228,8 @@ def tie_source(source) -> str | None:
     None when the model has two different matrices (it is not tied, so tying would change it).
 
     - No lm_head.weight in the source: the model is tied; the embedding.
+    - Both present in a source whose format declares ties (Source.declares_tie: HF folders): untied,
+      without reading either.
     - Both present: they are one matrix stored twice when TIE_SAMPLE_ROWS evenly spaced rows agree
       within TIE_MAX_REL_DIFF (relative RMS); then the more precisely stored of the two (source dtype
       bits; the lm_head on a tie), since the output projection is the more sensitive role."""
@@ -236,8 +238,8 @@ def tie_source(source) -> str | None:
     if LM_HEAD not in names:
         return EMBED
     shape = tuple(source.tensor_info(EMBED)[0])
-    if tuple(source.tensor_info(LM_HEAD)[0]) != shape:
-        return None
+    if tuple(source.tensor_info(LM_HEAD)[0]) != shape or getattr(source, "declares_tie", False):
+        return None                       # a format whose flag says untied is not second-guessed
     import numpy as np
     idx = np.unique(np.linspace(0, shape[0] - 1, min(TIE_SAMPLE_ROWS, shape[0])).astype(np.int64))
     a, b = source.rows(EMBED, idx), source.rows(LM_HEAD, idx)
