@@ -35,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mixqrt.quant.recipes import DEFAULT_RECIPE  # noqa: E402
 from _common import (CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree_hash,  # noqa: E402
                      update_doc, write_json)
 
@@ -49,6 +50,7 @@ RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform",
                 "2356-minmax": "ablation: plain min/max quantizer, no error-minimising search",
                 "2356-norot": "ablation: no Hadamard rotation (the 2356 of 2026-12-02)"}
 BASE = "mixqrt:f32"
+GOAL_KEYS = ("mixqrt:2356", "mixqrt:" + DEFAULT_RECIPE)   # goals are checked for these and every --extra-recipe
 QUANT_CODE = ("mixqrt/quant", "mixqrt/convert.py", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
               "mixqrt/_kernels/_quant.pyx")
 
@@ -627,7 +629,7 @@ def summary_lines(results) -> list[str]:
     else:
         lines.append("f32 agreement: not measured (needs mixqrt:f32 and llamacpp:F32 perplexities)")
     for k in results:
-        if k.startswith("mixqrt:") and (k == "mixqrt:2356" or results[k]["system"].extra):
+        if k.startswith("mixqrt:") and (k in GOAL_KEYS or results[k]["system"].extra):
             for g in goals(results, k):
                 lines.append(f"{results[k]['system'].label:>14s} {g['goal']:50s} {_verdict(g['ok']):5s} {g['gap']}")
     lines.append("=" * 100)
@@ -689,7 +691,7 @@ def _agreement_block(results) -> list[str]:
 
 
 def _goals_block(results, keys, lab) -> list[str]:
-    cands = [k for k in keys if k == "mixqrt:2356" or (k.startswith("mixqrt:") and results[k]["system"].extra)]
+    cands = [k for k in keys if k in GOAL_KEYS or (k.startswith("mixqrt:") and results[k]["system"].extra)]
     if not cands:
         return ["No 2356 system in this run."]
     L = ["| mixqrt system | goal | result | measured (gap) |", "|---|---|:---:|---|"]
