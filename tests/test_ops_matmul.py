@@ -101,6 +101,24 @@ def test_float_weights(tier, fmt, shape, seed):
     assert (np.abs(y - y64) <= bound + 1e-30).all()
 
 
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n,k", [(1, 33), (5, 31), (9, 257), (33, 896)])
+def test_opt_in_four_row_float_decode(tier, fmt, n, k):
+    """MIXQRT_FLOAT_MV's 4-row decode path (AVX-512; other tiers ignore the switch): same bound as
+    the default one-row loop, with row tails (n % 4) and K tails (k % 32), prefetch past the tile."""
+    rng = np.random.default_rng(n * 1000 + k)
+    w = random_qtensor(fmt, n, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    old = _ops.set_float_mv(True)
+    try:
+        y = guarded_matmul(w, x)
+    finally:
+        _ops.set_float_mv(old)
+    wf = w.dequantize().astype(np.float64)
+    bound = (k + 8) * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ np.abs(wf).T)
+    assert (np.abs(y - x.astype(np.float64) @ wf.T) <= bound + 1e-30).all()
+
+
 def test_numpy_weights_and_vector_shapes(tier):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((33, 257)).astype(np.float32)

@@ -914,6 +914,9 @@ static inline __attribute__((always_inline)) __m512 wload(const int fmt, const u
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+#ifndef FLOAT_PF_HINT
+#define FLOAT_PF_HINT _MM_HINT_T1
+#endif
 static size_t float_pf = 2048;   /* in-row prefetch distance of the float decode streams, bytes */
 
 /* Float decode (T == 1), opt-in (MIXQRT_FLOAT_MV=1 or _ops.set_float_mv): 4 rows per step share
@@ -921,7 +924,10 @@ static size_t float_pf = 2048;   /* in-row prefetch distance of the float decode
  * (default 2048, 0 = none), past its end into the same row of the next 4-row tile (the rule of
  * mv_lean). Measured 0.4-0.6x of the one-row loop on the 151936 x 896 f32/f16 lm_head at 1 and 2
  * threads, with and without the software prefetch (docs/kernels.md): on this machine one sequential
- * stream per thread reads faster than several interleaved ones, as the bandwidth probe shows too. */
+ * stream per thread reads faster than several interleaved ones, as the bandwidth probe shows too.
+ * With the prefetch into L2 (FLOAT_PF_HINT, 2026-12-03) the whole f32 0.5B model decodes at the
+ * one-row loop's speed (13.4-14.1 vs 13.7-14.7 tok/s, 2 threads, alternated), no faster: still
+ * opt-in. */
 static inline __attribute__((always_inline)) void
 mv_float_fmt(const int fmt, const mq_mm_job *j, int n0, int n1) {
     const int K = j->K, esz = fmt == MQ_F32 ? 4 : 2;
@@ -937,8 +943,8 @@ mv_float_fmt(const int fmt, const mq_mm_job *j, int n0, int n1) {
             const size_t off = (size_t)k * esz + float_pf;
             if (float_pf) for (int i = 0; i < 4; i++) {
                 const uint8_t *pf = off < rb ? r + i * rb + off : r + (4 + i) * rb + (off - rb);
-                _mm_prefetch((const char *)pf, _MM_HINT_T0);
-                if (esz == 4) _mm_prefetch((const char *)pf + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)pf, FLOAT_PF_HINT);
+                if (esz == 4) _mm_prefetch((const char *)pf + 64, FLOAT_PF_HINT);
             }
             const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
             for (int i = 0; i < 4; i++) {
