@@ -829,22 +829,33 @@ def write_plot(path, systems, results, title: str = "") -> None:
         print("matplotlib is not installed (pip install 'mixqrt[bench]'): no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
-    styles = {"mixqrt": ("o", "tab:blue", "mixqrt recipes"), "extra": ("^", "tab:green", "mixqrt variants (imatrix/auto)"),
+    styles = {"mixqrt": ("o", "tab:blue", "mixqrt recipes"), "extra": ("^", "tab:green", "mixqrt --extra-recipe"),
               "llamacpp": ("s", "tab:orange", "llama.cpp types")}
-    ys = []
+    pts = []
     for k in _order(results, systems):
         s = results[k]["system"]
         x, y = _mib(results, k), _get(results, k, "ppl", "ppl")
-        if x is None or y is None:
-            continue
-        kind = "extra" if s.extra else s.kind
-        mk, col, name = styles[kind]
-        ax.scatter([x], [y], marker=mk, color=col, s=55, label=name, zorder=3)
-        ax.annotate(s.label.replace("llama.cpp ", ""), (x, y), textcoords="offset points", xytext=(5, -11 if s.kind == "llamacpp" else 4), fontsize=8, color=col)
-        ys.append(y)
-    if not ys:
+        if x is not None and y is not None:
+            pts.append((s, x, y))
+    if not pts:
         plt.close(fig)
         return
+    # an ablation far off (2356-bound: 3x f32's PPL) would squash every other point into one line:
+    # such points sit on the top edge, labelled with their value
+    cap = 1.6 * min(y for _, _, y in pts)
+    ys = []
+    for s, x, y in pts:
+        kind = "extra" if s.extra else s.kind
+        mk, col, name = styles[kind]
+        off = y > cap
+        name_ = s.label.replace("llama.cpp ", "")
+        if any(o == "calibrate" for o, _ in s.opts):     # the option text is in the table; the plot says what it is
+            name_ = s.name + " calibrated"
+        ax.scatter([x], [min(y, cap)], marker="^" if off else mk, color=col, s=55, label="_off" if off else name, zorder=3,
+                   facecolors="none" if off else col)
+        ax.annotate(name_ + (f" (PPL {y:.1f}, off scale)" if off else ""), (x, min(y, cap)), textcoords="offset points",
+                    xytext=(5, -11 if s.kind == "llamacpp" or off else 4), fontsize=8, color=col)
+        ys.append(min(y, cap))
     h, lb = ax.get_legend_handles_labels()
     uniq = dict(zip(lb, h))
     ax.legend(uniq.values(), uniq.keys(), loc="upper right")
