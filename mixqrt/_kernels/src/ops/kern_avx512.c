@@ -272,6 +272,13 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #ifndef LEAN_PF_HINT
 #define LEAN_PF_HINT _MM_HINT_T1   /* the decode kernels' software prefetch level (see MV_PF_HINT) */
 #endif
+/* short rows (a tile <= LEAN_SHORT_TILE): the whole 4-row tile tile_pf bytes ahead, in lines, where
+ * it lies inside the tensor */
+static inline __attribute__((always_inline)) void
+lean_tile_prefetch(const uint8_t *r, size_t tile, size_t tile_pf, const uint8_t *end) {
+    if (r + tile_pf + tile <= end)
+        for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
+}
 static inline __attribute__((always_inline)) __m512i q3_codes(const uint8_t *blk) {   /* q3u */
     const __m512i sh2 = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
     __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x((long long)rd64(blk + Q3_C0))),
@@ -339,8 +346,7 @@ mv_lean(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     int n = n0;
     for (; n + NRL <= n1; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
-        if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
+        if (!in_row) lean_tile_prefetch(r, tile, tile_pf, cx->end);
         __m512 acc[NRL];
         __m128 am[NRL];
         for (int i = 0; i < NRL; i++) { acc[i] = _mm512_setzero_ps(); am[i] = _mm_setzero_ps(); }
@@ -425,8 +431,7 @@ static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     int n = n0;
     for (; n + NRL <= nf; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
-        if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
+        if (!in_row) lean_tile_prefetch(r, tile, tile_pf, cx->end);
         __m512 acc = _mm512_setzero_ps();
         __m256 am = _mm256_setzero_ps();
         for (int p = 0; p < np; p++) {
@@ -522,8 +527,7 @@ static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     int n = n0;
     for (; n + NRL <= nf; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
-        if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
+        if (!in_row) lean_tile_prefetch(r, tile, tile_pf, cx->end);
         __m512 acc = _mm512_setzero_ps(), am = _mm512_setzero_ps();
         for (int p = 0; p < np; p++) {
             __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
@@ -583,8 +587,7 @@ static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     int n = n0;
     for (; n + NRL <= n1; n += NRL) {
         const uint8_t *r = j->w + (size_t)n * rb;
-        if (!in_row && r + tile_pf + tile <= cx->end)
-            for (size_t o = 0; o < tile; o += 64) _mm_prefetch((const char *)r + tile_pf + o, LEAN_PF_HINT);
+        if (!in_row) lean_tile_prefetch(r, tile, tile_pf, cx->end);
         __m512 acc = _mm512_setzero_ps();
         __m256 am = _mm256_setzero_ps();
         for (int p = 0; p < np; p++) {
