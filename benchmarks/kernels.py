@@ -32,14 +32,14 @@ from mixqrt.quant import layout  # noqa: E402
 
 SHAPES_05B = [(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)]
 SHAPES_7B = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944)]
-MV_FMTS = ["q3p", "q6", "q8", "q4", "q3u", "q2c", "f32", "f16", "bf16"]
+MV_FMTS = ["q3x", "q6x", "q4x", "q3p", "q6", "q8", "q4", "q3u", "q2c", "f32", "f16", "bf16"]
 FLOAT_FMTS = {"f32": 4, "f16": 2, "bf16": 2}
 LLC_BYTES = 64 << 20    # weights at least this large miss the LLC (32 MiB here): only they bound DRAM reads
 # mixqrt format -> llama.cpp's closest type (same bits per weight class)
 LCPP_CLOSEST = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8": "Q8_0", "q6": "Q6_K", "q4": "Q4_0",
-                "q3p": "Q3_K_S", "q3u": "Q3_K_S", "q2c": "Q2_K"}
+                "q3p": "Q3_K_S", "q3u": "Q3_K_S", "q2c": "Q2_K", "q6x": "Q6_K", "q4x": "Q4_0", "q3x": "Q3_K_S"}
 LCPP_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q2_K": 10, "Q3_K_S": 11, "Q6_K": 18, "BF16": 32}
-MM_FMTS = ["q3p", "q6", "q8"]
+MM_FMTS = ["q3x", "q6x", "q4x", "q3p", "q6", "q8"]
 THREADS = [1, 2]
 
 
@@ -58,6 +58,9 @@ def packed(fmt, n, k, rng):
         elif fmt == "bf16":
             v = (v.view(np.uint32) >> 16).astype(np.uint16)
         return W(fmt, (n, k), v.reshape(-1).view(np.uint8))
+    if fmt in layout.INTERLEAVED:   # the stored form of random base-format bytes (valid headers)
+        w = packed(layout.INTERLEAVED[fmt][0], n, k, rng)
+        return W(fmt, (n, k), layout.to_interleaved(fmt, w.raw, (n, k)))
     lay = layout.PACKED[fmt]
     raw = rng.integers(0, 256, size=lay.nbytes((n, k)), dtype=np.uint8)
     if lay.header:

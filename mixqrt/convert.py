@@ -103,7 +103,7 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
     from mixqrt.quant import layout, quantize
-    from mixqrt.quant.formats import bind_range
+    from mixqrt.quant.formats import bind_range, to_storage
     from mixqrt.quant.qtensor import QTensor
 
     from mixqrt.quant.formats import SEARCH_FORMATS
@@ -205,7 +205,7 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
             layer, _ = spec.split_layer(name)
             group = spec.group_of(name)
             if group is None:
-                w.add(name, qt, layer=layer)
+                w.add(name, to_storage(qt), layer=layer)
                 continue
             pending[name] = qt
             target, parts = group
@@ -213,10 +213,10 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
                 qts = [pending.pop(p) for p in parts]
                 fused = spec.fuse(qts)   # None (e.g. formats differ, or q5g): the parts stay separate
                 if fused is not None:
-                    w.add(target, fused, layer=layer)
+                    w.add(target, to_storage(fused), layer=layer)
                 else:
                     for p, q in zip(parts, qts):
-                        w.add(p, q, layer=layer)
+                        w.add(p, to_storage(q), layer=layer)
         if pending:
             raise ModelError(f"incomplete fused group: {sorted(pending)}")
     report.seconds = time.perf_counter() - t0

@@ -204,7 +204,7 @@ def _weight_args_uncached(w):
     lo = step = 0.0
     lv = None
     meta = getattr(w, "meta", None) or {}
-    if fmt == "q3p":
+    if fmt in ("q3p", "q3x"):
         lv = meta.get("q3p_levels")
         lv = _Q3P_DEFAULT if lv is None else _q3p_levels(lv)
     elif fmt == "q5g":
@@ -236,7 +236,7 @@ class _TileCache:
 
 
 _TILES = _TileCache()
-_N_PACKED = len(layout.PACKED)               # format ids below this are packed (the kernels' numbering)
+_N_PACKED = layout.NPACKED                    # format ids below this are packed (the kernels' numbering)
 _AVX512 = TIERS.index("avx512")              # the only tier whose GEMM reads tiles
 
 
@@ -295,9 +295,25 @@ def _gemm_tiles(w, fid, raw, n, k, lv, lo, step):
     return t
 
 
-def matmul(w, x, out=None):
+def _gap_prefetch_bytes() -> int:
+    v = os.environ.get("MIXQRT_GAP_PF", str(8 << 20))
+    try:
+        return max(0, int(v))
+    except ValueError:
+        raise KernelError(f"MIXQRT_GAP_PF={v!r} is not a byte count") from None
+
+
+# matmul(..., then=W2) on a single row (decode): the pool's workers read the first this-many bytes of
+# W2 while the caller does the work between the two products (docs/kernels.md, "Gap prefetch").
+# 0 turns it off; MIXQRT_GAP_PF sets it for a process.
+GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
+
+
+def matmul(w, x, out=None, then=None):
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
-    Runs on the pool (or this thread: local_threads)."""
+    Runs on the pool (or this thread: local_threads). then: the weight the caller multiplies next; for
+    a single row (decode) the pool's idle workers start reading it (GAP_PREFETCH_BYTES) once this
+    product is done."""
     if _ops is None:
         return ops_ref.matmul(w, x)
     fid, raw, n, k, lv, lo, step = _weight_args(w)
@@ -314,10 +330,14 @@ def matmul(w, x, out=None):
         y = out.reshape(1, n) if vec else out
     rot = _rot(w, k)                         # checks a rotation record before anything is built
     tiles = _gemm_tiles(w, fid, raw, n, k, lv, lo, step) if _TILES.budget and x2.shape[0] >= 2 else None
+    nxt = None
+    if then is not None and x2.shape[0] == 1 and GAP_PREFETCH_BYTES:
+        nxt = _weight_args(then)[1]
     if rot is None:
-        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles)
+        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, None, 0, 0.0, nxt, GAP_PREFETCH_BYTES)
     else:                                    # a rotated weight stores W R: the C call feeds it R^T x
-        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, rot[1], rot[0], rot[2])
+        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, rot[1], rot[0], rot[2], nxt,
+                    GAP_PREFETCH_BYTES)
     return y.reshape(n) if vec else y
 
 

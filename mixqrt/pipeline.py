@@ -55,7 +55,7 @@ class LoadedModel:
             if list(levels) != [int(v) for v in Q3P_LEVELS]:   # written with another table: decode with it
                 table = np.asarray(levels, dtype=np.uint8)
                 for qt in tensors.values():
-                    if qt.fmt == "q3p":
+                    if qt.fmt in ("q3p", "q3x"):
                         qt.meta = {**qt.meta, "q3p_levels": table}   # meta is read-only: a new mapping
         self.model = cls(cls.args_class.from_dict(meta.get("config")), tensors, generation_config=self.generation_config)
         if threads is not None:

@@ -22,6 +22,10 @@ def test_python_reads_the_header():
                 bits, group, header, block_bytes, trailer, pack)
             assert pack == (layout.PACK3C if name == "q3p" else bits)
             assert fid < _format.NPACKED
+        elif name in layout.INTERLEAVED:   # a storage form of another packed format: its block sizes
+            base = layout.PACKED[layout.INTERLEAVED[name][0]]
+            assert (base.bits, base.group, base.header, base.block_bytes, base.pack) == (bits, group, header, block_bytes, pack)
+            assert fid < _format.NPACKED and layout.INTERLEAVED[name][1] == _format.XROWS
         else:
             assert layout.PLAIN[name].itemsize == block_bytes and fid >= _format.NPACKED
     assert _quant.NFMT == len(table)

@@ -15,7 +15,7 @@ from mixqrt.cli import parse_rotate
 from mixqrt.convert import quantize_model
 from mixqrt.errors import FormatError, KernelError, QuantError
 from mixqrt.io.mxq import MxqFile, MxqWriter
-from mixqrt.quant import dequantize, quantize, rotation
+from mixqrt.quant import dequantize, layout, quantize, rotation
 from mixqrt.quant.gptq import Hessian, gptq_quantize
 
 from tinymodel import make_tiny_hf_model
@@ -133,7 +133,7 @@ def test_matmul_refuses_bad_rotation_arguments():
             _ops.matmul(fid, raw, n, k, x, y, lv, lo, step, 0, None, sg, b, 0.1)
     f32 = np.ones((4, 64), np.float32)
     with pytest.raises(ValueError, match="packed weight"):
-        _ops.matmul(7, f32.view(np.uint8).reshape(-1), 4, 64, x, y, None, 0.0, 0.0, 0, None, np.ones(64, np.float32), 32, 0.1)
+        _ops.matmul(layout.FMT_ID["f32"], f32.view(np.uint8).reshape(-1), 4, 64, x, y, None, 0.0, 0.0, 0, None, np.ones(64, np.float32), 32, 0.1)
 
 
 def test_rotated_matmul_above_the_kept_buffer_size():

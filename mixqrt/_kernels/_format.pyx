@@ -1,12 +1,13 @@
 """The format spec of src/common/mq_format.h as Python values: mixqrt.quant.layout reads format ids
 and block sizes from here, so C and Python cannot drift apart."""
-from mixqrt._kernels.format cimport MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P_NLEVELS, MQ_Q3P_LEVEL_MAX, MQ_PACK3C
+from mixqrt._kernels.format cimport MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P_NLEVELS, MQ_Q3P_LEVEL_MAX, MQ_PACK3C, MQ_XROWS
 
 CHUNK = MQ_CHUNK
 NPACKED = MQ_NPACKED
 Q3P_NLEVELS = MQ_Q3P_NLEVELS
 Q3P_LEVEL_MAX = MQ_Q3P_LEVEL_MAX
 PACK3C = MQ_PACK3C
+XROWS = MQ_XROWS
 
 
 def format_table():

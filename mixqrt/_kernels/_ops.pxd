@@ -4,6 +4,8 @@ from libc.stdint cimport int8_t, uint8_t, int64_t
 cdef extern from "mq_format.h" nogil:
     void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *levels,
                         float q5_lo, float q5_step)
+    void mq_dequant_row_at(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, float *out,
+                           const uint8_t *levels, float q5_lo, float q5_step)
 
 cdef extern from "mq_ops.h" nogil:
     ctypedef struct mq_act:
@@ -40,6 +42,8 @@ cdef extern from "mq_ops.h" nogil:
     void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align)
     void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads)
     void mq_pool_set_hot(int hot)
+    void mq_pool_prefetch(const uint8_t *p, size_t n, int parts)
+    void mq_pool_prefetch_wait()
     int mq_pool_get_hot()
     void *mq_scratch(size_t n)
     void *mq_call_buf(size_t n)

@@ -8,7 +8,7 @@ from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
 from mixqrt._kernels.format cimport (MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P, MQ_Q3P_NLEVELS,
-                                     MQ_Q3P_LEVEL_MAX, mq_row_bytes)
+                                     MQ_Q3P_LEVEL_MAX, MQ_Q3X, MQ_XROWS, mq_row_bytes, mq_x_base)
 
 cnp.import_array()
 
@@ -118,9 +118,16 @@ cdef size_t _row_geometry(int fmt, int K, mq_mm_job *j, str who) except 0:
     return <size_t>mq_row_bytes(fmt, K)
 
 
+cdef int _check_height(int fmt, int N, str who) except -1:
+    """q4x / q6x / q3x hold whole groups of MQ_XROWS rows (the kernels read a group at a time)."""
+    if 0 <= fmt < MQ_NFMT and mq_x_base(fmt) >= 0 and N % MQ_XROWS:
+        raise ValueError(f"{who}: a {MQ_FORMATS[fmt].name.decode()} weight has a multiple of {MQ_XROWS} rows, got {N}")
+    return 0
+
+
 cdef const uint8_t *_levels(int fmt, q3p_levels, str who) except? NULL:
     """The q3p level table (always passed by the caller: the table a tensor was quantized with)."""
-    if fmt != MQ_Q3P:
+    if fmt != MQ_Q3P and fmt != MQ_Q3X:
         return NULL
     if not isinstance(q3p_levels, bytes) or len(q3p_levels) != MQ_Q3P_NLEVELS:
         raise ValueError(f"{who}: q3p needs its {MQ_Q3P_NLEVELS}-byte level table, got {q3p_levels!r}")
@@ -144,6 +151,7 @@ def gemm_tiles(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray out, q3p_leve
     unpacked GEMM tiles; False (nothing written) where this CPU has no AVX-512 tier."""
     cdef mq_mm_job j
     cdef size_t row_bytes = _row_geometry(fmt, K, &j, "gemm_tiles")
+    _check_height(fmt, N, "gemm_tiles")
     if fmt >= MQ_NPACKED:
         raise ValueError("gemm_tiles: float weights have no tiles")
     if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous or <size_t>raw.shape[0] < <size_t>N * row_bytes:
@@ -171,8 +179,12 @@ cdef int _check_tiles(cnp.ndarray t, int fmt, int N, int K, str who) except -1:
 
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
            q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0, cnp.ndarray tiles=None,
-           rot_signs=None, int rot_block=0, float rot_scale=0.0):
+           rot_signs=None, int rot_block=0, float rot_scale=0.0, cnp.ndarray then=None, size_t then_bytes=0):
     """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
+
+    then: the raw bytes of the weight the caller multiplies next (decode): once this product is done,
+    the pool's workers read its first then_bytes in the background (prefetch), while the caller
+    does the work in between.
 
     x: float32 [T, K] C-contiguous; y: float32 [T, N] (rows may be strided, columns contiguous).
     raw: uint8 1-D with at least N * row_bytes bytes. Runs on the native pool without the GIL;
@@ -197,6 +209,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
         raise ValueError("matmul: raw must be a contiguous 1-D uint8 array")
     row_bytes = _row_geometry(fmt, K, &j, "matmul")
+    _check_height(fmt, N, "matmul")
     if <size_t>raw.shape[0] < <size_t>N * row_bytes:
         raise ValueError(f"matmul: raw holds {raw.shape[0]} bytes, [{N}, {K}] needs {N * row_bytes}")
     lv = _levels(fmt, q3p_levels, "matmul")
@@ -246,6 +259,8 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         else:
             mq_pool_run_n(_mm_task, &j, N, 16 if T == 1 else 64, threads)
     mq_call_buf_release(buf)
+    if then is not None and threads != 1:
+        prefetch(then, then_bytes, 0)
     return y
 
 
@@ -263,6 +278,7 @@ def dequant_rows(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray ids, cnp.nd
     if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
         raise ValueError("dequant_rows: raw must be a contiguous 1-D uint8 array")
     row_bytes = _row_geometry(fmt, K, &j, "dequant_rows")
+    _check_height(fmt, N, "dequant_rows")
     if <size_t>raw.shape[0] < <size_t>N * row_bytes:
         raise ValueError(f"dequant_rows: raw holds {raw.shape[0]} bytes, [{N}, {K}] needs {N * row_bytes}")
     lv = _levels(fmt, q3p_levels, "dequant_rows")
@@ -274,7 +290,7 @@ def dequant_rows(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray ids, cnp.nd
     cdef float *po = <float*>_ptr(out)
     with nogil:
         for i in range(n):
-            mq_dequant_row(fmt, pw + <size_t>pi[i] * row_bytes, K, po + <size_t>i * K, lv, q5_lo, q5_step)
+            mq_dequant_row_at(fmt, pw, pi[i], row_bytes, K, po + <size_t>i * K, lv, q5_lo, q5_step)
     return out
 
 
@@ -302,6 +318,34 @@ def set_hot(bint hot):
 
 def get_hot():
     return bool(mq_pool_get_hot())
+
+
+_pf_keep = None      # the array a gap prefetch reads: referenced until the next one (an mmap stays open)
+
+
+def prefetch(cnp.ndarray raw, size_t nbytes, int parts=0):
+    """Gap prefetch: the pool's workers read the first `nbytes` of `raw` (uint8, contiguous) in the
+    background, the starts of its `parts` equal slices first (0: one per pool thread, the split of
+    a decode product); the next pool job aborts it. Returns at once. A no-op with one thread."""
+    global _pf_keep
+    if parts <= 0:
+        parts = mq_pool_size()
+    if raw.dtype != np.uint8 or raw.ndim != 1 or not raw.flags.c_contiguous:
+        raise ValueError("prefetch: raw must be a contiguous 1-D uint8 array")
+    if nbytes > <size_t>raw.shape[0]:
+        nbytes = <size_t>raw.shape[0]
+    with nogil:
+        mq_pool_prefetch_wait()        # the previous one is done before its array is let go
+    _pf_keep = raw
+    mq_pool_prefetch(<const uint8_t*>_ptr(raw), nbytes, parts)
+
+
+def prefetch_wait():
+    """Stop a running gap prefetch and wait for it."""
+    global _pf_keep
+    with nogil:
+        mq_pool_prefetch_wait()
+    _pf_keep = None
 
 
 def pool_stop():

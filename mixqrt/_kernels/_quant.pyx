@@ -9,7 +9,7 @@ from libc.stdint cimport int64_t, uint8_t
 from mixqrt._kernels.format cimport mq_row_bytes
 
 from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
-from mixqrt._kernels.format cimport MQ_NFMT, MQ_Q5G, MQ_Q6, MQ_Q4, MQ_Q3U, MQ_Q3P, MQ_Q3P_NLEVELS
+from mixqrt._kernels.format cimport MQ_NFMT, MQ_XROWS, mq_x_base, MQ_Q5G, MQ_Q6, MQ_Q4, MQ_Q3U, MQ_Q3P, MQ_Q3P_NLEVELS
 from mixqrt.errors import KernelError
 
 cnp.import_array()
@@ -98,6 +98,8 @@ def dequantize_rows(int fmt, const uint8_t[::1] raw not None, int64_t k, ids, fl
     cdef int64_t nids
     if out.shape[1] != k:
         raise KernelError(f"output has {out.shape[1]} columns, tensor rows have {k}")
+    if mq_x_base(fmt) >= 0 and nrows % MQ_XROWS:
+        raise KernelError(f"a row-interleaved buffer holds whole groups of {MQ_XROWS} rows, this one {nrows} rows")
     if ids is None:
         nids = out.shape[0]
         if nids > nrows:

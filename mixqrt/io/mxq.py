@@ -34,9 +34,12 @@ MAGIC = b"MXQ\0"
 # 3: a tensor entry may carry "rot" (a rotated tensor, mixqrt.quant.rotation). Files without one are
 # still written as version 2, so older readers keep reading them; a version 2 reader refuses a
 # version 3 file by its version, never misreading its rotated rows.
+# 4: tensors may be stored q4x (q4's blocks with rows interleaved by 16, layout.py). Written only
+# when a file holds one; a version 3 reader refuses the file by its version.
 VERSION = 2
 VERSION_ROT = 3
-READABLE = (1, 2, 3)
+VERSION_X = 4
+READABLE = (1, 2, 3, 4)
 PREFIX = struct.Struct("<4sIQQQI28x")          # magic, version, hdr_off, hdr_len, file_size, hdr_crc32
 PREFIX_SIZE = PREFIX.size                      # 64
 MAX_HEADER = 64 << 20                          # bytes of JSON header; Qwen's tokenizer.json is ~7 MB
@@ -45,7 +48,7 @@ MAX_DIM = 1 << 40
 MAX_LAYER = 1 << 20
 MAX_NAME = 4096
 MAX_PAGE = 1 << 30
-FORMATS = frozenset(layout.PACKED) | frozenset(layout.PLAIN)
+FORMATS = frozenset(layout.PACKED) | frozenset(layout.PLAIN) | frozenset(layout.INTERLEAVED)
 BLOB_MIN = 1 << 16                             # top-level meta strings this long are stored as blobs
 _TOP_KEYS = frozenset({"format", "version", "alignment", "page", "meta", "blobs", "tensors", "spans"})
 _BLOB_KEYS = frozenset({"offset", "nbytes", "crc32"})
@@ -124,6 +127,8 @@ def _check_tensor(name, e, hoff: int, alignment: int, page: int, version: int = 
     fmt, shape, off, nb, lay = e["fmt"], e["shape"], e["offset"], e["nbytes"], e["layer"]
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise FormatError(f"{where}: unknown format {str(fmt)[:40]!r}; known: {', '.join(sorted(FORMATS))}")
+    if fmt in layout.INTERLEAVED and version < VERSION_X:
+        raise FormatError(f"{where}: format {fmt} needs .mxq version {VERSION_X}, the file says {version}")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_DIMS
             or not all(_isint(s) and 1 <= s <= MAX_DIM for s in shape)):
         raise FormatError(f"{where}: shape {str(shape)[:80]} must be 1..{MAX_DIMS} integers in [1, 2**40]")
@@ -131,6 +136,9 @@ def _check_tensor(name, e, hoff: int, alignment: int, page: int, version: int = 
         raise FormatError(f"{where}: layer {str(lay)[:40]} must be null or an integer in [0, {MAX_LAYER})")
     if not (_isint(off) and _isint(nb)):
         raise FormatError(f"{where}: offset and nbytes must be integers")
+    if fmt in layout.INTERLEAVED and (len(shape) != 2 or shape[0] % layout.INTERLEAVED[fmt][1]):
+        raise FormatError(f"{where}: a {fmt} tensor is [N, K] with N a multiple of {layout.INTERLEAVED[fmt][1]}, "
+                          f"not {tuple(shape)}")
     want = layout.expected_nbytes(fmt, shape)          # Python ints: no overflow, compared below
     if nb != want:
         raise FormatError(f"{where}: nbytes {nb} != {want}, the size of a {fmt} tensor of shape {tuple(shape)}")
@@ -482,7 +490,8 @@ class MxqWriter:
                 self._pos += len(b)
             self._pad_to(align_up(self._pos, self.page))
             hoff = self._pos
-            version = VERSION_ROT if any("rot" in t for t in self._tensors.values()) else VERSION
+            version = (VERSION_X if any(t["fmt"] in layout.INTERLEAVED for t in self._tensors.values())
+                       else VERSION_ROT if any("rot" in t for t in self._tensors.values()) else VERSION)
             header = {"format": "mxq", "version": version, "alignment": ALIGN, "page": self.page,
                       "meta": self._meta, "blobs": blobs, "tensors": self._tensors, "spans": self._spans}
             raw = json.dumps(header, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
@@ -541,10 +550,13 @@ class MxqWriter:
 
 
 def upgrade(src, dst) -> int:
-    """Rewrite a version 1 .mxq as version 2: q3p tensors get their codes repacked from the planar
-    packing (the one q3u keeps) to pack3c, everything else is copied unchanged. Returns the number of
-    tensors repacked. The output is written atomically like any .mxq."""
+    """Rewrite an older .mxq in the current storage forms, losslessly: q3p tensors of a version 1 file
+    get their codes repacked from the planar packing (the one q3u keeps) to pack3c, and q4 matrices
+    with a multiple of 16 rows are stored q4x (version 4: the same blocks, rows interleaved for the
+    decode kernels, layout.py); everything else is copied unchanged. Returns the number of tensors
+    repacked. The output is written atomically like any .mxq."""
     import numpy as np
+    from mixqrt.quant.formats import to_storage
     from mixqrt.quant.qtensor import QTensor
     n = 0
     with MxqFile(src, _old_q3p=True) as f:
@@ -556,5 +568,7 @@ def upgrade(src, dst) -> int:
                     parts = layout.disassemble("q3u", t.shape, qt.raw)   # same blocks, planar codes
                     qt = QTensor("q3p", t.shape, np.frombuffer(layout.assemble("q3p", t.shape, parts), np.uint8))
                     n += 1
-                w.add(name, qt, t.layer)
+                stored = to_storage(qt)
+                n += stored is not qt
+                w.add(name, stored, t.layer)
     return n

@@ -119,10 +119,12 @@ class Layer:
     down: object                    # [D, I]
 
 
-def _proj(ws: list, x: np.ndarray) -> np.ndarray:
+def _proj(ws: list, x: np.ndarray, then=None) -> np.ndarray:
+    """x @ [W1; W2; ...]^T; then: the weight multiplied next (ops.matmul's decode prefetch)."""
     if len(ws) == 1:
-        return ops.matmul(ws[0], x)
-    return np.concatenate([ops.matmul(w, x) for w in ws], axis=-1)   # only when formats differ
+        return ops.matmul(ws[0], x, then=then)
+    nxt = list(ws[1:]) + [then]                                           # only when formats differ
+    return np.concatenate([ops.matmul(w, x, then=t) for w, t in zip(ws, nxt)], axis=-1)
 
 
 def _hot_max_t() -> int:
@@ -372,7 +374,7 @@ class Model:
         """-> q [T, Hq, Dh], k [T, Hkv, Dh] (both rotated at positions [T]), v [T, Hkv, Dh]."""
         a, L, t = self.args, self.layers[li], x.shape[0]
         nq, nkv, hq, hkv, dh = self.n_q, self.n_kv, a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        qkv = _proj(L.qkv, ops.rmsnorm(x, L.input_norm, a.rms_norm_eps))      # [T, Nq+2Nkv]
+        qkv = _proj(L.qkv, ops.rmsnorm(x, L.input_norm, a.rms_norm_eps), L.o_proj)   # [T, Nq+2Nkv]
         if L.qkv_bias is not None:
             qkv += L.qkv_bias
         qk = ops.rope(qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), positions, a.rope_theta)  # q, k heads in one call
@@ -381,7 +383,7 @@ class Model:
     def attn_out(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
         """x += o_proj(att) (+ bias); att [T, Hq, Dh]."""
         L = self.layers[li]
-        x += ops.matmul(L.o_proj, att.reshape(x.shape[0], self.n_q))
+        x += ops.matmul(L.o_proj, att.reshape(x.shape[0], self.n_q), then=L.gate_up[0])
         if L.o_bias is not None:
             x += L.o_bias
 
@@ -399,17 +401,18 @@ class Model:
 
     def ffn_out(self, li: int, x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
         """x += down(silu(gate) * up)."""
-        x += ops.matmul(self.layers[li].down, ops.silu_mul(gate, up))
+        nxt = self.layers[li + 1].qkv[0] if li + 1 < len(self.layers) else self.lm_head
+        x += ops.matmul(self.layers[li].down, ops.silu_mul(gate, up), then=nxt)
 
     def ffn_stage(self, li: int, x: np.ndarray) -> None:
         """Stage B of layer li: norm, gate_up, silu, down, residual."""
         i = self.args.intermediate_size
-        gu = _proj(self.layers[li].gate_up, self.ffn_in(li, x))               # [T, 2I]
+        gu = _proj(self.layers[li].gate_up, self.ffn_in(li, x), self.layers[li].down)   # [T, 2I]
         self.ffn_out(li, x, gu[:, :i], gu[:, i:])
 
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final norm and lm_head: logits [T, V]."""
-        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps))
+        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps), then=self.layers[0].qkv[0])
 
     def logits(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] float32 of every position, from position 0 with a fresh cache."""

@@ -264,7 +264,12 @@ def row_slice(w, r0: int, r1: int):
         return w[r0:r1]
     from mixqrt.quant.qtensor import QTensor
     n, k = layout.rows_cols(w.shape)
-    rb = layout.expected_nbytes(w.fmt, (2, k)) - layout.expected_nbytes(w.fmt, (1, k))
+    fmt = w.fmt
+    if fmt in layout.INTERLEAVED:   # whole groups of rows only
+        fmt, g = layout.INTERLEAVED[fmt]
+        if r0 % g or r1 % g:
+            raise KernelError(f"row views of a {w.fmt} tensor start and end on multiples of {g}, not [{r0}, {r1})")
+    rb = layout.expected_nbytes(fmt, (2, k)) - layout.expected_nbytes(fmt, (1, k))
     if w.raw.size != n * rb:   # bytes for the whole tensor (q5g): no row views
         raise KernelError(f"cannot take row views of a {w.fmt} tensor")
     return QTensor(w.fmt, (r1 - r0, k), w.raw[r0 * rb:r1 * rb], dict(getattr(w, "meta", None) or {}))

@@ -400,6 +400,12 @@ def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool 
     rot: {"block": b, "seed": s} stores the rows rotated (mixqrt.quant.rotation; 2-D packed formats
     only, not with importance); dequantize undoes it and ops.matmul rotates the input to match.
     """
+    if fmt in layout.INTERLEAVED:   # q4x / q3x: quantized as q4 / q3p, stored row-interleaved
+        base = layout.INTERLEAVED[fmt][0]
+        shape = np.shape(w)
+        if layout.storage_format(base, shape) != fmt:
+            raise QuantError(f"{fmt} stores [N, K] tensors with N a multiple of {layout.XROWS}, not shape {shape}")
+        return to_storage(quantize(w, base, impl=impl, lo=lo, hi=hi, search=search, importance=importance, rot=rot))
     if rot is not None:
         return _quantize_rotated(w, fmt, rot, impl=impl, search=search, importance=importance)
     x = _as_f32(w, fmt)
@@ -434,6 +440,16 @@ def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool 
         _fast.quantize(_FAST_IDS[fmt], x2, raw, layout.Q3P_LEVELS,
                        float(lo) if lo is not None else 0.0, float(hi) if hi is not None else 0.0)
     return QTensor(fmt, shape, raw, meta)
+
+
+def to_storage(qt: QTensor) -> QTensor:
+    """qt in the form it is stored and run in (layout.storage_format): a q4 / q3p matrix with a
+    multiple of 16 rows becomes q4x / q3x (same values, rows interleaved for the decode kernels);
+    else qt itself."""
+    fmt = layout.storage_format(qt.fmt, qt.shape)
+    if fmt == qt.fmt:
+        return qt
+    return QTensor(fmt, qt.shape, layout.to_interleaved(fmt, qt.raw, qt.shape), dict(qt.meta or {}))
 
 
 def _quantize_rotated(w, fmt: str, rot, **kw) -> QTensor:
@@ -489,8 +505,8 @@ def dequantize_stored(qt: QTensor, *, impl: str = "fast") -> np.ndarray:
             return qt.raw.view("<f2").astype(np.float32).reshape(qt.shape)
         if qt.fmt == "bf16":
             return (qt.raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(qt.shape)
-        if qt.fmt == "q3p" and not np.array_equal(_levels(qt), layout.Q3P_LEVELS):
-            p = layout.disassemble("q3p", qt.shape, qt.raw)
+        if qt.fmt in ("q3p", "q3x") and not np.array_equal(_levels(qt), layout.Q3P_LEVELS):
+            p = layout.disassemble(qt.fmt, qt.shape, qt.raw)
             w = p.d.astype(F32)[..., None] * _levels(qt)[p.codes].astype(F32) + p.m.astype(F32)[..., None]
             return np.ascontiguousarray(w.reshape(qt.rows, -1)[:, : qt.cols]).reshape(qt.shape)
         return layout.dequantize_bytes(qt.fmt, qt.shape, qt.raw)

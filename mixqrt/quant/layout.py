@@ -29,6 +29,17 @@ multiply and one add, which is what every C tier does too):
   q5g  G=32  : no header; the tensor ends with 8 bytes (lo, hi) float32, and
                w = lo + q * ((hi - lo) / 31)                                   20 B/32 + 8 B
 
+Row-interleaved storage (mq_format.h has the byte maps). q4x is q4 (same blocks, same values, same
+size) with the rows interleaved in groups of XROWS = 16 for the decode kernels: rows [16g, 16g + 16),
+chunk c is 320 bytes at (g * nc + c) * 320: the 16 rows' d (fp16), their m (fp16), then for s < 4 and
+r < 16 the bytes 4s..4s+3 of row r's pack4 chunk. q6x is q6 the same way (d, then the pack4 words,
+then the pack2 words of the 16 rows: 416 bytes per chunk). q3x is q3p, per 64-weight block 448
+bytes: d, m of the 16 rows, then the codes' low 2 bits and their bit 2 in two bit planes laid out so
+that one shift, one bit select and one vpermb level lookup give 4 codes of each of the 16 rows.
+Such a tensor is 2-D with a multiple of 16 rows; ``storage_format`` says which q4 / q6 / q3p tensors
+are stored so (.mxq version 4), ``to_interleaved`` / ``from_interleaved`` convert the bytes. They are
+not quantization formats of their own: recipes name q4, q6 and q3p.
+
 Format ids and block sizes are defined once, in the C header src/common/mq_format.h (with
 static_asserts on every block size); this module reads them from the extension (``_format``), so C
 kernels, quantizers and Python cannot drift apart. The packing and dequantization code below is
@@ -87,14 +98,22 @@ class Layout:
 
 
 PACK3C = _format.PACK3C
+XROWS = _format.XROWS
+NPACKED = _format.NPACKED             # kernel format ids below this are packed (q4x included)
+# row-interleaved storage forms: name -> (the format whose blocks it holds, rows per group)
+INTERLEAVED = {"q4x": ("q4", XROWS), "q6x": ("q6", XROWS), "q3x": ("q3p", XROWS)}
+_XPERM = {"q4x": (2, 4), "q6x": (1, 6)}   # byte-permuted forms: 2-byte header fields, 4-byte code words per block
+_STORED_AS = {base: name for name, (base, _g) in INTERLEAVED.items()}
 _TABLE = _format.format_table()       # [(id, name, bits, group, header, block_bytes, trailer, pack)]
 FMT_ID = {name: fid for fid, name, *_ in _TABLE}      # the kernels' format ids (internal, never stored)
 PACKED = {name: Layout(name, bits, group, header, bits * CHUNK // 8, trailer, pack)
-          for fid, name, bits, group, header, _bb, trailer, pack in _TABLE if fid < _format.NPACKED}
+          for fid, name, bits, group, header, _bb, trailer, pack in _TABLE
+          if fid < _format.NPACKED and name not in INTERLEAVED}
 # plain formats: the numpy view of their values (bf16 as raw u16 bits)
 PLAIN = {name: np.dtype({"f32": "<f4", "f16": "<f2", "bf16": "<u2"}[name])
          for fid, name, *_ in _TABLE if fid >= _format.NPACKED}
 for _fid, _name, _bits, _g, _h, _bb, _tr, _pk in _TABLE:   # the header's block sizes are what we compute
+    _name = INTERLEAVED.get(_name, (_name,))[0]
     if (PACKED[_name].block_bytes if _name in PACKED else PLAIN[_name].itemsize) != _bb:
         raise ImportError(f"format {_name}: mq_format.h says {_bb} bytes per block, layout.py computes otherwise")
 
@@ -115,12 +134,109 @@ def rows_cols(shape) -> tuple[int, int]:
 
 def expected_nbytes(fmt: str, shape) -> int:
     """Exact packed size of a tensor of `shape` in `fmt` (the .mxq reader checks spans with this)."""
+    if fmt in INTERLEAVED:
+        base, g = INTERLEAVED[fmt]
+        if len(tuple(shape)) != 2 or int(shape[0]) % g:
+            raise QuantError(f"{fmt} stores [N, K] tensors with N a multiple of {g}, not shape {tuple(shape)}")
+        return PACKED[base].nbytes(shape)
     if fmt in PACKED:
         return PACKED[fmt].nbytes(shape)
     if fmt in PLAIN:
         n, k = rows_cols(shape)
         return n * k * PLAIN[fmt].itemsize
     raise QuantError(f"unknown format {fmt!r}")
+
+
+def storage_format(fmt: str, shape) -> str:
+    """The form a tensor quantized to `fmt` is stored in: q4 / q3p matrices with a multiple of XROWS
+    rows as q4x / q3x (the row-interleaved decode layouts), everything else as quantized."""
+    shape = tuple(shape)
+    if fmt in _STORED_AS and len(shape) == 2 and shape[0] % XROWS == 0:
+        return _STORED_AS[fmt]
+    return fmt
+
+
+def to_interleaved(fmt: str, data, shape) -> np.ndarray:
+    """Bytes of a q4 / q6 / q3p [N, K] tensor (N % 16 == 0) -> the same blocks stored as fmt (q4x /
+    q6x / q3x)."""
+    if fmt in _XPERM:
+        return _xperm(fmt, data, shape)
+    if fmt != "q3x":
+        raise QuantError(f"{fmt!r} is not a row-interleaved format")
+    b, n, k = _bytes_of(fmt, data, shape, "q3p")
+    p = disassemble("q3p", (n, k), b)
+    return _q3x_parts(p.codes, p.d, p.m, n, PACKED["q3p"].blocks_per_row(k))
+
+
+def from_interleaved(fmt: str, data, shape) -> np.ndarray:
+    """Inverse of to_interleaved: q4x / q6x / q3x bytes -> q4 / q6 / q3p bytes (uint8 array)."""
+    if fmt in _XPERM:
+        return _xperm(fmt, data, shape, inverse=True)
+    if fmt != "q3x":
+        raise QuantError(f"{fmt!r} is not a row-interleaved format")
+    b, n, k = _bytes_of(fmt, data, shape, fmt)
+    codes, d, m = _q3x_unparts(b, n, PACKED["q3p"].blocks_per_row(k))
+    return np.frombuffer(assemble("q3p", (n, k), Parts(codes=codes, d=d, m=m)), dtype=np.uint8)
+
+
+def _q3x_parts(codes, d, m, n, nb):
+    """q3p parts (codes [N, nb, 64], d, m [N, nb] fp16) -> q3x bytes."""
+    G = n // XROWS
+    c = codes.reshape(G, XROWS, nb, 4, 4, 4).astype(np.uint8)            # [g, r, b, f, z, j]
+    lo2, hi = c & 3, (c >> 2) & 1
+    lo = (lo2[:, :, :, 0] | (lo2[:, :, :, 1] << 2) | (lo2[:, :, :, 2] << 4) | (lo2[:, :, :, 3] << 6))  # [g, r, b, z, j]
+    lo = lo.transpose(0, 2, 3, 1, 4).reshape(G, nb, 256)
+    sh = np.arange(4, dtype=np.uint8)[:, None]                           # bit 4 (f & 1) + z
+    hy = [((hi[:, :, :, 2 * y] << sh) | (hi[:, :, :, 2 * y + 1] << (sh + 4))).astype(np.uint8).sum(axis=3, dtype=np.uint8)
+          for y in (0, 1)]                                               # [g, r, b, j] each
+    hi_b = np.stack(hy, axis=2).transpose(0, 3, 2, 1, 4).reshape(G, nb, 128)   # [g, b, y, r, j]
+    dd = np.ascontiguousarray(np.asarray(d, dtype="<f2").reshape(G, XROWS, nb).transpose(0, 2, 1)).view(np.uint8)
+    mm = np.ascontiguousarray(np.asarray(m, dtype="<f2").reshape(G, XROWS, nb).transpose(0, 2, 1)).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([dd, mm, lo, hi_b], axis=-1)).reshape(-1)
+
+
+def _q3x_unparts(b, n, nb):
+    """q3x bytes -> (codes [N, nb, 64], d, m [N, nb] fp16)."""
+    G = n // XROWS
+    g = b.reshape(G, nb, 448)
+    d = np.ascontiguousarray(g[..., 0:32]).view("<f2").reshape(G, nb, XROWS).transpose(0, 2, 1).reshape(n, nb)
+    m = np.ascontiguousarray(g[..., 32:64]).view("<f2").reshape(G, nb, XROWS).transpose(0, 2, 1).reshape(n, nb)
+    lo = g[..., 64:320].reshape(G, nb, 4, XROWS, 4)                      # [g, b, z, r, j]
+    hb = g[..., 320:448].reshape(G, nb, 2, XROWS, 4)                     # [g, b, y, r, j]
+    f = np.arange(4, dtype=np.uint8)
+    lo2 = (lo[:, :, None] >> (2 * f)[None, None, :, None, None, None]) & 3          # [g, b, f, z, r, j]
+    z = np.arange(4, dtype=np.uint8)
+    y, f2 = f >> 1, f & 1
+    hi = (hb[:, :, y][:, :, :, None] >> (4 * f2[:, None] + z[None, :])[None, None, :, :, None, None]) & 1   # [g, b, f, z, r, j]
+    codes = (lo2 | (hi << 2)).transpose(0, 4, 1, 2, 3, 5).reshape(n, nb, 64)
+    return codes.astype(np.uint8), d, m
+
+
+def _bytes_of(fmt, data, shape, label):
+    n, k = rows_cols(shape)
+    want = expected_nbytes(fmt, (n, k))
+    b = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
+    if b.size != want:
+        raise QuantError(f"{label} tensor of shape {(n, k)} needs {want} bytes, got {b.size}")
+    return b, n, k
+
+
+def _xperm(fmt, data, shape, inverse=False) -> np.ndarray:
+    """q4 <-> q4x, q6 <-> q6x: per row block, each 2-byte header field of the 16 rows of a group
+    becomes 32 contiguous bytes and each 4-byte code word 64 (mq_format.h)."""
+    base = INTERLEAVED[fmt][0]
+    b, n, k = _bytes_of(fmt, data, shape, fmt if inverse else base)
+    H, W = _XPERM[fmt]
+    nc, bb, G = PACKED[base].blocks_per_row(k), PACKED[base].block_bytes, n // XROWS
+    if not inverse:
+        blk = b.reshape(G, XROWS, nc, bb)                              # [g, r, c, byte]
+        hw = blk[..., :2 * H].reshape(G, XROWS, nc, H, 2).transpose(0, 2, 3, 1, 4).reshape(G, nc, 32 * H)
+        wd = blk[..., 2 * H:].reshape(G, XROWS, nc, W, 4).transpose(0, 2, 3, 1, 4).reshape(G, nc, 64 * W)
+        return np.ascontiguousarray(np.concatenate([hw, wd], axis=-1)).reshape(-1)
+    g = b.reshape(G, nc, XROWS * bb)
+    hw = g[..., :32 * H].reshape(G, nc, H, XROWS, 2).transpose(0, 3, 1, 2, 4).reshape(G, XROWS, nc, 2 * H)
+    wd = g[..., 32 * H:].reshape(G, nc, W, XROWS, 4).transpose(0, 3, 1, 2, 4).reshape(G, XROWS, nc, 4 * W)
+    return np.ascontiguousarray(np.concatenate([hw, wd], axis=-1)).reshape(-1)
 
 
 # ----------------------------------------------------------------------------- chunk packers
@@ -218,6 +334,8 @@ class Parts:
 
 def assemble(fmt: str, shape, parts: Parts) -> bytes:
     """Parts -> packed bytes, in the layout above."""
+    if fmt in INTERLEAVED:
+        return to_interleaved(fmt, assemble(INTERLEAVED[fmt][0], shape, parts), shape).tobytes()
     lay = PACKED[fmt]
     n, k = rows_cols(shape)
     nb = lay.blocks_per_row(k)
@@ -240,6 +358,8 @@ def assemble(fmt: str, shape, parts: Parts) -> bytes:
 
 def disassemble(fmt: str, shape, data) -> Parts:
     """Packed bytes -> Parts (inverse of assemble)."""
+    if fmt in INTERLEAVED:
+        return disassemble(INTERLEAVED[fmt][0], shape, from_interleaved(fmt, data, shape))
     lay = PACKED[fmt]
     n, k = rows_cols(shape)
     nb = lay.blocks_per_row(k)
@@ -268,9 +388,9 @@ def levels(fmt: str, parts: Parts) -> np.ndarray:
     c = parts.codes
     if fmt == "q8":
         return c.astype(np.int8).astype(np.float32)
-    if fmt == "q6":
+    if fmt in ("q6", "q6x"):
         return c.astype(np.float32) - np.float32(32)
-    if fmt == "q3p":
+    if fmt in ("q3p", "q3x"):
         return Q3P_LEVELS[c].astype(np.float32)
     if fmt == "q2c":
         return np.take_along_axis(parts.lut, c.astype(np.intp), axis=-1).astype(np.float32)

@@ -33,8 +33,9 @@ class QTensor:
     __slots__ = ("fmt", "shape", "raw", "_meta", "__weakref__")   # weakref: ops' GEMM tile cache
 
     def __init__(self, fmt: str, shape, raw: np.ndarray, meta: dict | None = None):
-        if fmt not in layout.PACKED and fmt not in layout.PLAIN:
-            raise QuantError(f"unknown format {fmt!r}; known: {', '.join(sorted((*layout.PACKED, *layout.PLAIN)))}")
+        if fmt not in layout.PACKED and fmt not in layout.PLAIN and fmt not in layout.INTERLEAVED:
+            raise QuantError(f"unknown format {fmt!r}; known: "
+                             f"{', '.join(sorted((*layout.PACKED, *layout.PLAIN, *layout.INTERLEAVED)))}")
         shape = tuple(int(s) for s in shape)
         want = layout.expected_nbytes(fmt, shape)
         raw = np.asarray(raw)

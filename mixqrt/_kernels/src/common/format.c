@@ -83,7 +83,7 @@ void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const ui
 #endif
     if (fmt == MQ_F16) { for (int64_t i = 0; i < k; i++) out[i] = mq_f16_to_f32(mq_get16(row + 2 * i)); return; }
     if (fmt == MQ_BF16) { for (int64_t i = 0; i < k; i++) out[i] = mq_bf16_to_f32(mq_get16(row + 2 * i)); return; }
-    if (!MQ_IS_PACKED(fmt)) return;
+    if (!MQ_IS_PACKED(fmt) || mq_x_base(fmt) >= 0) return;   /* q4x/q3x rows are not contiguous: mq_dequant_row_at */
     const mq_fmt_spec *f = &MQ_FORMATS[fmt];
     const int G = f->group, hd = f->header, cb = MQ_CHUNK_BYTES(f->bits), bb = f->block_bytes;
     uint8_t codes[MQ_Q2C_GROUP];
@@ -104,5 +104,84 @@ void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const ui
         int nl = fmt == MQ_Q3P ? MQ_Q3P_NLEVELS : 4;
         for (int j = 0; j < nl; j++) L[j] = d * (float)tab[j] + m;   /* same two roundings per level */
         for (int i = 0; i < nv; i++) o[i] = L[codes[i]];
+    }
+}
+
+/* q4x / q6x: per row block, 2-byte header fields then 4-byte code words; interleaved, field h of the
+ * 16 rows is 32 bytes at 32 h, word w 64 bytes at 32 H + 64 w */
+static void xperm_fields(int fmt, int *H, int *W) {
+    if (fmt == MQ_Q4X) { *H = 2; *W = 4; }
+    else { *H = 1; *W = 6; }
+}
+
+static void xperm_row(int fmt, const uint8_t *b, int r, uint8_t *o) {   /* one block of row r */
+    int H, W;
+    xperm_fields(fmt, &H, &W);
+    for (int h = 0; h < H; h++) memcpy(o + 2 * h, b + 32 * h + 2 * r, 2);
+    for (int w = 0; w < W; w++) memcpy(o + 2 * H + 4 * w, b + 32 * H + 64 * w + 4 * r, 4);
+}
+
+/* row r's 64 codes of a q3x block (mq_format.h) */
+static void q3x_codes(const uint8_t *b, int r, uint8_t *c) {
+    for (int i = 0; i < 16; i++) {
+        const int f = i >> 2, z = i & 3;
+        for (int j = 0; j < 4; j++) {
+            int lo = (b[MQ_Q3X_LO + 64 * z + 4 * r + j] >> (2 * f)) & 3;
+            int hi = (b[MQ_Q3X_HI + 64 * (i >> 3) + 4 * r + j] >> (i & 7)) & 1;
+            c[16 * f + 4 * z + j] = (uint8_t)(lo | hi << 2);
+        }
+    }
+}
+
+void mq_x_group_to_rows(int fmt, const uint8_t *grp, int64_t nb, uint8_t *out) {
+    if (fmt == MQ_Q4X || fmt == MQ_Q6X) {
+        const int bb = MQ_FORMATS[fmt].block_bytes;
+        for (int64_t c = 0; c < nb; c++)
+            for (int r = 0; r < MQ_XROWS; r++) xperm_row(fmt, grp + c * MQ_XROWS * bb, r, out + (r * nb + c) * bb);
+        return;
+    }
+    const int64_t rb = nb * MQ_Q3_BLOCK;
+    uint8_t c[64];
+    for (int64_t bi = 0; bi < nb; bi++) {
+        const uint8_t *b = grp + bi * MQ_Q3X_BLOCK;
+        for (int r = 0; r < MQ_XROWS; r++) {
+            uint8_t *o = out + r * rb + bi * MQ_Q3_BLOCK;
+            memcpy(o + MQ_HDR_D, b + 2 * r, 2);
+            memcpy(o + MQ_HDR_M, b + 32 + 2 * r, 2);
+            q3x_codes(b, r, c);
+            mq_pack_chunk(c, MQ_PACK3C, o + MQ_Q3_HEADER);
+            mq_pack_chunk(c + MQ_CHUNK, MQ_PACK3C, o + MQ_Q3_HEADER + MQ_CHUNK_BYTES(MQ_Q3_BITS));
+        }
+    }
+}
+
+void mq_dequant_row_at(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, float *out,
+                       const uint8_t *lv, float lo, float step) {
+    if (fmt == MQ_Q3X) {   /* one q3p block at a time, then the q3p dequantizer */
+        const int64_t nb = (k + MQ_Q3_GROUP - 1) / MQ_Q3_GROUP;
+        const uint8_t *g = w + (n / MQ_XROWS) * MQ_XROWS * row_bytes;
+        const int r = (int)(n % MQ_XROWS);
+        uint8_t blk[MQ_Q3_BLOCK], c[64];
+        for (int64_t bi = 0; bi < nb; bi++) {
+            const uint8_t *b = g + bi * MQ_Q3X_BLOCK;
+            memcpy(blk + MQ_HDR_D, b + 2 * r, 2);
+            memcpy(blk + MQ_HDR_M, b + 32 + 2 * r, 2);
+            q3x_codes(b, r, c);
+            mq_pack_chunk(c, MQ_PACK3C, blk + MQ_Q3_HEADER);
+            mq_pack_chunk(c + MQ_CHUNK, MQ_PACK3C, blk + MQ_Q3_HEADER + MQ_CHUNK_BYTES(MQ_Q3_BITS));
+            int64_t nv = k - bi * MQ_Q3_GROUP < MQ_Q3_GROUP ? k - bi * MQ_Q3_GROUP : MQ_Q3_GROUP;
+            mq_dequant_row(MQ_Q3P, blk, nv, out + bi * MQ_Q3_GROUP, lv, lo, step);
+        }
+        return;
+    }
+    if (fmt != MQ_Q4X && fmt != MQ_Q6X) { mq_dequant_row(fmt, w + n * row_bytes, k, out, lv, lo, step); return; }
+    const int base = mq_x_base(fmt), bb = MQ_FORMATS[fmt].block_bytes;
+    const int64_t nc = (k + MQ_CHUNK - 1) / MQ_CHUNK;
+    const uint8_t *g = w + (n / MQ_XROWS) * MQ_XROWS * row_bytes;
+    uint8_t blk[32];
+    for (int64_t c = 0; c < nc; c++) {   /* one block at a time, then the base format's dequantizer */
+        xperm_row(fmt, g + c * MQ_XROWS * bb, (int)(n % MQ_XROWS), blk);
+        int64_t nv = k - c * MQ_CHUNK < MQ_CHUNK ? k - c * MQ_CHUNK : MQ_CHUNK;
+        mq_dequant_row(base, blk, nv, out + c * MQ_CHUNK, lv, lo, step);
     }
 }

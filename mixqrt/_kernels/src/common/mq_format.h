@@ -16,9 +16,9 @@
 #include <string.h>
 
 enum mq_fmt {
-    MQ_Q8 = 0, MQ_Q6 = 1, MQ_Q4 = 2, MQ_Q3U = 3, MQ_Q3P = 4, MQ_Q2C = 5, MQ_Q5G = 6,
-    MQ_F32 = 7, MQ_F16 = 8, MQ_BF16 = 9,
-    MQ_NFMT = 10
+    MQ_Q8 = 0, MQ_Q6 = 1, MQ_Q4 = 2, MQ_Q3U = 3, MQ_Q3P = 4, MQ_Q2C = 5, MQ_Q5G = 6, MQ_Q4X = 7, MQ_Q3X = 8,
+    MQ_Q6X = 9, MQ_F32 = 10, MQ_F16 = 11, MQ_BF16 = 12,
+    MQ_NFMT = 13
 };
 #define MQ_NPACKED MQ_F32                       /* ids below are packed formats */
 #define MQ_IS_PACKED(f) ((unsigned)(f) < (unsigned)MQ_NPACKED)
@@ -42,6 +42,43 @@ enum mq_fmt {
 #define MQ_PACK3_HI 8
 #define MQ_PACK5_HI 16
 #define MQ_PACK6_HI 16
+
+/* ---------------------------------------------------------------- row-interleaved storage (q4x, q6x, q3x)
+ * q4x holds q4's blocks (same d, m and codes, same bytes per row) with the rows interleaved in groups
+ * of MQ_XROWS, for decode: a group is one contiguous stream, and one zmm load gives 4 code bytes of
+ * each of the 16 rows, the layout of a vpdpbusd with broadcast activations (no shuffles, no
+ * horizontal sums). Rows [16g, 16g + 16), chunk c (32 weights) is MQ_Q4X_CHUNK bytes at
+ * (g * nc + c) * MQ_Q4X_CHUNK:
+ *     [0, 32)    d of rows 0..15 (fp16)
+ *     [32, 64)   m of rows 0..15 (fp16)
+ *     [64, 320)  for s < 4, r < 16: bytes 4s..4s+3 of row r's pack4 chunk, at 64 + 64 s + 4 r
+ * so the low nibbles of word (s, r) are row r's codes 4s..4s+3 and the high nibbles 16+4s..19+4s.
+ * A q4x tensor has N % MQ_XROWS == 0 (mixqrt stores q4 tensors of other heights as q4).
+ *
+ * q6x is q6 the same way, MQ_Q6X_CHUNK bytes per chunk of 16 rows: [0, 32) d of the 16 rows (fp16),
+ * [32, 288) bytes 4s..4s+3 of row r's pack4 part at 32 + 64 s + 4 r (the low 4 bits, as q4x), then
+ * [288, 416) bytes 4y..4y+3 of its pack2 part at 288 + 64 y + 4 r: bits 2f..2f+1 of word (y, r) are
+ * the top 2 bits of codes 4 (2f + y) .. +3. q4x and q6x are byte permutations of q4 and q6: per row
+ * block, each 2-byte header field becomes 32 bytes (16 rows) and each 4-byte code word 64 bytes.
+ *
+ * q3x holds q3p's blocks (64 weights, d, m, codes into the level table) the same way, for a
+ * vpermb level lookup per 64 codes of 16 rows: block b of group g is MQ_Q3X_BLOCK bytes at
+ * (g * nb + b) * MQ_Q3X_BLOCK:
+ *     [0, 32) d, [32, 64) m of rows 0..15 (fp16)
+ *     [64, 320)   low 2 bits: byte 64 + 64 z + 4 r + j, bits 2f..2f+1 = code k = 16 f + 4 z + j of row r
+ *     [320, 448)  bit 2: byte 320 + 64 (i >> 3) + 4 r + j, bit (i & 7) = code k = 16 f + 4 z + j, i = 4 f + z
+ * Step i (k = 16 f + 4 z .. +3 of the 16 rows, f = i >> 2, z = i & 3) is then one shift of each
+ * plane, one bit select (low 2 bits from the first, bit 2 from the second) and a vpermb of a
+ * 64-byte table that repeats the 8 levels. */
+#define MQ_XROWS 16
+#define MQ_Q4X_CHUNK (MQ_XROWS * 20)
+#define MQ_Q4X_CODES 64
+#define MQ_Q6X_CHUNK (MQ_XROWS * 26)
+#define MQ_Q6X_LO 32
+#define MQ_Q6X_HI 288
+#define MQ_Q3X_BLOCK (MQ_XROWS * 28)
+#define MQ_Q3X_LO 64
+#define MQ_Q3X_HI 320
 
 /* ---------------------------------------------------------------- block headers */
 #define MQ_HDR_D 0                               /* fp16 d */
@@ -91,6 +128,9 @@ _Static_assert(MQ_Q4_BLOCK == 20, "q4 block: 4 + 16 bytes (5.0 bpw)");
 _Static_assert(MQ_Q3_BLOCK == 28, "q3u/q3p block: 4 + 2 x 12 bytes (3.5 bpw)");
 _Static_assert(MQ_Q2C_BLOCK == 40, "q2c block: 8 + 4 x 8 bytes (2.5 bpw)");
 _Static_assert(MQ_Q5G_BLOCK == 20, "q5g block: 20 bytes, no header");
+_Static_assert(MQ_Q4X_CHUNK == MQ_XROWS * MQ_Q4_BLOCK, "q4x: 16 q4 blocks per chunk group");
+_Static_assert(MQ_Q3X_BLOCK == MQ_XROWS * MQ_Q3_BLOCK && MQ_Q3X_HI + 128 == MQ_Q3X_BLOCK, "q3x: 16 q3p blocks per block group");
+_Static_assert(MQ_Q6X_CHUNK == MQ_XROWS * MQ_Q6_BLOCK && MQ_Q6X_HI + 128 == MQ_Q6X_CHUNK, "q6x: 16 q6 blocks per chunk group");
 _Static_assert(MQ_Q2C_LUT + 4 == MQ_Q2C_HEADER, "q2c header: d, m, lut[4]");
 _Static_assert(MQ_Q3P_NLEVELS == 1 << MQ_Q3_BITS, "one q3p level per 3-bit code");
 
@@ -114,6 +154,9 @@ static const mq_fmt_spec MQ_FORMATS[MQ_NFMT] = {
     [MQ_Q3P] = {"q3p", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C},
     [MQ_Q2C] = {"q2c", MQ_Q2C_BITS, MQ_Q2C_GROUP, MQ_Q2C_HEADER, MQ_Q2C_BLOCK, 0, 0, MQ_Q2C_BITS},
     [MQ_Q5G] = {"q5g", MQ_Q5G_BITS, MQ_Q5G_GROUP, MQ_Q5G_HEADER, MQ_Q5G_BLOCK, MQ_Q5G_TRAILER, 0, MQ_Q5G_BITS},
+    [MQ_Q4X] = {"q4x", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0, MQ_Q4_BITS},
+    [MQ_Q3X] = {"q3x", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C},
+    [MQ_Q6X] = {"q6x", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS},
     [MQ_F32] = {"f32", 32, 1, 0, 4, 0, 0},
     [MQ_F16] = {"f16", 16, 1, 0, 2, 0, 0},
     [MQ_BF16] = {"bf16", 16, 1, 0, 2, 0, 0},
@@ -181,6 +224,16 @@ void mq_unpack_chunk(const uint8_t *src, int pack, uint8_t *c);   /* inverse (q8
  * the decoded q5g trailer (step = (hi - lo) / 31). Uses the F16C tier for f16 where available. */
 void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *levels,
                     float q5_lo, float q5_step);
+
+/* Row n of a [N, k] tensor starting at w (row_bytes per row) -> out[k] float32: mq_dequant_row of the
+ * row, or for q4x / q3x the row gathered from its group first. */
+void mq_dequant_row_at(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, float *out,
+                       const uint8_t *levels, float q5_lo, float q5_step);
+/* An interleaved group (rows [16g, 16g + 16), at grp; nblk blocks per row) -> its 16 rows in the base
+ * format at out (nblk * block bytes each) */
+void mq_x_group_to_rows(int fmt, const uint8_t *grp, int64_t nblk, uint8_t *out);
+/* interleaved formats: the format whose rows they hold (MQ_Q4, MQ_Q6, MQ_Q3P), else -1 */
+static inline int mq_x_base(int fmt) { return fmt == MQ_Q4X ? MQ_Q4 : fmt == MQ_Q6X ? MQ_Q6 : fmt == MQ_Q3X ? MQ_Q3P : -1; }
 
 /* F16C tier (f16_avx2.c; compiled to nothing off x86, never selected there) */
 void mq_f32_to_f16_avx2(const float *x, uint8_t *out, int64_t n);

@@ -151,13 +151,48 @@ void mq_mm_rows_generic(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* q4x / q6x / q3x where a tier has no native path (AVX2, portable, or a row range that cuts a group):
+ * the groups are gathered into q4 / q6 / q3p rows in a per-thread buffer of their own (the kernels
+ * take mq_scratch), some at a time, and the tier's kernel of the base format runs on them. A block is ~32 KB for decode (stays in L1/L2)
+ * and ~1 MB, at least 64 rows, for T > 1 (a prefill re-lays out its activations per call). */
+static __thread uint8_t *tl_x = NULL;
+static __thread size_t tl_x_cap = 0;
+
+static void mm_rows_x_via_rows(const mq_mm_job *j, int n0, int n1, void (*tier)(const mq_mm_job *, int, int)) {
+    const size_t rb = j->row_bytes;
+    const size_t want = j->T == 1 ? (size_t)32 << 10 : (size_t)1 << 20;
+    int R = (int)(want / rb) / MQ_XROWS * MQ_XROWS;
+    if (R < (j->T == 1 ? MQ_XROWS : 64)) R = j->T == 1 ? MQ_XROWS : 64;
+    uint8_t *buf = (uint8_t *)grow(&tl_x, &tl_x_cap, (size_t)R * rb);
+    if (buf == NULL) {   /* out of memory: NaN, never a silent wrong product */
+        for (int t = 0; t < j->T; t++) for (int n = n0; n < n1; n++) j->y[(size_t)t * j->ldy + n] = NAN;
+        return;
+    }
+    mq_mm_job q = *j;
+    q.fmt = mq_x_base(j->fmt); q.tiles = NULL; q.w = buf;
+    for (int g0 = n0 / MQ_XROWS * MQ_XROWS; g0 < n1; g0 += R) {
+        int ng = n1 - g0 < R ? (n1 - g0 + MQ_XROWS - 1) / MQ_XROWS * MQ_XROWS : R;
+        for (int g = 0; g < ng; g += MQ_XROWS)
+            mq_x_group_to_rows(j->fmt, j->w + (size_t)(g0 + g) * rb, j->fmt == MQ_Q3X ? j->nc / 2 : j->nc, buf + (size_t)g * rb);
+        q.N = ng; q.y = j->y + g0;
+        int a = n0 > g0 ? n0 - g0 : 0, b = n1 - g0 < ng ? n1 - g0 : ng;
+        tier(&q, a, b);
+    }
+}
+
 void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
+    void (*tier)(const mq_mm_job *, int, int) = mq_mm_rows_generic;
 #if defined(__x86_64__)
     int isa = mq_isa_get();
-    if (isa >= MQ_ISA_AVX512) { mq_mm_rows_avx512(j, n0, n1); return; }
-    if (isa >= MQ_ISA_AVX2) { mq_mm_rows_avx2(j, n0, n1); return; }
+    if (isa >= MQ_ISA_AVX512) tier = mq_mm_rows_avx512;
+    else if (isa >= MQ_ISA_AVX2) tier = mq_mm_rows_avx2;
+    /* q4x / q6x / q3x on whole groups: native on AVX-512 (decode kernels, GEMM tiles straight from the
+     * groups); AVX2: native decode */
+    if (mq_x_base(j->fmt) >= 0 && n0 % MQ_XROWS == 0 && n1 % MQ_XROWS == 0
+        && (isa >= MQ_ISA_AVX512 || (isa >= MQ_ISA_AVX2 && j->T == 1))) { tier(j, n0, n1); return; }
 #endif
-    mq_mm_rows_generic(j, n0, n1);
+    if (mq_x_base(j->fmt) >= 0) { mm_rows_x_via_rows(j, n0, n1, tier); return; }
+    tier(j, n0, n1);
 }
 
 size_t mq_gemm_tile_stride(int nc) {

@@ -322,6 +322,111 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* ------------------------------------------------------------------ decode of the row-interleaved formats
+ * q4x / q6x / q3x (mq_format.h): a 64-byte word vector of a group is two ymm, rows 0-7 and 8-15; lanes
+ * are rows, so the u8 levels of 4 codes meet the broadcast activation bytes k..k+3 in one vpmaddubsw
+ * and the pairs are summed per row by vpmaddwd(ones) (int16 bounds: q4x sums 8 products of levels
+ * <= 15 before vpmaddwd, 8 x 2 x 15 x 127 = 30480; q6x 2 of levels <= 63, 32004; q3x one of levels
+ * <= 127, 32258). */
+static inline __m256i bc32(const uint32_t *x, int i) { return _mm256_set1_epi32((int)x[i]); }
+
+static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
+    const uint32_t *x32 = (const uint32_t *)j->a->q;
+    const float *dx = j->a->d, *sx = j->a->s;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
+            const uint32_t *xc = x32 + 8 * c;
+            for (int h = 0; h < 2; h++) {
+                __m256i i16 = _mm256_setzero_si256();
+                for (int s = 0; s < 4; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q4X_CODES + 64 * s + 32 * h));
+                    i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(_mm256_and_si256(v, m4), bc32(xc, s)));
+                    i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), bc32(xc, 4 + s)));
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16, ones)), _mm256_mul_ps(d, _mm256_set1_ps(dx[c])), acc[h]);
+                accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[c]), accm[h]);
+            }
+        }
+        _mm256_storeu_ps(j->y + g0, _mm256_add_ps(acc[0], accm[0]));
+        _mm256_storeu_ps(j->y + g0 + 8, _mm256_add_ps(acc[1], accm[1]));
+    }
+}
+
+static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
+    const uint32_t *x32 = (const uint32_t *)j->a->q;
+    const float *dx = j->a->d, *sx = j->a->s;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
+            const uint32_t *xc = x32 + 8 * c;
+            for (int h = 0; h < 2; h++) {
+                const __m256i hw[2] = {_mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 32 * h)),
+                                       _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 64 + 32 * h))};
+                __m256i i32 = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s += 2) {
+                    __m256i i16 = _mm256_setzero_si256();
+                    for (int t = s; t < s + 2; t++) {   /* levels lo4 | hi2 << 4 (mv_q6x of the AVX-512 tier) */
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_LO + 64 * (t & 3) + 32 * h));
+                        const __m256i lo = t < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        const __m256i hv = hw[t & 1];
+                        const int f = t >> 1;
+                        const __m256i hs = f == 0 ? _mm256_slli_epi16(hv, 4) : f == 1 ? _mm256_slli_epi16(hv, 2)
+                                         : f == 2 ? hv : _mm256_srli_epi16(hv, 2);
+                        i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(_mm256_or_si256(lo, _mm256_and_si256(hs, m30)), bc32(xc, t)));
+                    }
+                    i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(i16, ones));
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(d, _mm256_set1_ps(dx[c])), acc[h]);
+                accm[h] = _mm256_fmadd_ps(d, _mm256_set1_ps(-32.0f * sx[c]), accm[h]);
+            }
+        }
+        _mm256_storeu_ps(j->y + g0, _mm256_add_ps(acc[0], accm[0]));
+        _mm256_storeu_ps(j->y + g0 + 8, _mm256_add_ps(acc[1], accm[1]));
+    }
+}
+
+static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const uint32_t *x32 = (const uint32_t *)j->a->q;
+    const float *dx = j->a->d, *sx = j->a->s;
+    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
+    const int nb = j->nc / 2;
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+            const uint32_t *xc = x32 + 16 * bi;
+            for (int h = 0; h < 2; h++) {
+                __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
+                for (int i = 0; i < 16; i++) {   /* step i: codes 16f + 4z .. +3 (mq_format.h) */
+                    const int f = i >> 2, z = i & 3, p = i & 7;
+                    __m256i lo = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
+                    __m256i hi = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * (i >> 3) + 32 * h));
+                    lo = _mm256_and_si256(f ? _mm256_srli_epi16(lo, 2 * f) : lo, m3);
+                    hi = _mm256_and_si256(p > 2 ? _mm256_srli_epi16(hi, p - 2) : p < 2 ? _mm256_slli_epi16(hi, 2 - p) : hi, m4);
+                    const __m256i lv = _mm256_shuffle_epi8(cx->tab, _mm256_or_si256(lo, hi));
+                    const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(xc, i)), ones);
+                    if (i < 8) ia = _mm256_add_epi32(ia, pr); else ib = _mm256_add_epi32(ib, pr);
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(d, _mm256_set1_ps(dx[2 * bi])), acc[h]);
+                acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(d, _mm256_set1_ps(dx[2 * bi + 1])), acc[h]);
+                accm[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[2 * bi] + sx[2 * bi + 1]), accm[h]);
+            }
+        }
+        _mm256_storeu_ps(j->y + g0, _mm256_add_ps(acc[0], accm[0]));
+        _mm256_storeu_ps(j->y + g0 + 8, _mm256_add_ps(acc[1], accm[1]));
+    }
+}
+
 #define FMT_CASE(F) case F: if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); else mm_fmt(&cx, F, j, n0, n1); break;
 
 void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
@@ -337,5 +442,9 @@ void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
     switch (j->fmt) {
         FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
         FMT_CASE(MQ_Q5G)
+    /* interleaved formats: decode of whole groups only (mq_mm_rows sends the rest through the gathering path) */
+    case MQ_Q4X: mv_q4x(j, n0, n1); break;
+    case MQ_Q6X: mv_q6x(j, n0, n1); break;
+    case MQ_Q3X: mv_q3x(&cx, j, n0, n1); break;
     }
 }

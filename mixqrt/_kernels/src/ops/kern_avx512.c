@@ -619,6 +619,140 @@ static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     if (n < n1) mv_lean(cx, MQ_Q6, j, n, n1);
 }
 
+/* q4x decode (mq_format.h): a group of 16 rows is one contiguous stream; per chunk one 64-byte
+ * header load (d, m of the 16 rows) and 4 code loads, each giving 4 code bytes of every row. The
+ * low nibbles (v & 0x0f) meet the broadcast activations 4s..4s+3, the high nibbles, kept in place
+ * (v & 0xf0: 16x the code), meet 16+4s..19+4s in a second int32 sum that is shifted right by 4 once
+ * per chunk (exact: a multiple of 16). Lanes are rows: no shuffles, no horizontal sums, ~30
+ * instructions per 512 weights (mv_q4c: ~70). The hardware prefetcher follows the one stream per
+ * thread (a software prefetch measured slower, docs/kernels.md "Row-interleaved q4"). Rows
+ * [n0, n1) are whole groups (mq_mm_rows). */
+static long q4x_pf = -1, q3x_pf = -1;
+static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
+    if (q4x_pf < 0) { const char *e = getenv("MIXQRT_Q4X_PF"); q4x_pf = e ? atol(e) : 0; }
+    const size_t pfd = (size_t)q4x_pf;
+    const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
+    const uint32_t *x32 = (const uint32_t *)j->a->q;
+    const float *dx = j->a->d, *sx = j->a->s;
+    const int nc = j->nc;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+        for (int c = 0; c < nc; c++, b += MQ_Q4X_CHUNK) {
+            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T0);
+            const __m512i h = _mm512_loadu_si512((const void *)b);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            const uint32_t *xc = x32 + 8 * c;
+            __m512i il = _mm512_setzero_si512(), ih = _mm512_setzero_si512();
+            for (int s = 0; s < 4; s++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q4X_CODES + 64 * s));
+                il = _mm512_dpbusd_epi32(il, _mm512_and_si512(v, m4), _mm512_set1_epi32((int)xc[s]));
+                ih = _mm512_dpbusd_epi32(ih, _mm512_and_si512(v, m4h), _mm512_set1_epi32((int)xc[4 + s]));
+            }
+            const __m512i is = _mm512_add_epi32(il, _mm512_srai_epi32(ih, 4));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(dx[c])), acc);
+            accm = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[c]), accm);
+        }
+        _mm512_storeu_ps(j->y + g0, _mm512_add_ps(acc, accm));
+    }
+}
+
+/* q6x decode (mq_format.h): as mv_q4x for the low 4 bits (v & 0x0f: steps 0-3, v & 0xf0 = 16x the
+ * bits of steps 4-7); the top 2 bits of step s are field f = s >> 1 of word y = s & 1, taken in place
+ * (h & 3 << 2f = 4^f x the bits) into one int32 sum per f, scaled once per chunk; the level offset
+ * (-32) goes into the float offset term, as for q6. */
+static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
+    const uint32_t *x32 = (const uint32_t *)j->a->q;
+    const float *dx = j->a->d, *sx = j->a->s;
+    const int nc = j->nc;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
+    const __m512i mf[4] = {_mm512_set1_epi8(0x03), _mm512_set1_epi8(0x0c), _mm512_set1_epi8(0x30), _mm512_set1_epi8((char)0xc0)};
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+        for (int c = 0; c < nc; c++, b += MQ_Q6X_CHUNK) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+            const uint32_t *xc = x32 + 8 * c;
+            const __m512i z = _mm512_setzero_si512();
+            __m512i il = z, ih = z, h0 = z, h1 = z, h2 = z, h3 = z;
+            for (int s = 0; s < 4; s++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q6X_LO + 64 * s));
+                il = _mm512_dpbusd_epi32(il, _mm512_and_si512(v, m4), _mm512_set1_epi32((int)xc[s]));
+                ih = _mm512_dpbusd_epi32(ih, _mm512_and_si512(v, m4h), _mm512_set1_epi32((int)xc[4 + s]));
+            }
+            for (int y = 0; y < 2; y++) {
+                const __m512i h = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64 * y));
+                h0 = _mm512_dpbusd_epi32(h0, _mm512_and_si512(h, mf[0]), _mm512_set1_epi32((int)xc[y]));
+                h1 = _mm512_dpbusd_epi32(h1, _mm512_and_si512(h, mf[1]), _mm512_set1_epi32((int)xc[2 + y]));
+                h2 = _mm512_dpbusd_epi32(h2, _mm512_and_si512(h, mf[2]), _mm512_set1_epi32((int)xc[4 + y]));
+                h3 = _mm512_dpbusd_epi32(h3, _mm512_and_si512(h, mf[3]), _mm512_set1_epi32((int)xc[6 + y]));
+            }
+            /* sum (lo + 16 hi) x: lo parts exact / 16x; hi field f is 4^f x (multiples: exact shifts) */
+            __m512i is = _mm512_add_epi32(il, _mm512_srai_epi32(ih, 4));
+            is = _mm512_add_epi32(is, _mm512_add_epi32(_mm512_slli_epi32(h0, 4), _mm512_slli_epi32(h1, 2)));
+            is = _mm512_add_epi32(is, _mm512_add_epi32(h2, _mm512_srai_epi32(h3, 2)));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(d, _mm512_set1_ps(dx[c])), acc);
+            accm = _mm512_fmadd_ps(d, _mm512_set1_ps(-32.0f * sx[c]), accm);
+        }
+        _mm512_storeu_ps(j->y + g0, _mm512_add_ps(acc, accm));
+    }
+}
+
+/* q3x step i of a block (mq_format.h): the levels of codes k = 16 f + 4 z .. +3 of the 16 rows,
+ * f = i >> 2, z = i & 3: bits 0-1 from the low plane shifted by 2f, bit 2 from the high plane
+ * shifted so that its bit (i & 7) lands on bit 2, merged by one bit select (bits 3-7 of the index
+ * are don't-cares: tab64 repeats the 8 levels, vpermb reads bits 0-5) */
+static inline __attribute__((always_inline)) __m512i q3x_step(const uint8_t *b, const int i, __m512i tab64) {
+    const int f = i >> 2, z = i & 3, p = i & 7;
+    __m512i lo = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 64 * z));
+    __m512i hi = _mm512_loadu_si512((const void *)(b + MQ_Q3X_HI + 64 * (i >> 3)));
+    if (f) lo = _mm512_srli_epi16(lo, 2 * f);
+    if (p > 2) hi = _mm512_srli_epi16(hi, p - 2);
+    else if (p < 2) hi = _mm512_slli_epi16(hi, 2 - p);
+    /* C ? A : B with A = lo, B = hi, C = 0x03 per byte */
+    __m512i idx = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(3), 0xE4);
+    return _mm512_permutexvar_epi8(idx, tab64);
+}
+
+/* q3x decode: like mv_q4x, a group of 16 rows per step, lanes are rows. Per 64-weight block 16
+ * steps of (2 shifts, 1 bit select, 1 vpermb, 1 vpdpbusd with the broadcast activations k..k+3);
+ * steps 0-7 are the block's first activation chunk, 8-15 its second (two activation scales), then
+ * the block's d and m as in q3p. */
+static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const uint32_t *x32 = (const uint32_t *)j->a->q;
+    const float *dx = j->a->d, *sx = j->a->s;
+    const int nb = j->nc / 2;
+    const __m512i tab = cx->tab64;
+    if (q3x_pf < 0) { const char *e = getenv("MIXQRT_Q3X_PF"); q3x_pf = e ? atol(e) : 4096; }
+    const size_t pfd = (size_t)q3x_pf;
+    const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
+        for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+            if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
+                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T0);
+            const __m512i h = _mm512_loadu_si512((const void *)b);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            const uint32_t *xc = x32 + 16 * bi;
+            const __m512i z = _mm512_setzero_si512();
+            __m512i a0 = z, a1 = z, b0 = z, b1 = z;
+            for (int i = 0; i < 4; i++) {
+                a0 = _mm512_dpbusd_epi32(a0, q3x_step(b, i, tab), _mm512_set1_epi32((int)xc[i]));
+                a1 = _mm512_dpbusd_epi32(a1, q3x_step(b, 4 + i, tab), _mm512_set1_epi32((int)xc[4 + i]));
+                b0 = _mm512_dpbusd_epi32(b0, q3x_step(b, 8 + i, tab), _mm512_set1_epi32((int)xc[8 + i]));
+                b1 = _mm512_dpbusd_epi32(b1, q3x_step(b, 12 + i, tab), _mm512_set1_epi32((int)xc[12 + i]));
+            }
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(d, _mm512_set1_ps(dx[2 * bi])), acc);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), _mm512_mul_ps(d, _mm512_set1_ps(dx[2 * bi + 1])), acc);
+            accm = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[2 * bi] + sx[2 * bi + 1]), accm);
+        }
+        _mm512_storeu_ps(j->y + g0, _mm512_add_ps(acc, accm));
+    }
+}
+
 static float dot_ps(const float *w, const float *x, int K) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int k = 0;
@@ -829,6 +963,53 @@ gemm_unpack_pair(const ctx_t *cx, const int fmt, const uint8_t *w, size_t rb, in
     _mm512_store_ps((float *)b + 128, dB); _mm512_store_ps((float *)b + 144, mB);
 }
 
+/* Chunk c of a q4x group (grp: the group's first byte) into the tile chunk tb (CB u32): its code
+ * words already are the tile's k4 steps (low nibbles: steps 0-3, high nibbles: steps 4-7) */
+static inline __attribute__((always_inline)) void gemm_unpack_q4x(const uint8_t *grp, int c, uint32_t *tb) {
+    const uint8_t *b = grp + (size_t)c * MQ_Q4X_CHUNK;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int s = 0; s < 4; s++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q4X_CODES + 64 * s));
+        _mm512_store_si512((__m512i *)(tb + s * GR), _mm512_and_si512(v, m4));
+        _mm512_store_si512((__m512i *)(tb + (4 + s) * GR), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+    }
+    const __m512i h = _mm512_loadu_si512((const void *)b);
+    _mm512_store_ps((float *)tb + 128, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    _mm512_store_ps((float *)tb + 144, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+}
+
+/* Chunk c of a q6x group into the tile chunk tb: levels U = lo4 | hi2 << 4 per step */
+static inline __attribute__((always_inline)) void gemm_unpack_q6x(const uint8_t *grp, int c, uint32_t *tb) {
+    const uint8_t *b = grp + (size_t)c * MQ_Q6X_CHUNK;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64));
+    for (int s = 0; s < 8; s++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q6X_LO + 64 * (s & 3)));
+        const __m512i lo = s < 4 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const __m512i h = (s & 1) ? h1 : h0;
+        const int f = s >> 1;   /* field f at bits 2f..2f+1 -> bits 4-5 */
+        const __m512i hs = f == 0 ? _mm512_slli_epi16(h, 4) : f == 1 ? _mm512_slli_epi16(h, 2) : f == 2 ? h : _mm512_srli_epi16(h, 2);
+        _mm512_store_si512((__m512i *)(tb + s * GR), _mm512_ternarylogic_epi32(lo, hs, m30, 0xF8));   /* lo | (hs & 0x30) */
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+    _mm512_store_ps((float *)tb + 128, d);
+    _mm512_store_ps((float *)tb + 144, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)));
+}
+
+/* Block bi of a q3x group into tile chunks 2 bi and 2 bi + 1 (tb: the first; CB u32 each): step s of
+ * the first chunk is q3x step s, of the second q3x step 8 + s; both chunks take the block's d and m */
+static inline __attribute__((always_inline)) void gemm_unpack_q3x(const ctx_t *cx, const uint8_t *grp, int bi, uint32_t *tb) {
+    const uint8_t *b = grp + (size_t)bi * MQ_Q3X_BLOCK;
+    for (int s = 0; s < 8; s++) {
+        _mm512_store_si512((__m512i *)(tb + s * GR), q3x_step(b, s, cx->tab64));
+        _mm512_store_si512((__m512i *)(tb + CB + s * GR), q3x_step(b, 8 + s, cx->tab64));
+    }
+    const __m512i h = _mm512_loadu_si512((const void *)b);
+    const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    _mm512_store_ps((float *)tb + 128, d); _mm512_store_ps((float *)tb + 144, m);
+    _mm512_store_ps((float *)(tb + CB) + 128, d); _mm512_store_ps((float *)(tb + CB) + 144, m);
+}
+
 static inline __attribute__((always_inline)) void
 gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, const int gt) {
     const mq_act *a = j->a;
@@ -877,6 +1058,12 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
             const uint32_t *tl = tileb;
             if (cached)     /* the tensor's cached tiles: no unpack (the same bytes as below) */
                 tl = (const uint32_t *)tb + (size_t)c0 * CB;
+            else if (fmt == MQ_Q4X)
+                for (int c = c0; c < c0 + nch; c++) gemm_unpack_q4x(j->w + (size_t)nt * j->row_bytes, c, tileb + (size_t)(c - c0) * CB);
+            else if (fmt == MQ_Q6X)
+                for (int c = c0; c < c0 + nch; c++) gemm_unpack_q6x(j->w + (size_t)nt * j->row_bytes, c, tileb + (size_t)(c - c0) * CB);
+            else if (fmt == MQ_Q3X)   /* GKS is even: K slices start on whole blocks */
+                for (int c = c0; c < c0 + nch; c += 2) gemm_unpack_q3x(cx, j->w + (size_t)nt * j->row_bytes, c / 2, tileb + (size_t)(c - c0) * CB);
             else
                 for (int p = c0 / 2; 2 * p < c0 + nch; p++)
                     gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0, tileb);
@@ -1044,6 +1231,20 @@ tiles_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, uint8_t *out, int 
     for (int nt = n0; nt < n1; nt += GR) {
         uint32_t *tb = (uint32_t *)(out + (size_t)(nt / GR) * stride);
         int nr = n1 - nt < GR ? n1 - nt : GR;
+        if (fmt == MQ_Q4X) {   /* whole groups; an odd chunk count's last tile chunk stays as for q4: zeros */
+            for (int c = 0; c < j->nc; c++) gemm_unpack_q4x(j->w + (size_t)nt * j->row_bytes, c, tb + (size_t)c * CB);
+            if (j->nc & 1) memset(tb + (size_t)j->nc * CB, 0, CB * 4);
+            continue;
+        }
+        if (fmt == MQ_Q3X) {
+            for (int c = 0; c < j->nc; c += 2) gemm_unpack_q3x(cx, j->w + (size_t)nt * j->row_bytes, c / 2, tb + (size_t)c * CB);
+            continue;
+        }
+        if (fmt == MQ_Q6X) {
+            for (int c = 0; c < j->nc; c++) gemm_unpack_q6x(j->w + (size_t)nt * j->row_bytes, c, tb + (size_t)c * CB);
+            if (j->nc & 1) memset(tb + (size_t)j->nc * CB, 0, CB * 4);
+            continue;
+        }
         for (int p = 0; 2 * p < j->nc; p++)
             gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p, tb);
     }
@@ -1061,6 +1262,9 @@ int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1)
     case MQ_Q3P: tiles_fmt(&cx, MQ_Q3P, j, out, n0, n1); break;
     case MQ_Q2C: tiles_fmt(&cx, MQ_Q2C, j, out, n0, n1); break;
     case MQ_Q5G: tiles_fmt(&cx, MQ_Q5G, j, out, n0, n1); break;
+    case MQ_Q4X: if (n1 % MQ_XROWS) return -1; tiles_fmt(&cx, MQ_Q4X, j, out, n0, n1); break;
+    case MQ_Q3X: if (n1 % MQ_XROWS) return -1; tiles_fmt(&cx, MQ_Q3X, j, out, n0, n1); break;
+    case MQ_Q6X: if (n1 % MQ_XROWS) return -1; tiles_fmt(&cx, MQ_Q6X, j, out, n0, n1); break;
     default: return -1;
     }
     return 0;
@@ -1074,5 +1278,23 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     switch (j->fmt) {
         FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
         FMT_CASE(MQ_Q5G)
+    case MQ_Q4X:   /* whole groups only (mq_mm_rows): decode kernel, else the GEMM (mm_fmt reads rows) */
+        if (j->T == 1) mv_q4x(j, n0, n1);
+        else if (j->T <= 2) gemm_fmt(&cx, MQ_Q4X, j, n0, n1, 2);
+        else if (j->T <= 4) gemm_fmt(&cx, MQ_Q4X, j, n0, n1, 4);
+        else gemm_fmt(&cx, MQ_Q4X, j, n0, n1, GTT);
+        break;
+    case MQ_Q6X:
+        if (j->T == 1) mv_q6x(j, n0, n1);
+        else if (j->T <= 2) gemm_fmt(&cx, MQ_Q6X, j, n0, n1, 2);
+        else if (j->T <= 4) gemm_fmt(&cx, MQ_Q6X, j, n0, n1, 4);
+        else gemm_fmt(&cx, MQ_Q6X, j, n0, n1, GTT);
+        break;
+    case MQ_Q3X:
+        if (j->T == 1) mv_q3x(&cx, j, n0, n1);
+        else if (j->T <= 2) gemm_fmt(&cx, MQ_Q3X, j, n0, n1, 2);
+        else if (j->T <= 4) gemm_fmt(&cx, MQ_Q3X, j, n0, n1, 4);
+        else gemm_fmt(&cx, MQ_Q3X, j, n0, n1, GTT);
+        break;
     }
 }

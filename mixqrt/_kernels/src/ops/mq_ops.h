@@ -88,6 +88,12 @@ void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align);
 /* Same with at most `nthreads` parts (<= 0: the whole pool; 1: inline on the caller, pool untouched).
  * If another thread is using the pool the job runs inline on the calling thread. */
 void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads);
+/* Gap prefetch: the workers (not the caller) read bytes [p, p + n) in the background, the starts of
+ * its `parts` equal slices first (the row split of the product that will read it); the next job,
+ * mq_pool_prefetch_wait or stop aborts it and waits. A no-op with one thread or a busy pool. The
+ * caller keeps the memory mapped until then. */
+void mq_pool_prefetch(const uint8_t *p, size_t n, int parts);
+void mq_pool_prefetch_wait(void);
 /* hot != 0: idle workers (and a waiting caller) spin without sleeping until set back to 0 */
 void mq_pool_set_hot(int hot);
 int mq_pool_get_hot(void);

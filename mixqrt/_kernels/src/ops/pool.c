@@ -2,7 +2,13 @@
  * spins for MIXQRT_SPIN_US (default 100 us) and then sleeps on a futex, so an idle pool costs no CPU;
  * in hot mode (mq_pool_set_hot, ops.hot) workers never sleep: no futex wake-up per job while a model
  * decodes. The caller thread is part 0 of every job. One job at a time: a caller that finds the pool
- * busy (another Python thread) runs its job inline. */
+ * busy (another Python thread) runs its job inline.
+ *
+ * Gap prefetch (mq_pool_prefetch): an asynchronous job for the workers only. They read a byte range
+ * (the weights of the next product) into their caches while the caller returns to the work between
+ * two products (norms, attention, Python), which leaves the memory bus idle otherwise; the next
+ * job (or stop) aborts it within a few KB and waits for it. Zen's L3 is filled by L2 evictions,
+ * so what a worker reads is an L3 hit for the caller's core too. */
 #define _GNU_SOURCE
 #include <limits.h>
 #include <linux/futex.h>
@@ -34,6 +40,12 @@ static struct {
     _Atomic int hot;            /* spin without sleeping while set (ops.hot) */
     long spin_ns;
     uint32_t start_gen;
+    _Atomic int async;          /* a gap prefetch was posted and may still run */
+    _Atomic int pf_abort;       /* set to stop it */
+    _Atomic int pf_ticket;      /* workers take their slice of it in turn */
+    const uint8_t *pf_p;
+    size_t pf_n;
+    int pf_parts;               /* the compute split it mirrors: slices interleave the parts' starts */
 } P = {.n = 1, .nparts = 1};
 
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;  /* one job at a time */
@@ -91,7 +103,81 @@ static void *worker(void *argp) {
     }
 }
 
+/* wait until every worker has finished the posted job (spin, then sleep on the futex) */
+static void wait_pending(void) {
+    long t0 = 0;
+    int it = 0;
+    uint32_t p;
+    while ((p = atomic_load_explicit(&P.pending, memory_order_acquire)) != 0) {
+        relax();
+        if ((++it & 255) == 0) {
+            long t = now_ns();
+            if (!t0) t0 = t;
+            else if (t - t0 > P.spin_ns && !atomic_load_explicit(&P.hot, memory_order_relaxed)) {
+                atomic_store(&P.caller_sleeps, 1);
+                if ((p = atomic_load(&P.pending)) != 0) fwait(&P.pending, p);
+                atomic_store(&P.caller_sleeps, 0);
+            }
+        }
+    }
+}
+
+/* stop a running gap prefetch and wait for it (run_lock held) */
+static void finish_async(void) {
+    if (!atomic_load(&P.async)) return;
+    atomic_store(&P.pf_abort, 1);
+    wait_pending();
+    atomic_store(&P.async, 0);
+}
+
+/* the gap prefetch task: worker w of the n - 1 workers reads every (n-1)-th 4 KB piece of each of the
+ * pf_parts slices, slice starts first (each compute thread's first rows are the ones it needs
+ * first); one load per line, so the hardware prefetcher follows, checking for an abort per piece */
+#define PF_PIECE 4096
+static void pf_task(void *arg, int64_t i0, int64_t i1) {
+    (void)arg; (void)i0; (void)i1;
+    const int nw = P.n - 1, w = atomic_fetch_add(&P.pf_ticket, 1) % (nw > 0 ? nw : 1);
+    const size_t slice = P.pf_n / (size_t)P.pf_parts;
+    const uint8_t *p = P.pf_p;
+    uint64_t acc = 0;
+    size_t piece = (size_t)w;
+    for (size_t off = (size_t)w * PF_PIECE; off < slice; off += (size_t)nw * PF_PIECE, piece += (size_t)nw) {
+        for (int q = 0; q < P.pf_parts; q++) {
+            if (atomic_load_explicit(&P.pf_abort, memory_order_relaxed)) goto done;
+            const volatile uint8_t *b = (const volatile uint8_t *)(p + (size_t)q * slice + off);
+            size_t e = slice - off < PF_PIECE ? slice - off : PF_PIECE;
+            for (size_t o = 0; o < e; o += 64) acc += b[o];
+        }
+    }
+done:
+    (void)piece;
+    __asm__ volatile("" : : "r"(acc));
+}
+
+void mq_pool_prefetch(const uint8_t *p, size_t n, int parts) {
+    if (P.n <= 1 || n == 0 || pthread_mutex_trylock(&run_lock) != 0) return;
+    finish_async();
+    if (parts < 1) parts = 1;
+    if (parts > P.n) parts = P.n;
+    P.pf_p = p; P.pf_n = n; P.pf_parts = parts;
+    atomic_store(&P.pf_abort, 0);
+    atomic_store(&P.pf_ticket, 0);
+    P.fn = pf_task; P.arg = NULL; P.total = P.n; P.align = 1; P.nparts = P.n;
+    atomic_store(&P.async, 1);
+    atomic_store(&P.pending, (uint32_t)(P.n - 1));
+    atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
+    if (atomic_load(&P.sleepers) > 0) fwake(&P.gen);
+    pthread_mutex_unlock(&run_lock);
+}
+
+void mq_pool_prefetch_wait(void) {
+    pthread_mutex_lock(&run_lock);
+    finish_async();
+    pthread_mutex_unlock(&run_lock);
+}
+
 static void pool_stop_unlocked(void) {
+    finish_async();
     if (P.n <= 1) { P.n = 1; return; }
     atomic_store(&P.stop, 1);
     atomic_fetch_add(&P.gen, 1);
@@ -140,6 +226,7 @@ void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthre
     int64_t units = (n + align - 1) / align;
     if (np > units) np = (int)units;
     if (np <= 1 || pthread_mutex_trylock(&run_lock) != 0) { if (n > 0) fn(arg, 0, n); return; }
+    finish_async();
     if (P.n <= 1) { pthread_mutex_unlock(&run_lock); if (n > 0) fn(arg, 0, n); return; }
     P.fn = fn; P.arg = arg; P.total = n; P.align = align; P.nparts = np;
     atomic_store(&P.pending, (uint32_t)(P.n - 1));
@@ -148,20 +235,6 @@ void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthre
     int64_t i0, i1;
     part_range(0, np, &i0, &i1);
     if (i1 > i0) fn(arg, i0, i1);
-    long t0 = 0;
-    int it = 0;
-    uint32_t p;
-    while ((p = atomic_load_explicit(&P.pending, memory_order_acquire)) != 0) {
-        relax();
-        if ((++it & 255) == 0) {
-            long t = now_ns();
-            if (!t0) t0 = t;
-            else if (t - t0 > P.spin_ns && !atomic_load_explicit(&P.hot, memory_order_relaxed)) {
-                atomic_store(&P.caller_sleeps, 1);
-                if ((p = atomic_load(&P.pending)) != 0) fwait(&P.pending, p);
-                atomic_store(&P.caller_sleeps, 0);
-            }
-        }
-    }
+    wait_pending();
     pthread_mutex_unlock(&run_lock);
 }

@@ -73,7 +73,7 @@ static inline uint16_t f32_to_bf16(float f) {
 
 int mq_quantize(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, const uint8_t *lv,
                 float lo, float hi) {
-    if (fmt < 0 || fmt >= MQ_NFMT) return -1;
+    if (fmt < 0 || fmt >= MQ_NFMT || mq_x_base(fmt) >= 0) return -1;   /* q4x/q3x: q4/q3p, then interleaved (layout.py) */
     if (fmt == MQ_F32) { memcpy(out, x, (size_t)(n * k) * 4); return 0; }
 #if defined(__x86_64__) || defined(__i386__)
     if (fmt == MQ_F16 && mq_isa_get() >= MQ_ISA_AVX2) { mq_f32_to_f16_avx2(x, out, n * k); return 0; }
@@ -117,7 +117,7 @@ int mq_dequantize_rows(int fmt, const uint8_t *raw, int64_t k, const int64_t *id
     const float step = (hi - lo) / 31.0f;
     for (int64_t i = 0; i < nids; i++) {
         int64_t r = ids ? ids[i] : i;
-        mq_dequant_row(fmt, raw + r * rb, k, out + i * k, lv, lo, step);
+        mq_dequant_row_at(fmt, raw, r, rb, k, out + i * k, lv, lo, step);
     }
     return 0;
 }
