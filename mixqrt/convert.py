@@ -212,8 +212,9 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
             if all(p in pending for p in parts):
                 qts = [pending.pop(p) for p in parts]
                 fused = spec.fuse(qts)   # None (e.g. formats differ, or q5g): the parts stay separate
-                if fused is not None:
-                    w.add(target, to_storage(fused), layer=layer)
+                if fused is not None:   # interleaved only if every part is whole groups (row_slice)
+                    whole = all(layout.storage_format(q.fmt, q.shape) != q.fmt for q in qts)
+                    w.add(target, to_storage(fused) if whole else fused, layer=layer)
                 else:
                     for p, q in zip(parts, qts):
                         w.add(p, to_storage(q), layer=layer)

@@ -309,6 +309,12 @@ def _gap_prefetch_bytes() -> int:
 GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
 
 
+def prefetch_wait() -> None:
+    """Stop a running gap prefetch (matmul's then=) and drop its reference to the weight it reads."""
+    if _ops is not None:
+        _ops.prefetch_wait()
+
+
 def matmul(w, x, out=None, then=None):
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
     Runs on the pool (or this thread: local_threads). then: the weight the caller multiplies next; for

@@ -92,6 +92,8 @@ class LoadedModel:
         return self.model.logits(token_ids)
 
     def close(self) -> None:
+        from mixqrt import ops
+        ops.prefetch_wait()          # a gap prefetch may still hold a view of this file's mapping
         self.file.close()
 
 

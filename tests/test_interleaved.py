@@ -262,3 +262,27 @@ def test_q3x_keeps_its_level_table():
     x = rng.standard_normal((1, 256)).astype(np.float32)
     np.testing.assert_allclose(ops.matmul(qx, x), ops.matmul(q, x), rtol=1e-5, atol=1e-5)
     assert not np.allclose(q.dequantize(), QTensor("q3p", q.shape, q.raw).dequantize())
+
+
+def test_quantize_model_stores_interleaved_and_keeps_fused_parts_sliceable(tmp_path, monkeypatch):
+    """quantize_model writes q4 / q6 / q3p matrices interleaved (version 4); a fused gate_up whose
+    parts are not whole groups (intermediate 24: 2 x 24 = 48 rows) stays in rows, so the scheduler's
+    row_slice of its gate and up halves still works."""
+    import tinymodel
+    from mixqrt.convert import quantize_model
+    from mixqrt.io.mxq import MxqFile
+    monkeypatch.setattr(tinymodel, "INTER", 24)
+    src = tinymodel.make_tiny_hf_model(tmp_path / "hf", dtype="f32")
+    out = tmp_path / "m.mxq"
+    quantize_model(str(src), "q4", str(out), progress=False, offline=True)
+    with MxqFile(out) as f:
+        fmts = {n: t.fmt for n, t in f.info.items()}
+        assert int.from_bytes(out.read_bytes()[4:8], "little") == mxq.VERSION_X
+    gu = fmts["model.layers.0.mlp.gate_up_proj.weight"]
+    assert gu == "q4"                                                # 24-row parts: rows
+    assert fmts["model.layers.0.self_attn.o_proj.weight"] == "q4x"   # 64 rows
+    assert fmts["model.layers.0.mlp.down_proj.weight"] == "q4x"
+    import mixqrt
+    m = mixqrt.load(str(out)).model
+    g, u = row_slice(m.layers[0].gate_up[0], 0, 24), row_slice(m.layers[0].gate_up[0], 24, 48)
+    assert g.shape == (24, 64) and u.shape == (24, 64)

@@ -100,3 +100,32 @@ def test_cli_dims(sc, tiny_tok, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     with open_source(tmp_path / "c") as src:
         assert src.tensor_info("lm_head.weight") == ((512, 32), "BF16")
+
+
+def test_synthetic_mxq_has_the_recipe_bytes(tmp_path):
+    """benchmarks/synthetic_mxq.py: every tensor of the plan in its stored form and size, loadable,
+    a finite forward."""
+    import sys
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("synthetic_mxq", _PATH.parent / "synthetic_mxq.py")
+        sm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sm)
+    finally:
+        sys.path.remove(str(_PATH.parent))
+    import mixqrt
+    from mixqrt.io.mxq import MxqFile
+    from mixqrt.quant import layout
+    from mixqrt.quant.recipes import get_recipe, tensor_plan
+    cfg = sm.CONFIGS["tiny"]
+    out = tmp_path / "s.mxq"
+    r = sm.write(str(out), "2356t", cfg, progress=False)
+    plan = {n: (f, s) for n, _, f, s in tensor_plan(sm.ShapeSource(cfg), get_recipe("2356t"), tie=None)}
+    assert r["tensors"] == len(plan)
+    with MxqFile(out) as f:
+        total = sum(t.nbytes for t in f.info.values())
+        fmts = {t.fmt for t in f.info.values()}
+    assert total == sum(layout.expected_nbytes(layout.storage_format(f, s), s) for f, s in plan.values())
+    assert {"q4x", "q6x"} <= fmts
+    m = mixqrt.load(str(out)).model
+    assert np.isfinite(m(np.arange(6), m.make_cache(8), 0, last_only=True)).all()

@@ -334,17 +334,18 @@ def prefetch(cnp.ndarray raw, size_t nbytes, int parts=0):
         raise ValueError("prefetch: raw must be a contiguous 1-D uint8 array")
     if nbytes > <size_t>raw.shape[0]:
         nbytes = <size_t>raw.shape[0]
-    with nogil:
-        mq_pool_prefetch_wait()        # the previous one is done before its array is let go
+    # wait, swap the reference and post with the GIL held (the workers never take it; the wait is an
+    # abort within 4 KiB): another Python thread cannot post in between and have its array let go
+    # while the workers read it
+    mq_pool_prefetch_wait()
     _pf_keep = raw
     mq_pool_prefetch(<const uint8_t*>_ptr(raw), nbytes, parts)
 
 
 def prefetch_wait():
-    """Stop a running gap prefetch and wait for it."""
+    """Stop a running gap prefetch, wait for it and drop its array (a closed model's mapping can go)."""
     global _pf_keep
-    with nogil:
-        mq_pool_prefetch_wait()
+    mq_pool_prefetch_wait()
     _pf_keep = None
 
 

@@ -34,8 +34,8 @@ MAGIC = b"MXQ\0"
 # 3: a tensor entry may carry "rot" (a rotated tensor, mixqrt.quant.rotation). Files without one are
 # still written as version 2, so older readers keep reading them; a version 2 reader refuses a
 # version 3 file by its version, never misreading its rotated rows.
-# 4: tensors may be stored q4x (q4's blocks with rows interleaved by 16, layout.py). Written only
-# when a file holds one; a version 3 reader refuses the file by its version.
+# 4: tensors may be stored q4x / q6x / q3x (q4's / q6's / q3p's blocks with rows interleaved by 16,
+# layout.py). Written only when a file holds one; a version 3 reader refuses the file by its version.
 VERSION = 2
 VERSION_ROT = 3
 VERSION_X = 4
@@ -567,8 +567,7 @@ def upgrade(src, dst) -> int:
                 if old and t.fmt == "q3p":
                     parts = layout.disassemble("q3u", t.shape, qt.raw)   # same blocks, planar codes
                     qt = QTensor("q3p", t.shape, np.frombuffer(layout.assemble("q3p", t.shape, parts), np.uint8))
-                    n += 1
                 stored = to_storage(qt)
-                n += stored is not qt
+                n += stored is not f.tensors[name]
                 w.add(name, stored, t.layer)
     return n

@@ -1,4 +1,6 @@
 /* Portable chunk packing and the one dequantizer of every format (spec: mq_format.h, layout.py). */
+#include <math.h>
+
 #include "mq_format.h"
 #include "cpu.h"
 
@@ -83,7 +85,11 @@ void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const ui
 #endif
     if (fmt == MQ_F16) { for (int64_t i = 0; i < k; i++) out[i] = mq_f16_to_f32(mq_get16(row + 2 * i)); return; }
     if (fmt == MQ_BF16) { for (int64_t i = 0; i < k; i++) out[i] = mq_bf16_to_f32(mq_get16(row + 2 * i)); return; }
-    if (!MQ_IS_PACKED(fmt) || mq_x_base(fmt) >= 0) return;   /* q4x/q3x rows are not contiguous: mq_dequant_row_at */
+    if (mq_x_base(fmt) >= 0) {   /* q4x/q6x/q3x rows are not contiguous (mq_dequant_row_at): loud, never silent */
+        for (int64_t i = 0; i < k; i++) out[i] = NAN;
+        return;
+    }
+    if (!MQ_IS_PACKED(fmt)) return;
     const mq_fmt_spec *f = &MQ_FORMATS[fmt];
     const int G = f->group, hd = f->header, cb = MQ_CHUNK_BYTES(f->bits), bb = f->block_bytes;
     uint8_t codes[MQ_Q2C_GROUP];
