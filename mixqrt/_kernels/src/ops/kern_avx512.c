@@ -627,11 +627,7 @@ static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
  * instructions per 512 weights (mv_q4c: ~70). The hardware prefetcher follows the one stream per
  * thread (a software prefetch measured slower, docs/kernels.md "Row-interleaved q4"). Rows
  * [n0, n1) are whole groups (mq_mm_rows). */
-static long q4x_pf = -1, q3x_pf = -1;
 static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
-    if (q4x_pf < 0) { const char *e = getenv("MIXQRT_Q4X_PF"); q4x_pf = e ? atol(e) : 0; }
-    const size_t pfd = (size_t)q4x_pf;
-    const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
     const uint32_t *x32 = (const uint32_t *)j->a->q;
     const float *dx = j->a->d, *sx = j->a->s;
     const int nc = j->nc;
@@ -640,8 +636,6 @@ static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int c = 0; c < nc; c++, b += MQ_Q4X_CHUNK) {
-            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
-                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T0);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             const uint32_t *xc = x32 + 8 * c;
@@ -725,6 +719,7 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const float *dx = j->a->d, *sx = j->a->s;
     const int nb = j->nc / 2;
     const __m512i tab = cx->tab64;
+    static long q3x_pf = -1;   /* software prefetch distance (bytes, 0 = none): MIXQRT_Q3X_PF */
     if (q3x_pf < 0) { const char *e = getenv("MIXQRT_Q3X_PF"); q3x_pf = e ? atol(e) : 4096; }
     const size_t pfd = (size_t)q3x_pf;
     const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;

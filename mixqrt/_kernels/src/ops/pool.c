@@ -140,8 +140,7 @@ static void pf_task(void *arg, int64_t i0, int64_t i1) {
     const size_t slice = P.pf_n / (size_t)P.pf_parts;
     const uint8_t *p = P.pf_p;
     uint64_t acc = 0;
-    size_t piece = (size_t)w;
-    for (size_t off = (size_t)w * PF_PIECE; off < slice; off += (size_t)nw * PF_PIECE, piece += (size_t)nw) {
+    for (size_t off = (size_t)w * PF_PIECE; off < slice; off += (size_t)nw * PF_PIECE) {
         for (int q = 0; q < P.pf_parts; q++) {
             if (atomic_load_explicit(&P.pf_abort, memory_order_relaxed)) goto done;
             const volatile uint8_t *b = (const volatile uint8_t *)(p + (size_t)q * slice + off);
@@ -150,7 +149,6 @@ static void pf_task(void *arg, int64_t i0, int64_t i1) {
         }
     }
 done:
-    (void)piece;
     __asm__ volatile("" : : "r"(acc));
 }
 
