@@ -347,6 +347,55 @@ def matmul(w, x, out=None, then=None):
     return y.reshape(n) if vec else y
 
 
+def layer_weight(w) -> tuple:
+    """(fmt id, raw uint8, N, K, q3p levels, q5 lo, q5 step, rotation (block, signs, scale) or None):
+    a weight as matmul hands it to the kernels, for DecodeLayer."""
+    fid, raw, n, k, lv, lo, step = _weight_args(w)
+    rot = _rot(w, k)
+    return fid, raw, n, k, lv, lo, step, (None if rot is None else (rot[0], rot[1], rot[2]))
+
+
+def _fused_decode_default() -> bool:
+    v = os.environ.get("MIXQRT_FUSED_DECODE", "1")
+    if v not in ("0", "1"):
+        raise KernelError(f"MIXQRT_FUSED_DECODE={v!r}: use 1 (fused decode layers, the default) or 0")
+    return v == "1"
+
+
+# One token through a layer in one native call (DecodeLayer) instead of ~14 ops from Python: the same
+# kernels in the same order, bit-identical. MIXQRT_FUSED_DECODE=0 (or this attribute) turns it off.
+FUSED_DECODE = _fused_decode_default()
+
+
+def decode_layer(weights, in_norm, post_norm, qkv_bias, o_bias, eps, theta, hq, hkv, dh, nxt=None):
+    """A fused single-token layer (see _ops.DecodeLayer): weights = (qkv, o_proj, gate_up, down) as
+    QTensors or float arrays, nxt the weight multiplied after down (gap prefetch), or None."""
+    if _ops is None:
+        raise KernelError("fused decode layers need the compiled kernels")
+    f32 = [None if v is None else np.ascontiguousarray(v, dtype=np.float32).reshape(-1)
+           for v in (in_norm, post_norm, qkv_bias, o_bias)]
+    try:
+        return _ops.DecodeLayer([layer_weight(w) for w in weights], *f32, float(eps), float(theta),
+                                int(hq), int(hkv), int(dh), None if nxt is None else layer_weight(nxt))
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def run_decode_layers(layers, x, keys, values, pos: int) -> np.ndarray:
+    """x [1, D] float32 through the fused layers at position pos; keys[i], values[i]: layer i's float32
+    cache [Hkv, S, Dh] (position pos is written). x is updated in place and returned."""
+    if not layers:
+        return x
+    l0 = layers[0]
+    work = np.empty(_ops.DecodeLayer.work_floats(l0.D, l0.nqkv, l0.Hq, l0.Dh, max(L.inter for L in layers)),
+                    dtype=np.float32)
+    xr = x.reshape(-1)
+    parts, pf = _parts(), GAP_PREFETCH_BYTES
+    for L, kc, vc in zip(layers, keys, values):
+        L.run(xr, kc, vc, pos, work, parts, pf)
+    return x
+
+
 def hadamard(x, block: int, signs=None) -> np.ndarray:
     """Block Hadamard rotation H_b (signs * x) of the rows of x ([K] or [T, K] float32): blocks of
     `block` values (a power of two <= 1024 dividing K), scaled by 1/sqrt(block); signs: float32 [K]

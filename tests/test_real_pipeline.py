@@ -99,3 +99,23 @@ def test_qwen_2356_engine_batched_and_cached_match_single(qwen_2356):
         second = list(eng.submit(turn2, **kw))
     assert second[-1].cached_tokens >= len(prompts[0]) and second[-1].prompt_tokens == len(turn2)
     check(turn2, [r.token for r in second])
+
+
+def test_qwen_2356_fused_decode_is_bit_identical(qwen_2356, monkeypatch):
+    """The real 2356 model (q2c embedding, rotated interleaved FFN, q6x attention, q5g norms) decodes
+    the same logits through the fused layers as op by op, at the default thread count."""
+    import numpy as np
+
+    from mixqrt import ops
+    out, _ = qwen_2356
+    model = mixqrt.load(out).model
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "FUSED_DECODE", fused)
+        cache = model.make_cache(64)
+        logits = [model(np.arange(1000, 1024), cache, last_only=True)]
+        for _ in range(8):
+            logits.append(model(np.array([int(np.argmax(logits[-1]))]), cache, last_only=True))
+        runs.append(np.stack(logits))
+    assert model.fused_layers() is not None
+    np.testing.assert_array_equal(runs[0], runs[1])

@@ -284,8 +284,14 @@ class Model:
     def _forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int, before_layer=None) -> np.ndarray:
         """Hidden states [t, D] of ids at positions pos0..; writes the KV cache and advances it.
         before_layer(li), if given, runs before each layer (RowSplitRunner's prefetcher)."""
-        positions = np.arange(pos0, pos0 + ids.size, dtype=np.int64)          # [t]
         x = self.embed(ids)                                                     # [t, D]
+        if ids.size == 1 and before_layer is None and ops.FUSED_DECODE and cache.dtype == np.float32:
+            fused = self.fused_layers()
+            if fused is not None:                      # one native call per layer, same bits
+                ops.run_decode_layers(fused, x, cache.keys, cache.values, pos0)
+                cache.advance(pos0 + 1)
+                return x
+        positions = np.arange(pos0, pos0 + ids.size, dtype=np.int64)          # [t]
         for li in range(len(self.layers)):
             if before_layer is not None:
                 before_layer(li)
@@ -293,6 +299,24 @@ class Model:
             self.ffn_stage(li, x)
         cache.advance(pos0 + ids.size)
         return x
+
+    def fused_layers(self):
+        """The layers as ops.decode_layer objects (single-token forward in one native call each), built
+        on first use; None where a layer does not fit them (a projection left in parts because its
+        formats differ): that model decodes op by op."""
+        got = self.__dict__.get("_fused")
+        if got is None:
+            a, out = self.args, []
+            for li, L in enumerate(self.layers):
+                if len(L.qkv) != 1 or len(L.gate_up) != 1:
+                    out = False
+                    break
+                nxt = self.layers[li + 1].qkv[0] if li + 1 < len(self.layers) else self.lm_head
+                out.append(ops.decode_layer((L.qkv[0], L.o_proj, L.gate_up[0], L.down), L.input_norm, L.post_norm,
+                                            L.qkv_bias, L.o_bias, a.rms_norm_eps, a.rope_theta,
+                                            a.num_attention_heads, a.num_key_value_heads, a.head_dim, nxt))
+            got = self._fused = out
+        return got or None
 
     # ------------------------------------------------------------------ batched decode
     def decode_batch(self, tokens, caches, prefill=None) -> np.ndarray:
