@@ -309,6 +309,29 @@ def _gap_prefetch_bytes() -> int:
 GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
 
 
+def set_decode_chunk(nbytes: int | None = None) -> int:
+    """Decode products (one row of x) go to the pool in chunks of about nbytes of weight rows, taken by
+    the threads in turn (default 256 KiB, MIXQRT_DECODE_CHUNK); 0 = one static part per thread. The
+    results do not change. None only queries; returns the previous value."""
+    return _ops.set_decode_chunk(nbytes) if _ops is not None else 0
+
+
+def _decode_chunk_env() -> None:
+    v = os.environ.get("MIXQRT_DECODE_CHUNK")
+    if v is None or _ops is None:
+        return
+    try:
+        n = int(v)
+        if n < 0:
+            raise ValueError
+    except ValueError:
+        raise KernelError(f"MIXQRT_DECODE_CHUNK={v!r} is not a byte count") from None
+    _ops.set_decode_chunk(n)
+
+
+_decode_chunk_env()
+
+
 def prefetch_wait() -> None:
     """Stop a running gap prefetch (matmul's then=) and drop its reference to the weight it reads."""
     if _ops is not None:

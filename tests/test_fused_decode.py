@@ -77,21 +77,26 @@ def test_fused_float_layers_bit_identical(tier, fused_switch, arch, tied, hq, hk
                                   {"attn": "q8", "ffn": "q4", "down": "q3u"}])
 @pytest.mark.parametrize("rot", [None, {"block": 32, "seed": rotation.DEFAULT_SEED}])
 def test_fused_packed_layers_bit_identical(tier, fused_switch, fmts, rot):
-    """Packed weights (16-row multiples are stored interleaved: q6x, q3x, q4x), rotated or not, with the
-    gap prefetch of the next weight after every product."""
+    """Packed weights (16-row multiples are stored interleaved: q6x, q3x, q4x), rotated or not, with and
+    without the gap prefetch of the next weight after every product, products split statically or in
+    chunks of one 16-row group."""
     cfg = tiny_config("qwen2", False, hq=8, hkv=2, dh=16, d=128, inter=256, layers=3)
     model = build_model(cfg, _quantized(tiny_weights(cfg, seed=11), fmts, rot))
     fmt = model.layers[0].gate_up[0].fmt
     assert fmt in ("q3x", "q4x") and (rot is None) == ("rot" not in (model.layers[0].down.meta or {}))
-    before = ops.GAP_PREFETCH_BYTES
+    before, chunk = ops.GAP_PREFETCH_BYTES, ops.set_decode_chunk()
     try:
-        for pf in (0, 4096):
+        want = None
+        for pf, nbytes in ((0, 0), (4096, 1), (4096, 256 << 10)):    # gap prefetch, decode chunking
             ops.GAP_PREFETCH_BYTES = pf
-            want, _ = fused_switch(model, list(range(3, 40)), 12, False)
-            got, _ = fused_switch(model, list(range(3, 40)), 12, True)
-            np.testing.assert_array_equal(got, want)
+            ops.set_decode_chunk(nbytes)
+            if want is None:
+                want, _ = fused_switch(model, list(range(3, 40)), 12, False)
+            np.testing.assert_array_equal(fused_switch(model, list(range(3, 40)), 12, False)[0], want)
+            np.testing.assert_array_equal(fused_switch(model, list(range(3, 40)), 12, True)[0], want)
     finally:
         ops.GAP_PREFETCH_BYTES = before
+        ops.set_decode_chunk(chunk)
         ops.prefetch_wait()
 
 
@@ -147,3 +152,25 @@ def test_decode_layer_rejects_bad_arguments():
         L.run(x, k.astype(np.float16), k, 0, work)
     with pytest.raises(ValueError, match="x has"):
         L.run(x[:-1], k, k.copy(), 0, work)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "q8", "q6", "q4", "q3p", "q2c"])
+def test_decode_chunking_changes_nothing(fmt):
+    """Decode products split in chunks taken in turn (ops.set_decode_chunk) give the bits of the static
+    split, whatever the chunk (one group of 16 rows, a few, more than the tensor), and a bad size raises."""
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((16 * 37 + 16, 256)).astype(np.float32)
+    W = w.astype(np.float16) if fmt == "f16" else w if fmt == "f32" else to_storage(quantize(w, fmt))
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    before = ops.set_decode_chunk()
+    try:
+        with ops.local_threads(None):
+            ops.set_decode_chunk(0)
+            want = ops.matmul(W, x)
+            for nbytes in (1, 3 * 16 * 256, 256 << 10, 1 << 40):
+                ops.set_decode_chunk(nbytes)
+                np.testing.assert_array_equal(ops.matmul(W, x), want)
+        with pytest.raises(ValueError):
+            ops.set_decode_chunk(-1)
+    finally:
+        ops.set_decode_chunk(before)

@@ -41,6 +41,7 @@ cdef extern from "mq_ops.h" nogil:
     void mq_pool_stop()
     void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align)
     void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads)
+    void mq_pool_run_chunked(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads, int64_t chunk)
     void mq_pool_set_hot(int hot)
     void mq_pool_prefetch(const uint8_t *p, size_t n, int parts)
     void mq_pool_prefetch_wait()

@@ -98,6 +98,37 @@ def set_q6_fold(on=None):
     return bool(mq_set_q6_fold(-1 if on is None else (1 if on else 0)))
 
 
+cdef size_t _decode_chunk = 256 << 10   # bytes per chunk of a decode product's rows (0: static halves)
+
+
+def set_decode_chunk(nbytes=None):
+    """Decode products (one row of x) are cut in chunks of about `nbytes` of weight rows (whole groups
+    of 16 rows, at least one) that the pool's threads take in turn (default 256 KiB); 0 splits them in
+    one static part per thread. Results do not depend on it. nbytes=None only queries. Returns the
+    previous value."""
+    global _decode_chunk
+    old = _decode_chunk
+    if nbytes is not None:
+        if int(nbytes) < 0:
+            raise ValueError(f"set_decode_chunk: bytes must be >= 0, got {nbytes}")
+        _decode_chunk = int(nbytes)
+    return old
+
+
+cdef inline int64_t _chunk_units(size_t row_bytes) noexcept nogil:
+    """Chunk of a decode product, in units of 16 rows (0: static split)."""
+    if _decode_chunk == 0 or row_bytes == 0:
+        return 0
+    cdef size_t u = _decode_chunk // (16 * row_bytes)
+    return <int64_t>(u if u > 0 else 1)
+
+
+cdef inline int _pf_parts() noexcept nogil:
+    """Slices of the gap prefetch: the chunked split takes a product from its start, the static one
+    from the start of each thread's part."""
+    return 1 if _decode_chunk else mq_pool_size()
+
+
 def set_float_mv(on=None):
     """AVX-512 decode (T == 1) of f32/f16/bf16 weights 4 rows at a time with prefetched row streams
     (on; MIXQRT_FLOAT_MV=1 starts a process with it on) or one row at a time (the default, faster
@@ -256,11 +287,13 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
                 _qa_task(&qa, 0, T)
         if threads == 1:
             mq_mm_rows(&j, 0, N)
+        elif T == 1:
+            mq_pool_run_chunked(_mm_task, &j, N, 16, threads, _chunk_units(row_bytes))
         else:
-            mq_pool_run_n(_mm_task, &j, N, 16 if T == 1 else 64, threads)
+            mq_pool_run_n(_mm_task, &j, N, 64, threads)
     mq_call_buf_release(buf)
     if then is not None and threads != 1:
-        prefetch(then, then_bytes, 0)
+        prefetch(then, then_bytes, _pf_parts())
     return y
 
 
@@ -663,7 +696,7 @@ cdef int _mm1(_wt *w, const float *x, float *y, int threads) noexcept nogil:
     if threads == 1:
         mq_mm_rows(&j, 0, j.N)
     else:
-        mq_pool_run_n(_mm_task, &j, j.N, 16, threads)
+        mq_pool_run_chunked(_mm_task, &j, j.N, 16, threads, _chunk_units(j.row_bytes))
     mq_call_buf_release(buf)
     return 0
 
@@ -675,7 +708,7 @@ cdef inline void _gap(_wt *nxt, size_t nbytes, int threads) noexcept nogil:
         return
     total = <size_t>nxt.j.N * nxt.j.row_bytes
     mq_pool_prefetch_wait()
-    mq_pool_prefetch(nxt.j.w, nbytes if nbytes < total else total, mq_pool_size())
+    mq_pool_prefetch(nxt.j.w, nbytes if nbytes < total else total, _pf_parts())
 
 
 cdef class DecodeLayer:

@@ -88,6 +88,9 @@ void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align);
 /* Same with at most `nthreads` parts (<= 0: the whole pool; 1: inline on the caller, pool untouched).
  * If another thread is using the pool the job runs inline on the calling thread. */
 void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads);
+/* as mq_pool_run_n, the range cut in chunks of `chunk` units (of align) that the threads take in turn;
+ * chunk <= 0 (or >= the units): one static part per thread */
+void mq_pool_run_chunked(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads, int64_t chunk);
 /* Gap prefetch: the workers (not the caller) read bytes [p, p + n) in the background, the starts of
  * its `parts` equal slices first (the row split of the product that will read it); the next job,
  * mq_pool_prefetch_wait or stop aborts it and waits. A no-op with one thread or a busy pool. The

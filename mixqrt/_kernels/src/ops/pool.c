@@ -4,6 +4,10 @@
  * decodes. The caller thread is part 0 of every job. One job at a time: a caller that finds the pool
  * busy (another Python thread) runs its job inline.
  *
+ * A job is split in one static part per thread (mq_pool_run_n), or in chunks of `chunk` units that
+ * the threads take in turn from an atomic counter (mq_pool_run_chunked: decode products, so that both
+ * threads read neighbouring bytes and a late or slower thread takes fewer chunks).
+ *
  * Gap prefetch (mq_pool_prefetch): an asynchronous job for the workers only. They read a byte range
  * (the weights of the next product) into their caches while the caller returns to the work between
  * two products (norms, attention, Python), which leaves the memory bus idle otherwise; the next
@@ -37,6 +41,8 @@ static struct {
     void *arg;
     int64_t total, align;
     int nparts;                 /* parts of the current job (<= n); workers >= nparts skip it */
+    int64_t chunk;              /* > 0: chunks of this many units, taken in turn (P.next) */
+    _Atomic int64_t next;
     _Atomic int hot;            /* spin without sleeping while set (ops.hot) */
     long spin_ns;
     uint32_t start_gen;
@@ -68,6 +74,23 @@ static void part_range(int part, int nparts, int64_t *i0, int64_t *i1) {
     *i1 = u1 * P.align < P.total ? u1 * P.align : P.total;
 }
 
+/* this participant's share of the current job: its static part, or chunks taken in turn */
+static void run_share(int part) {
+    int64_t i0, i1;
+    if (P.chunk <= 0) {
+        part_range(part, P.nparts, &i0, &i1);
+        if (i1 > i0) P.fn(P.arg, i0, i1);
+        return;
+    }
+    const int64_t step = P.chunk * P.align;
+    int64_t c;
+    while ((c = atomic_fetch_add_explicit(&P.next, 1, memory_order_relaxed)) * step < P.total) {
+        i0 = c * step;
+        i1 = i0 + step < P.total ? i0 + step : P.total;
+        P.fn(P.arg, i0, i1);
+    }
+}
+
 static void *worker(void *argp) {
     int idx = (int)(intptr_t)argp;
     if (P.cpu[idx] >= 0) {
@@ -94,11 +117,7 @@ static void *worker(void *argp) {
         }
         seen = g;
         if (atomic_load(&P.stop)) return NULL;
-        int64_t i0, i1;
-        if (idx < P.nparts) {
-            part_range(idx, P.nparts, &i0, &i1);
-            if (i1 > i0) P.fn(P.arg, i0, i1);
-        }
+        if (idx < P.nparts) run_share(idx);
         if (atomic_fetch_sub(&P.pending, 1) == 1 && atomic_load(&P.caller_sleeps)) fwake(&P.pending);
     }
 }
@@ -160,7 +179,7 @@ void mq_pool_prefetch(const uint8_t *p, size_t n, int parts) {
     P.pf_p = p; P.pf_n = n; P.pf_parts = parts;
     atomic_store(&P.pf_abort, 0);
     atomic_store(&P.pf_ticket, 0);
-    P.fn = pf_task; P.arg = NULL; P.total = P.n; P.align = 1; P.nparts = P.n;
+    P.fn = pf_task; P.arg = NULL; P.total = P.n; P.align = 1; P.nparts = P.n; P.chunk = 0;
     atomic_store(&P.async, 1);
     atomic_store(&P.pending, (uint32_t)(P.n - 1));
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
@@ -219,6 +238,10 @@ int mq_pool_get_hot(void) { return atomic_load(&P.hot); }
 void mq_pool_run(mq_task_fn fn, void *arg, int64_t n, int64_t align) { mq_pool_run_n(fn, arg, n, align, 0); }
 
 void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads) {
+    mq_pool_run_chunked(fn, arg, n, align, nthreads, 0);
+}
+
+void mq_pool_run_chunked(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthreads, int64_t chunk) {
     if (align < 1) align = 1;
     int np = (nthreads <= 0 || nthreads > P.n) ? P.n : nthreads;
     int64_t units = (n + align - 1) / align;
@@ -227,12 +250,12 @@ void mq_pool_run_n(mq_task_fn fn, void *arg, int64_t n, int64_t align, int nthre
     finish_async();
     if (P.n <= 1) { pthread_mutex_unlock(&run_lock); if (n > 0) fn(arg, 0, n); return; }
     P.fn = fn; P.arg = arg; P.total = n; P.align = align; P.nparts = np;
+    P.chunk = chunk > 0 && chunk < units ? chunk : 0;
+    atomic_store_explicit(&P.next, 0, memory_order_relaxed);
     atomic_store(&P.pending, (uint32_t)(P.n - 1));
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);
     if (atomic_load(&P.sleepers) > 0) fwake(&P.gen);
-    int64_t i0, i1;
-    part_range(0, np, &i0, &i1);
-    if (i1 > i0) fn(arg, i0, i1);
+    run_share(0);
     wait_pending();
     pthread_mutex_unlock(&run_lock);
 }
