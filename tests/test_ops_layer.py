@@ -91,6 +91,31 @@ def test_attention(tier, t, pos0, kv):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
 
 
+@pytest.mark.parametrize("hq,hkv,dh", [(14, 2, 64), (9, 3, 64), (28, 4, 128), (8, 1, 256), (6, 2, 48), (4, 2, 8),
+                                        (16, 2, 192)])
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+def test_attention_bit_identical_across_tiers(hq, hkv, dh, kv):
+    """The grouped decode attention (AVX-512: 16-key blocks, AVX2: 4-key blocks, head_dim a multiple of 16)
+    reduces each dot product in the generic tier's order: every tier gives the same bits, for key counts
+    around the block sizes, prefill rows and both cache dtypes."""
+    rng = np.random.default_rng(hq * dh)
+    before = isa.current()
+    try:
+        for t, pos0, s in [(1, 0, 40), (1, 3, 40), (1, 15, 40), (1, 16, 40), (1, 33, 40), (3, 30, 40), (9, 0, 40),
+                           (1, 299, 300)]:
+            q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+            k = rng.standard_normal((hkv, s, dh)).astype(kv)
+            v = rng.standard_normal((hkv, s, dh)).astype(kv)
+            outs = []
+            for tier in isa.available():
+                isa.set_isa(tier)
+                outs.append(ops.attention(q, k, v, pos0))
+            for o in outs[1:]:
+                np.testing.assert_array_equal(o, outs[0])
+    finally:
+        isa.set_isa(before)
+
+
 def test_attention_bad_args():
     q = np.zeros((2, 4, 8), np.float32)
     with pytest.raises(ValueError):

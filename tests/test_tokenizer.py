@@ -206,3 +206,17 @@ def test_gguf_metadata_errors():
 def test_encode_wants_str(tiny):
     with pytest.raises(TypeError):
         tiny.encode(b"bytes")
+
+
+@pytest.mark.realmodel
+def test_plain_and_special_encodes_from_many_threads(qwen_tok):
+    """parse_special=False is a switch of the one backend (no second tokenizer is built): encodes of
+    both kinds from several threads at once each get their own answer, and the switch is left off."""
+    from concurrent.futures import ThreadPoolExecutor
+    text = "<|im_start|>user\nwrite quicksort<|im_end|>"
+    special, plain = qwen_tok.encode(text), qwen_tok.encode(text, parse_special=False)
+    assert 151644 in special and 151644 not in plain
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda i: (i % 2, qwen_tok.encode(text, parse_special=bool(i % 2))), range(400)))
+    assert all(ids == (special if sp else plain) for sp, ids in got)
+    assert qwen_tok.backend.encode_special_tokens is False

@@ -266,15 +266,20 @@ static inline float MQ_FN(dotf_)(const float *restrict a, const float *restrict 
 #endif
 }
 
+/* ---- grouped decode attention (AVX2 / AVX-512; att_grouped_ below). Per tier: MQ_ATT_KB keys per
+ * score block, att_scores_ (the scaled scores of one head on one block: per key exactly dotf_'s
+ * operations, then * scale) and att_pv_ (one head's value sum, o += p * v per key in order, the
+ * sums in registers). */
 #if defined(__AVX512F__)
-static inline __m512 MQ_FN(att_ld_)(const void *base, int f16, size_t off) {
+#define MQ_ATT_KB 16
+static inline __attribute__((always_inline)) __m512 MQ_FN(att_ld_)(const void *base, int f16, size_t off) {
     if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
     return _mm512_loadu_ps((const float *)base + off);
 }
 
 /* 16 dot accumulators -> lane i = the sum of a[i]'s 16 lanes, by dotf_'s tree for every one of them
  * (256-bit halves, 128-bit halves, then (r0 + r2) + (r1 + r3)): the same bits as 16 dotf_ calls */
-static inline __m512 MQ_FN(att_red16_)(const __m512 *a) {
+static inline __attribute__((always_inline)) __m512 MQ_FN(att_red16_)(const __m512 *a) {
     __m512 h[8], q[4];
     for (int m = 0; m < 8; m++)     /* h[m] = [h(a[2m]) | h(a[2m+1])], h(x)[l] = x[l] + x[l + 8] */
         h[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -289,15 +294,107 @@ static inline __m512 MQ_FN(att_red16_)(const __m512 *a) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-/* The attention below for Dh a multiple of 16 (<= 256), bit for bit: the query heads of one KV group
- * (MQ_ATT_GB at a time) share each 16-key block of K while it sits in L1, and the 16 dot products
- * of a block are reduced together (att_red16_) instead of one horizontal sum per key; the value
- * sums stay in registers. 3-4x the one-key-at-a-time loop at 170-500 cached positions. */
-static void MQ_FN(att_grouped_)(const float *q, const void *k, const void *v, int f16, float *out, int T,
-                                int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
-    const int g = Hq / Hkv, nc = Dh / 16;
+static inline __attribute__((always_inline)) void MQ_FN(att_scores_)(const float *qr, const void *k, int f16, size_t off, int Dh, float scale, float *out) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < Dh; c += 16) {
+        const __m512 qv = _mm512_loadu_ps(qr + c);
+        for (int r = 0; r < 16; r++)
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(qv, MQ_FN(att_ld_)(k, f16, off + (size_t)r * Dh + c)));
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(MQ_FN(att_red16_)(acc), _mm512_set1_ps(scale)));
+}
+
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int n, int Dh, float *out) {
+    const int nc = Dh / 16;
+    __m512 o[16];
+    for (int c = 0; c < nc; c++) o[c] = _mm512_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        const __m512 p = _mm512_set1_ps(sc[i]);
+        for (int c = 0; c < nc; c++) o[c] = _mm512_add_ps(o[c], _mm512_mul_ps(p, MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c)));
+    }
+    for (int c = 0; c < nc; c++) _mm512_storeu_ps(out + 16 * c, o[c]);
+}
+
+/* Dh 64: the heads of a group share each V row; 4 x G independent sums. 1 if done. */
+static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb, int n,
+                                       int Dh, float *out) {
+    if (Dh != 64) return 0;
+    __m512 o[MQ_ATT_GB][4];
+    for (int j = 0; j < MQ_ATT_GB; j++) for (int c = 0; c < 4; c++) o[j][c] = _mm512_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        __m512 vr[4];
+        for (int c = 0; c < 4; c++) vr[c] = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c);
+        for (int j = 0; j < MQ_ATT_GB; j++) {
+            if (j >= G) break;
+            const __m512 p = _mm512_set1_ps(scratch[(size_t)j * (S + 16) + i]);
+            for (int c = 0; c < 4; c++) o[j][c] = _mm512_add_ps(o[j][c], _mm512_mul_ps(p, vr[c]));
+        }
+    }
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + (size_t)j * Dh + 16 * c, o[j][c]);
+    return 1;
+}
+#elif defined(__AVX2__)
+#define MQ_ATT_KB 4
+static inline __attribute__((always_inline)) __m256 MQ_FN(att_ld_)(const void *base, int f16, size_t off) {
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + off)));
+    return _mm256_loadu_ps((const float *)base + off);
+}
+
+/* 4 keys at once, dotf_'s AVX2 order for each: lo / hi 8-lane sums over the 16-wide chunks, lo + hi,
+ * the 128-bit halves, then (r0 + r2) + (r1 + r3) */
+static inline __attribute__((always_inline)) void MQ_FN(att_scores_)(const float *qr, const void *k, int f16, size_t off, int Dh, float scale, float *out) {
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < 4; r++) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
+    for (int c = 0; c < Dh; c += 16) {
+        const __m256 ql = _mm256_loadu_ps(qr + c), qh = _mm256_loadu_ps(qr + c + 8);
+        for (int r = 0; r < 4; r++) {
+            lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(ql, MQ_FN(att_ld_)(k, f16, off + (size_t)r * Dh + c)));
+            hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(qh, MQ_FN(att_ld_)(k, f16, off + (size_t)r * Dh + c + 8)));
+        }
+    }
+    __m256 h[4];
+    for (int r = 0; r < 4; r++) h[r] = _mm256_add_ps(lo[r], hi[r]);
+    /* [q(h0) | q(h1)] and [q(h2) | q(h3)], q(x) = low 128 + high 128 */
+    const __m256 q01 = _mm256_add_ps(_mm256_permute2f128_ps(h[0], h[1], 0x20), _mm256_permute2f128_ps(h[0], h[1], 0x31));
+    const __m256 q23 = _mm256_add_ps(_mm256_permute2f128_ps(h[2], h[3], 0x20), _mm256_permute2f128_ps(h[2], h[3], 0x31));
+    /* per 128-bit block [A0 + A2, B0 + B2, A1 + A3, B1 + B3], then lane 0 / 1: r(A), r(B) */
+    const __m256 s = _mm256_add_ps(_mm256_unpacklo_ps(q01, q23), _mm256_unpackhi_ps(q01, q23));
+    const __m256 r = _mm256_add_ps(s, _mm256_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    const __m256 p = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));   /* keys 0..3 */
+    _mm_storeu_ps(out, _mm_mul_ps(_mm256_castps256_ps128(p), _mm_set1_ps(scale)));
+}
+
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int n, int Dh, float *out) {
+    const int nc = Dh / 8;
+    __m256 o[16];
+    for (int c = 0; c < nc; c++) o[c] = _mm256_setzero_ps();
+    for (int i = 0; i < n; i++) {
+        const __m256 p = _mm256_set1_ps(sc[i]);
+        for (int c = 0; c < nc; c++) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(p, MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 8 * c)));
+    }
+    for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
+}
+
+static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb, int n,
+                                       int Dh, float *out) {
+    (void)scratch; (void)S; (void)G; (void)v; (void)f16; (void)kb; (void)n; (void)Dh; (void)out;
+    return 0;
+}
+#endif
+
+#if defined(MQ_ATT_KB)
+#define MQ_ATT_MAXDH (MQ_ATT_KB == 16 ? 256 : 128)   /* the value sums of one head fit the registers */
+/* The attention below for Dh a multiple of 16 (<= MQ_ATT_MAXDH), bit for bit: the query heads of one KV
+ * group (MQ_ATT_GB at a time) share each block of MQ_ATT_KB keys of K while it sits in L1, and a
+ * block's dot products are reduced together (att_scores_) instead of one horizontal sum per key; the
+ * value sums stay in registers. */
+static inline __attribute__((always_inline)) void
+MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f16, float *out, int T,
+                      int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
+    const int g = Hq / Hkv;
     const float scale = (float)(1.0 / sqrt((double)Dh));
-    const __m512 vscale = _mm512_set1_ps(scale);
     float *kr = scratch + (size_t)MQ_ATT_GB * ((size_t)S + 16);
     for (int t = 0; t < T; t++) {
         int n = pos0 + t + 1;
@@ -309,62 +406,35 @@ static void MQ_FN(att_grouped_)(const float *q, const void *k, const void *v, in
             if (he - hb > MQ_ATT_GB) he = hb + MQ_ATT_GB;
             const int G = he - hb;
             const size_t kb = (size_t)kh * S * Dh;
+            const float *qt = q + ((size_t)t * Hq + hb) * Dh;
+            float *ot = out + ((size_t)t * Hq + hb) * Dh;
             int i0 = 0;
-            for (; i0 + 16 <= n; i0 += 16) {
-                for (int j = 0; j < G; j++) {
-                    const float *qr = q + ((size_t)t * Hq + hb + j) * Dh;
-                    __m512 acc[16];
-                    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-                    for (int c = 0; c < nc; c++) {
-                        const __m512 qv = _mm512_loadu_ps(qr + 16 * c);
-                        for (int r = 0; r < 16; r++)
-                            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(qv, MQ_FN(att_ld_)(k, f16, kb + (size_t)(i0 + r) * Dh + 16 * c)));
-                    }
-                    _mm512_storeu_ps(scratch + (size_t)j * (S + 16) + i0, _mm512_mul_ps(MQ_FN(att_red16_)(acc), vscale));
-                }
-            }
-            for (int i = i0; i < n; i++) {       /* the last n % 16 keys: one at a time, as below */
+            for (; i0 + MQ_ATT_KB <= n; i0 += MQ_ATT_KB)
+                for (int j = 0; j < G; j++)
+                    MQ_FN(att_scores_)(qt + (size_t)j * Dh, k, f16, kb + (size_t)i0 * Dh, Dh, scale,
+                                       scratch + (size_t)j * (S + 16) + i0);
+            for (int i = i0; i < n; i++) {       /* the last keys: one at a time, as below */
                 const float *krow = (const float *)k + kb + (size_t)i * Dh;
                 if (f16) {
-                    for (int c = 0; c < nc; c++) _mm512_storeu_ps(kr + 16 * c, MQ_FN(att_ld_)(k, 1, kb + (size_t)i * Dh + 16 * c));
+                    for (int d = 0; d < Dh; d++) kr[d] = mq_f16_to_f32(((const uint16_t *)k)[kb + (size_t)i * Dh + d]);
                     krow = kr;
                 }
                 for (int j = 0; j < G; j++)
-                    scratch[(size_t)j * (S + 16) + i] = MQ_FN(dotf_)(q + ((size_t)t * Hq + hb + j) * Dh, krow, Dh) * scale;
+                    scratch[(size_t)j * (S + 16) + i] = MQ_FN(dotf_)(qt + (size_t)j * Dh, krow, Dh) * scale;
             }
             for (int j = 0; j < G; j++) MQ_FN(softmax_row_)(scratch + (size_t)j * (S + 16), n, 1);
-            if (nc == 4) {     /* Dh 64: the group's heads share each V row; 4 x G independent sums */
-                __m512 o[MQ_ATT_GB][4];
-                for (int j = 0; j < MQ_ATT_GB; j++) for (int c = 0; c < 4; c++) o[j][c] = _mm512_setzero_ps();
-                for (int i = 0; i < n; i++) {
-                    __m512 vr[4];
-                    for (int c = 0; c < 4; c++) vr[c] = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c);
-                    for (int j = 0; j < MQ_ATT_GB; j++) {
-                        if (j >= G) break;
-                        const __m512 p = _mm512_set1_ps(scratch[(size_t)j * (S + 16) + i]);
-                        for (int c = 0; c < 4; c++) o[j][c] = _mm512_add_ps(o[j][c], _mm512_mul_ps(p, vr[c]));
-                    }
-                }
+            if (!MQ_FN(att_pv_group_)(scratch, S, G, v, f16, kb, n, Dh, ot))
                 for (int j = 0; j < G; j++)
-                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + ((size_t)t * Hq + hb + j) * Dh + 16 * c, o[j][c]);
-                hb = he;
-                continue;
-            }
-            for (int j = 0; j < G; j++) {
-                float *sc = scratch + (size_t)j * (S + 16);
-                __m512 o[16];
-                for (int c = 0; c < nc; c++) o[c] = _mm512_setzero_ps();
-                for (int i = 0; i < n; i++) {
-                    const __m512 p = _mm512_set1_ps(sc[i]);
-                    for (int c = 0; c < nc; c++)
-                        o[c] = _mm512_add_ps(o[c], _mm512_mul_ps(p, MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c)));
-                }
-                float *orow = out + ((size_t)t * Hq + hb + j) * Dh;
-                for (int c = 0; c < nc; c++) _mm512_storeu_ps(orow + 16 * c, o[c]);
-            }
+                    MQ_FN(att_pv_)(scratch + (size_t)j * (S + 16), v, f16, kb, n, Dh, ot + (size_t)j * Dh);
             hb = he;
         }
     }
+}
+
+static void MQ_FN(att_grouped_)(const float *q, const void *k, const void *v, int f16, float *out, int T,
+                                int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
+    if (f16) MQ_FN(att_grouped_f_)(q, k, v, 1, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
+    else MQ_FN(att_grouped_f_)(q, k, v, 0, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
 }
 #endif
 
@@ -372,8 +442,8 @@ static void MQ_FN(att_grouped_)(const float *q, const void *k, const void *v, in
  * out [T,Hq,Dh]; scratch: MQ_ATT_SCRATCH(S, Dh) floats. */
 void MQ_FN(mq_attention_)(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                           int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
-#if defined(__AVX512F__)
-    if (Dh % 16 == 0 && Dh <= 256) {
+#if defined(MQ_ATT_KB)
+    if (Dh % 16 == 0 && Dh <= MQ_ATT_MAXDH) {
         MQ_FN(att_grouped_)(q, k, v, kv_f16, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
         return;
     }
