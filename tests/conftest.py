@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import mixqrt.isa as isa
+
 MODELS_DIR = Path(os.environ.get("MIXQRT_TEST_MODELS", Path.home() / ".cache" / "mixqrt-test-models"))
 QWEN_GGUF = MODELS_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 SMOL_GGUF = MODELS_DIR / "smollm2-135m-instruct-q4_1.gguf"
@@ -33,3 +35,13 @@ def smol_gguf_path() -> Path:
 @pytest.fixture(scope="session")
 def wikitext_path() -> Path:
     return _need(DATA_DIR / "wikitext-2-test.txt")
+
+
+@pytest.fixture(params=isa.available())
+def tier(request):
+    """Each ISA tier this CPU runs (generic, avx2, avx512), set for the test and restored after it;
+    the value is the tier's name."""
+    before = isa.current()
+    assert isa.set_isa(request.param) == request.param
+    yield request.param
+    isa.set_isa(before)

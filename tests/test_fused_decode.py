@@ -6,7 +6,6 @@ arguments raise."""
 import numpy as np
 import pytest
 
-import mixqrt.isa as isa
 from mixqrt import ops
 from mixqrt.errors import KernelError
 from mixqrt.models import build_model
@@ -14,14 +13,6 @@ from mixqrt.quant import quantize, rotation
 from mixqrt.quant.formats import to_storage
 
 from test_model import tiny_config, tiny_weights
-
-
-@pytest.fixture(params=isa.available())
-def tier(request):
-    before = isa.current()
-    assert isa.set_isa(request.param) == request.param
-    yield request.param
-    isa.set_isa(before)
 
 
 @pytest.fixture

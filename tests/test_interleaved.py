@@ -27,14 +27,6 @@ def settings(**kw):
     return _settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, **kw)
 
 
-@pytest.fixture(params=isa.available())
-def tier(request):
-    before = isa.current()
-    assert isa.set_isa(request.param) == request.param
-    yield request.param
-    isa.set_isa(before)
-
-
 FMTS = sorted(layout.INTERLEAVED)                                   # q3x, q4x, q6x
 
 

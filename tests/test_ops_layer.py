@@ -12,13 +12,6 @@ from mixqrt._kernels import _ops
 EPS = 2.0 ** -24
 
 
-@pytest.fixture(params=isa.available())
-def tier(request):
-    before = isa.current()
-    yield isa.set_isa(request.param)
-    isa.set_isa(before)
-
-
 @pytest.mark.parametrize("d", [1, 31, 33, 896, 3584])
 def test_rmsnorm(tier, d):
     rng = np.random.default_rng(d)

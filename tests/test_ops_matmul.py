@@ -23,15 +23,6 @@ def settings(**kw):  # the tier fixture is deliberately shared by all examples o
     return _settings(suppress_health_check=[HealthCheck.function_scoped_fixture], **kw)
 
 
-@pytest.fixture(params=isa.available())
-def tier(request):
-    before = isa.current()
-    got = isa.set_isa(request.param)
-    assert got == request.param
-    yield got
-    isa.set_isa(before)
-
-
 def guarded_matmul(w, x, pad=5):
     """ops kernel into a strided output with sentinel columns around it; checks they survive."""
     t = x.shape[0]

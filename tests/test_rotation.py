@@ -23,13 +23,6 @@ from tinymodel import make_tiny_hf_model
 ROT = {"block": 64, "seed": rotation.DEFAULT_SEED}
 
 
-@pytest.fixture(params=isa.available())
-def tier(request):
-    before = isa.current()
-    yield isa.set_isa(request.param)
-    isa.set_isa(before)
-
-
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), t=st.sampled_from([1, 3, 17]), b=st.sampled_from([2, 4, 8, 16, 32, 64, 128, 1024]),
        nb=st.sampled_from([1, 2, 7, 14]), with_signs=st.booleans())
