@@ -208,6 +208,44 @@ cdef int _check_tiles(cnp.ndarray t, int fmt, int N, int K, str who) except -1:
     return 0
 
 
+cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int threads) noexcept nogil:
+    """The product of a filled-in job (weight, x, T, y): a packed weight's activations quantized into
+    this thread's call buffer first (rotated first when rb > 0: rs signs, rscale), on the pool for
+    T > 1; decode (T == 1) in chunks taken in turn, more rows in one static part per thread; threads
+    == 1 on the calling thread. matmul() and DecodeLayer's products. -1 when no buffer could be had."""
+    cdef mq_act a
+    cdef _qa_arg qa
+    cdef int T = j.T, K = j.K, kp = _padded(K)
+    cdef size_t abytes
+    cdef char *buf = NULL
+    if j.fmt < MQ_NPACKED:
+        abytes = (<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 63) // 64 * 64
+        buf = <char*>mq_call_buf(abytes + (<size_t>T * K * 4 if rb else 0) + 64)
+        if buf == NULL:
+            return -1
+        a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
+        a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
+        qa.x = j.x; qa.ldx = j.ldx; qa.a = &a; qa.K = K
+        qa.xr = NULL; qa.rs = rs; qa.rb = rb; qa.rscale = rscale
+        j.a = &a
+        if rb:
+            qa.xr = <float*>(buf + abytes)
+            j.x = qa.xr
+        if T > 1 and threads != 1:
+            mq_pool_run_n(_qa_task, &qa, T, 1, threads)
+        else:
+            _qa_task(&qa, 0, T)
+    if threads == 1:
+        mq_mm_rows(j, 0, j.N)
+    elif T == 1:
+        mq_pool_run_chunked(_mm_task, j, j.N, 16, threads, _chunk_units(j.row_bytes))
+    else:
+        mq_pool_run_n(_mm_task, j, j.N, 64, threads)
+    mq_call_buf_release(buf)
+    j.a = NULL
+    return 0
+
+
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
            q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0, cnp.ndarray tiles=None,
            rot_signs=None, int rot_block=0, float rot_scale=0.0, cnp.ndarray then=None, size_t then_bytes=0):
@@ -226,8 +264,6 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     scaled by rot_scale) into this call's scratch before the activation quantization, on the pool for
     T > 1; bit-identical to hadamard() then matmul, without a Python call or array per product."""
     cdef mq_mm_job j
-    cdef mq_act a
-    cdef _qa_arg qa
     cdef int T
     cdef size_t row_bytes
     cdef const uint8_t *lv
@@ -254,44 +290,20 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         j.tiles = <const uint8_t*>_ptr(tiles)
     if T == 0 or N == 0:
         return y
-    cdef int kp = _padded(K)
-    cdef char *buf = NULL
-    cdef size_t abytes
+    cdef const float *rs = NULL
     cdef cnp.ndarray sa
-    qa.xr = NULL; qa.rs = NULL; qa.rb = 0; qa.rscale = 0.0; qa.K = K
+    cdef int rc
     if rot_block:
         if fmt >= MQ_NPACKED:
             raise ValueError("matmul: a rotation needs a packed weight")
         if rot_signs is None:
             raise ValueError("matmul: a rotation needs its signs")
         sa = rot_signs                        # a reference: the signs outlive the nogil section
-        qa.rs = _rot_args(K, rot_block, sa, "matmul")
-        qa.rb = rot_block; qa.rscale = rot_scale
-    if fmt < MQ_NPACKED:
-        abytes = (<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 63) // 64 * 64
-        buf = <char*>mq_call_buf(abytes + (<size_t>T * K * 4 if rot_block else 0) + 64)
-        if buf == NULL:
-            raise MemoryError()
-        a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
-        a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
-        j.a = &a
-        qa.x = j.x; qa.ldx = K; qa.a = &a
-        if rot_block:
-            qa.xr = <float*>(buf + abytes)
-            j.x = qa.xr
+        rs = _rot_args(K, rot_block, sa, "matmul")
     with nogil:
-        if fmt < MQ_NPACKED:
-            if T > 1 and threads != 1:
-                mq_pool_run_n(_qa_task, &qa, T, 1, threads)
-            else:
-                _qa_task(&qa, 0, T)
-        if threads == 1:
-            mq_mm_rows(&j, 0, N)
-        elif T == 1:
-            mq_pool_run_chunked(_mm_task, &j, N, 16, threads, _chunk_units(row_bytes))
-        else:
-            mq_pool_run_n(_mm_task, &j, N, 64, threads)
-    mq_call_buf_release(buf)
+        rc = _mm_run(&j, rs, rot_block, rot_scale, threads)
+    if rc:
+        raise MemoryError()
     if then is not None and threads != 1:
         prefetch(then, then_bytes, _pf_parts())
     return y
@@ -670,35 +682,10 @@ cdef struct _wt:
 
 
 cdef int _mm1(_wt *w, const float *x, float *y, int threads) noexcept nogil:
-    """y [N] = W x [K] for one row: exactly matmul()'s T == 1 path (activation quantization, the
-    rotation of a rotated weight, the same row split). Returns -1 when no buffer could be had."""
+    """y [N] = W x [K] for one row: matmul()'s product (_mm_run) on the layer's weight."""
     cdef mq_mm_job j = w.j
-    cdef mq_act a
-    cdef _qa_arg qa
-    cdef int K = j.K, kp = _padded(K)
-    cdef size_t abytes
-    cdef char *buf = NULL
-    j.x = x; j.y = y; j.a = NULL; j.T = 1; j.ldx = K; j.ldy = j.N; j.tiles = NULL
-    if j.fmt < MQ_NPACKED:
-        abytes = (<size_t>kp + <size_t>(kp // 32) * 8 + 63) // 64 * 64
-        buf = <char*>mq_call_buf(abytes + (<size_t>K * 4 if w.rb else 0) + 64)
-        if buf == NULL:
-            return -1
-        a.q = <int8_t*>buf; a.d = <float*>(buf + kp); a.s = a.d + kp // 32
-        a.T = 1; a.K = K; a.kp = kp; a.ncp = kp // 32
-        j.a = &a
-        qa.x = x; qa.ldx = K; qa.a = &a; qa.K = K
-        qa.xr = NULL; qa.rs = w.rs; qa.rb = w.rb; qa.rscale = w.rscale
-        if w.rb:
-            qa.xr = <float*>(buf + abytes)
-            j.x = qa.xr
-        _qa_task(&qa, 0, 1)
-    if threads == 1:
-        mq_mm_rows(&j, 0, j.N)
-    else:
-        mq_pool_run_chunked(_mm_task, &j, j.N, 16, threads, _chunk_units(j.row_bytes))
-    mq_call_buf_release(buf)
-    return 0
+    j.x = x; j.y = y; j.a = NULL; j.T = 1; j.ldx = j.K; j.ldy = j.N; j.tiles = NULL
+    return _mm_run(&j, w.rs, w.rb, w.rscale, threads)
 
 
 cdef inline void _gap(_wt *nxt, size_t nbytes, int threads) noexcept nogil:
@@ -709,6 +696,11 @@ cdef inline void _gap(_wt *nxt, size_t nbytes, int threads) noexcept nogil:
     total = <size_t>nxt.j.N * nxt.j.row_bytes
     mq_pool_prefetch_wait()
     mq_pool_prefetch(nxt.j.w, nbytes if nbytes < total else total, _pf_parts())
+
+
+cdef inline size_t _work_floats(int D, int nqkv, int nq, int inter) noexcept:
+    """DecodeLayer.run's workspace: h [D], qkv [nqkv], att [nq], o [D], gate_up [2 inter], act [inter]."""
+    return <size_t>3 * D + nqkv + nq + <size_t>3 * inter + 64
 
 
 cdef class DecodeLayer:
@@ -793,7 +785,7 @@ cdef class DecodeLayer:
     @staticmethod
     def work_floats(int D, int nqkv, int Hq, int Dh, int inter):
         """Floats of the workspace run() needs."""
-        return 3 * D + nqkv + Hq * Dh + 3 * inter + 64
+        return _work_floats(D, nqkv, Hq * Dh, inter)
 
     def run(self, cnp.ndarray x, cnp.ndarray kc, cnp.ndarray vc, int pos, cnp.ndarray work,
             int threads=0, size_t pf_bytes=0):
@@ -809,7 +801,7 @@ cdef class DecodeLayer:
         cdef int S = kc.shape[1]
         if pos < 0 or pos >= S:
             raise ValueError(f"DecodeLayer.run: position {pos} is outside the cache (length {S})")
-        if <size_t>work.size < <size_t>(3 * D + self.nqkv + nq + 3 * ni + 64):
+        if <size_t>work.size < _work_floats(D, self.nqkv, nq, ni):
             raise ValueError("DecodeLayer.run: workspace too small")
         cdef float *px = <float*>_ptr(x)
         cdef float *pk = <float*>_ptr(kc)
