@@ -30,7 +30,10 @@ except ImportError:  # not built: everything falls back to numpy
 
 _FMT_ID = layout.FMT_ID
 _Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
-# prefill: above this many query tokens attention runs as batched BLAS products (numpy)
+# prefill on one thread: above this many query tokens attention runs as BLAS products (numpy, one
+# thread). With two or more pool threads the C kernel takes every T: its rows split over the pool by
+# query position, and each row is computed exactly as a single-token decode at that position
+# (docs/kernels.md, "Prefill attention")
 ATTN_C_MAX_T = 8
 
 
@@ -490,14 +493,14 @@ def rmsnorm(x, weight, eps: float, out=None) -> np.ndarray:
     weight = np.ascontiguousarray(weight, dtype=np.float32)
     if out is None:
         out = np.empty_like(x)
-    return _ops.rmsnorm(x, weight, float(eps), out)
+    return _ops.rmsnorm(x, weight, float(eps), out, _parts())
 
 
 def rope(x, positions, theta: float) -> np.ndarray:
     """Rotate-half RoPE on x [T, H, Dh] at `positions` [T]; returns a new array."""
     y = np.array(x, dtype=np.float32, order="C", copy=True)
     pos = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
-    return _ops.rope_(y, pos, float(theta))
+    return _ops.rope_(y, pos, float(theta), _parts())
 
 
 def silu_mul(gate, up, out=None) -> np.ndarray:
@@ -505,7 +508,7 @@ def silu_mul(gate, up, out=None) -> np.ndarray:
             and gate.dtype == np.float32 and up.dtype == np.float32 and gate.strides[1] == 4 and up.strides[1] == 4
             and not (gate.flags.c_contiguous and up.flags.c_contiguous) and out is None):
         # strided rows (halves of a fused gate-up buffer): row by row in C instead of two copies
-        return _ops.silu_mul_rows(gate, up, np.empty(gate.shape, np.float32))
+        return _ops.silu_mul_rows(gate, up, np.empty(gate.shape, np.float32), _parts())
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     up = np.ascontiguousarray(up, dtype=np.float32)
     if gate.shape != up.shape:
@@ -564,8 +567,9 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
         raise KernelError(f"attention: q {q.shape} and cache {k_cache.shape} do not fit (GQA needs Hq % Hkv == 0)")
     if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
         raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")
-    if q.shape[0] > ATTN_C_MAX_T:
-        o = _attention_blas(q, k_cache, v_cache, pos0, _parts())
+    parts = _parts()
+    if q.shape[0] > ATTN_C_MAX_T and ((parts or get_num_threads()) < 2 or q.shape[2] % 16):
+        o = _attention_blas(q, k_cache, v_cache, pos0, parts)
         if out is not None:
             out[...] = o
             return out
@@ -576,7 +580,7 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
         v_cache = np.ascontiguousarray(v_cache, dtype=k_cache.dtype)
     if out is None:
         out = np.empty_like(q)
-    return _ops.attention(q, k_cache, v_cache, int(pos0), out, _parts())
+    return _ops.attention(q, k_cache, v_cache, int(pos0), out, parts)
 
 
 # attention_batch below this many keys in all (sum over the sequences) stays on the calling thread:

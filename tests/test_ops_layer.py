@@ -109,6 +109,57 @@ def test_attention_bit_identical_across_tiers(hq, hkv, dh, kv):
         isa.set_isa(before)
 
 
+@pytest.mark.parametrize("hq,hkv,dh", [(14, 2, 64), (28, 4, 128), (6, 2, 48)])
+@pytest.mark.parametrize("t,pos0,s", [(16, 0, 16), (33, 0, 40), (257, 0, 300), (40, 255, 300)])
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+def test_prefill_attention_rows_equal_decode(tier, hq, hkv, dh, t, pos0, s, kv):
+    """With the pool's threads, a prefill's rows split by query position, and each row is exactly the
+    single-token decode at its position (the KV cache holds the whole prompt): prefill and decode agree
+    bit for bit, for any split, on every tier. On one thread, the prompt runs as BLAS products (close
+    to the reference, not bit-equal)."""
+    rng = np.random.default_rng(t * dh + pos0)
+    q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+    k = rng.standard_normal((hkv, s, dh)).astype(kv)
+    v = rng.standard_normal((hkv, s, dh)).astype(kv)
+    rows = np.concatenate([ops.attention(q[i:i + 1], k, v, pos0 + i) for i in range(t)])
+    n0 = ops.get_num_threads()
+    try:
+        for n in (2, 3):
+            ops.set_num_threads(n)
+            np.testing.assert_array_equal(ops.attention(q, k, v, pos0), rows)
+        ops.set_num_threads(1)
+        ref = ops_ref.attention(q, k.astype(np.float32), v.astype(np.float32), pos0)
+        np.testing.assert_allclose(ops.attention(q, k, v, pos0), ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
+        np.testing.assert_allclose(rows, ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
+    finally:
+        ops.set_num_threads(n0)
+
+
+def test_row_ops_split_over_the_pool_give_the_same_bits():
+    """rmsnorm, rope and silu_mul run their rows on the pool above ROWS_POOL_MIN values (prefill):
+    the same bits as one row at a time; local_threads(1) keeps them on the calling thread."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 896)).astype(np.float32)
+    w = rng.standard_normal(896).astype(np.float32)
+    qk = rng.standard_normal((300, 16, 64)).astype(np.float32)
+    pos = np.arange(7, 307)
+    gu = rng.standard_normal((300, 2 * 1000)).astype(np.float32) * 4
+    one = (np.concatenate([ops.rmsnorm(x[i:i + 1], w, 1e-6) for i in range(300)]),
+           np.concatenate([ops.rope(qk[i:i + 1], pos[i:i + 1], 1e6) for i in range(300)]),
+           np.concatenate([ops.silu_mul(gu[i:i + 1, :1000], gu[i:i + 1, 1000:]) for i in range(300)]))
+    n0 = ops.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            ops.set_num_threads(n)
+            for threads in (None, 1):
+                with ops.local_threads(threads):
+                    got = (ops.rmsnorm(x, w, 1e-6), ops.rope(qk, pos, 1e6), ops.silu_mul(gu[:, :1000], gu[:, 1000:]))
+                for a, b in zip(got, one):
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        ops.set_num_threads(n0)
+
+
 def test_attention_bad_args():
     q = np.zeros((2, 4, 8), np.float32)
     with pytest.raises(ValueError):

@@ -445,17 +445,16 @@ cdef _f32c(cnp.ndarray a, str name):
         raise ValueError(f"{name} must be C-contiguous float32, got {a.dtype}")
 
 
-def rmsnorm(cnp.ndarray x, cnp.ndarray w, float eps, cnp.ndarray out):
+def rmsnorm(cnp.ndarray x, cnp.ndarray w, float eps, cnp.ndarray out, int threads=0):
     _f32c(x, "x"); _f32c(w, "weight"); _f32c(out, "out")
     cdef int D = x.shape[x.ndim - 1]
     cdef int T = x.size // D if D else 0
     if w.size != D or out.size != x.size:
         raise ValueError(f"rmsnorm: weight has {w.size} values for rows of {D}")
-    cdef const float *px = <const float*>_ptr(x)
-    cdef const float *pw = <const float*>_ptr(w)
-    cdef float *po = <float*>_ptr(out)
+    cdef _norm_arg a
+    a.x = <const float*>_ptr(x); a.w = <const float*>_ptr(w); a.y = <float*>_ptr(out); a.D = D; a.eps = eps
     with nogil:
-        mq_rmsnorm(px, pw, po, T, D, eps)
+        _rows_run(_norm_task, &a, T, D, threads)
     return out
 
 
@@ -490,17 +489,70 @@ def hadamard(cnp.ndarray x, cnp.ndarray out, signs, int block, float scale):
     return out
 
 
-def rope_(cnp.ndarray x, cnp.ndarray pos, double theta):
+# element-wise ops on rows (rope, silu_mul, rmsnorm) split their rows over the pool from this many
+# values on: below it, one dispatch costs more than the work
+cdef size_t ROWS_POOL_MIN = 1 << 16
+
+
+cdef void _rows_run(mq_task_fn fn, void *arg, int64_t rows, size_t width, int threads) noexcept nogil:
+    """fn(arg, r0, r1) over rows [0, rows): on the pool in static parts (at most `threads`, 0: all)
+    when the rows hold at least ROWS_POOL_MIN values, else on the calling thread."""
+    if rows <= 0:
+        return
+    if <size_t>rows * width >= ROWS_POOL_MIN and rows > 1:
+        mq_pool_run_n(fn, arg, rows, 1, threads)
+    else:
+        fn(arg, 0, rows)
+
+
+cdef struct _rope_arg:
+    float *x
+    const int64_t *pos
+    int H, Dh
+    double theta
+
+cdef void _rope_task(void *arg, int64_t t0, int64_t t1) noexcept nogil:
+    cdef _rope_arg *p = <_rope_arg*>arg
+    mq_rope(p.x + <size_t>t0 * p.H * p.Dh, p.pos + t0, <int>(t1 - t0), p.H, p.Dh, p.theta)
+
+
+cdef struct _silu_arg:
+    const char *g
+    const char *u
+    char *y
+    Py_ssize_t sg, su, sy
+    size_t n
+
+cdef void _silu_task(void *arg, int64_t t0, int64_t t1) noexcept nogil:
+    cdef _silu_arg *p = <_silu_arg*>arg
+    cdef int64_t t
+    for t in range(t0, t1):
+        mq_silu_mul(<const float*>(p.g + t * p.sg), <const float*>(p.u + t * p.su), <float*>(p.y + t * p.sy), p.n)
+
+
+cdef struct _norm_arg:
+    const float *x
+    const float *w
+    float *y
+    int D
+    float eps
+
+cdef void _norm_task(void *arg, int64_t t0, int64_t t1) noexcept nogil:
+    cdef _norm_arg *p = <_norm_arg*>arg
+    mq_rmsnorm(p.x + <size_t>t0 * p.D, p.w, p.y + <size_t>t0 * p.D, <int>(t1 - t0), p.D, p.eps)
+
+
+def rope_(cnp.ndarray x, cnp.ndarray pos, double theta, int threads=0):
     """In place on x [T, H, Dh]; pos int64 [T]."""
     _f32c(x, "x")
     if x.ndim != 3 or pos.dtype != np.int64 or pos.ndim != 1 or pos.shape[0] != x.shape[0] or x.shape[2] % 2 \
             or x.shape[2] > 1024 or not pos.flags.c_contiguous:
         raise ValueError("rope: x must be [T, H, Dh] (Dh even, <= 1024) and positions int64 [T]")
-    cdef float *px = <float*>_ptr(x)
-    cdef const int64_t *pp = <const int64_t*>_ptr(pos)
-    cdef int T = x.shape[0], H = x.shape[1], Dh = x.shape[2]
+    cdef _rope_arg a
+    a.x = <float*>_ptr(x); a.pos = <const int64_t*>_ptr(pos)
+    a.H = x.shape[1]; a.Dh = x.shape[2]; a.theta = theta
     with nogil:
-        mq_rope(px, pp, T, H, Dh, theta)
+        _rows_run(_rope_task, &a, x.shape[0], <size_t>a.H * a.Dh, threads)
     return x
 
 
@@ -517,7 +569,7 @@ def silu_mul(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
     return out
 
 
-def silu_mul_rows(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
+def silu_mul_rows(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out, int threads=0):
     """silu_mul on 2-D float32 [T, n] arrays whose rows are contiguous but may be strided (the two
     halves of a fused gate-up buffer): no copies."""
     if g.ndim != 2 or u.ndim != 2 or out.ndim != 2 or g.dtype != np.float32 or u.dtype != np.float32 \
@@ -525,14 +577,12 @@ def silu_mul_rows(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
             or g.shape[1] != u.shape[1] or g.shape[1] != out.shape[1] or not out.flags.writeable \
             or (g.shape[1] > 1 and (g.strides[1] != 4 or u.strides[1] != 4 or out.strides[1] != 4)):
         raise ValueError("silu_mul_rows: gate, up, out must be float32 [T, n] with contiguous rows")
-    cdef const char *pg = <const char*>cnp.PyArray_DATA(g)
-    cdef const char *pu = <const char*>cnp.PyArray_DATA(u)
-    cdef char *po = <char*>cnp.PyArray_DATA(out)
-    cdef Py_ssize_t sg = g.strides[0], su = u.strides[0], so = out.strides[0], t, T = g.shape[0]
-    cdef size_t n = g.shape[1]
+    cdef _silu_arg a
+    a.g = <const char*>cnp.PyArray_DATA(g); a.u = <const char*>cnp.PyArray_DATA(u)
+    a.y = <char*>cnp.PyArray_DATA(out)
+    a.sg = g.strides[0]; a.su = u.strides[0]; a.sy = out.strides[0]; a.n = g.shape[1]
     with nogil:
-        for t in range(T):
-            mq_silu_mul(<const float*>(pg + t * sg), <const float*>(pu + t * su), <float*>(po + t * so), n)
+        _rows_run(_silu_task, &a, g.shape[0], a.n, threads)
     return out
 
 
@@ -587,6 +637,21 @@ cdef void _att_task(void *arg, int64_t h0, int64_t h1) noexcept nogil:
     if scr == NULL:
         return
     mq_attention(p.q, p.k, p.v, p.f16, p.out, p.T, p.Hq, p.Hkv, p.Dh, p.S, p.pos0, <int>h0, <int>h1, scr)
+
+
+# attention with at least this many query rows (prefill) splits by query position instead of by head
+cdef int ATT_ROWS_MIN_T = 16
+
+
+cdef void _att_rows_task(void *arg, int64_t t0, int64_t t1) noexcept nogil:
+    # query positions [t0, t1), every head: each row exactly as a single-query call at pos0 + t
+    cdef _att_arg *p = <_att_arg*>arg
+    cdef float *scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(p.S, p.Dh))
+    cdef size_t off = <size_t>t0 * p.Hq * p.Dh
+    if scr == NULL:
+        return
+    mq_attention(p.q + off, p.k, p.v, p.f16, p.out + off, <int>(t1 - t0), p.Hq, p.Hkv, p.Dh, p.S,
+                 p.pos0 + <int>t0, 0, p.Hq, scr)
 
 
 cdef struct _attb_arg:
@@ -668,8 +733,14 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray
     a.q = <const float*>_ptr(q); a.k = _ptr(k); a.v = _ptr(v); a.f16 = k.dtype == np.float16
     a.T = q.shape[0]; a.Hq = q.shape[1]; a.Hkv = k.shape[0]; a.Dh = q.shape[2]; a.S = k.shape[1]
     a.pos0 = pos0; a.out = <float*>_ptr(out)
+    cdef int np_ = threads if 0 < threads < mq_pool_size() else mq_pool_size()
     with nogil:
-        mq_pool_run_n(_att_task, &a, a.Hq, 1, threads)
+        if a.T >= ATT_ROWS_MIN_T and np_ > 1:
+            # prefill: chunks of query positions taken in turn (a row's cost grows with its
+            # position, so static parts would leave the first thread idle)
+            mq_pool_run_chunked(_att_rows_task, &a, a.T, 1, np_, max(1, a.T // (16 * np_)))
+        else:
+            mq_pool_run_n(_att_task, &a, a.Hq, 1, threads)
     return out
 
 

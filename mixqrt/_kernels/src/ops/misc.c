@@ -37,11 +37,12 @@ void mq_attention(const float *q, const void *k, const void *v, int kv_f16, floa
 
 void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta) {
     int half = Dh / 2;
+    double inv[512];
     float cs[512], sn[512];
+    for (int i = 0; i < half && i < 512; i++) inv[i] = 1.0 / pow(theta, (double)(2 * i) / Dh);
     for (int t = 0; t < T; t++) {
         for (int i = 0; i < half && i < 512; i++) {
-            double inv = 1.0 / pow(theta, (double)(2 * i) / Dh);
-            double ang = (double)pos[t] * inv;
+            double ang = (double)pos[t] * inv[i];
             cs[i] = (float)cos(ang); sn[i] = (float)sin(ang);
         }
         for (int h = 0; h < H; h++) {
