@@ -30,10 +30,10 @@ except ImportError:  # not built: everything falls back to numpy
 
 _FMT_ID = layout.FMT_ID
 _Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
-# prefill on one thread: above this many query tokens attention runs as BLAS products (numpy, one
-# thread). With two or more pool threads the C kernel takes every T: its rows split over the pool by
-# query position, and each row is computed exactly as a single-token decode at that position
-# (docs/kernels.md, "Prefill attention")
+# attention runs in C for any number of query rows when head_dim is a multiple of 16 (up to 256):
+# prefill rows split over the pool by query position, each row computed exactly as the single-token
+# decode at its position, so the result does not depend on the thread count or the tier. Other
+# head sizes take BLAS products (numpy) above this many query rows (docs/kernels.md, "Prefill on the pool")
 ATTN_C_MAX_T = 8
 
 
@@ -568,7 +568,7 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
     if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
         raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")
     parts = _parts()
-    if q.shape[0] > ATTN_C_MAX_T and ((parts or get_num_threads()) < 2 or q.shape[2] % 16):
+    if q.shape[0] > ATTN_C_MAX_T and (q.shape[2] % 16 or q.shape[2] > 256):
         o = _attention_blas(q, k_cache, v_cache, pos0, parts)
         if out is not None:
             out[...] = o

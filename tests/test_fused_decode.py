@@ -165,3 +165,26 @@ def test_decode_chunking_changes_nothing(fmt):
             ops.set_decode_chunk(-1)
     finally:
         ops.set_decode_chunk(before)
+
+
+@pytest.mark.parametrize("dh", [16, 64])
+def test_logits_do_not_depend_on_threads_or_prefill_chunks(fused_switch, dh):
+    """Prefill attention rows are the decode computation at their positions and every product gives the
+    same bits on any split: a model's logits (prompt, then greedy steps) are the same at 1, 2 and 3
+    threads, and a prompt prefilled in chunks gives the logits of one prefill."""
+    cfg = tiny_config("qwen2", True, hq=4, hkv=2, dh=dh, d=64, inter=96, layers=2)
+    model = build_model(cfg, tiny_weights(cfg, seed=dh, bias=True))
+    prompt = [(7 * i + 3) % cfg["vocab_size"] for i in range(40)]
+    n0 = ops.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            ops.set_num_threads(n)
+            runs.append(fused_switch(model, prompt, 6, True)[0])
+        for r in runs[1:]:
+            np.testing.assert_array_equal(r, runs[0])
+    finally:
+        ops.set_num_threads(n0)
+    whole = model(np.asarray(prompt), model.make_cache(40), last_only=False)
+    chunked = model(np.asarray(prompt), model.make_cache(40), last_only=False, chunk_size=16)
+    np.testing.assert_array_equal(chunked, whole)

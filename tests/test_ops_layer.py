@@ -109,28 +109,33 @@ def test_attention_bit_identical_across_tiers(hq, hkv, dh, kv):
         isa.set_isa(before)
 
 
-@pytest.mark.parametrize("hq,hkv,dh", [(14, 2, 64), (28, 4, 128), (6, 2, 48)])
+@pytest.mark.parametrize("hq,hkv,dh", [(14, 2, 64), (28, 4, 128), (4, 1, 80), (6, 2, 48)])
 @pytest.mark.parametrize("t,pos0,s", [(16, 0, 16), (33, 0, 40), (257, 0, 300), (40, 255, 300)])
 @pytest.mark.parametrize("kv", [np.float32, np.float16])
 def test_prefill_attention_rows_equal_decode(tier, hq, hkv, dh, t, pos0, s, kv):
-    """With the pool's threads, a prefill's rows split by query position, and each row is exactly the
-    single-token decode at its position (the KV cache holds the whole prompt): prefill and decode agree
-    bit for bit, for any split, on every tier. On one thread, the prompt runs as BLAS products (close
-    to the reference, not bit-equal)."""
+    """A prefill's rows (head_dim a multiple of 16) are each exactly the single-token decode at their
+    position (the KV cache holds the whole prompt): prefill and decode agree bit for bit, for any thread
+    count and split over the pool, on every tier. Other head sizes run prompts as BLAS products: the
+    same bits at any thread count, close to the reference."""
     rng = np.random.default_rng(t * dh + pos0)
     q = rng.standard_normal((t, hq, dh)).astype(np.float32)
     k = rng.standard_normal((hkv, s, dh)).astype(kv)
     v = rng.standard_normal((hkv, s, dh)).astype(kv)
     rows = np.concatenate([ops.attention(q[i:i + 1], k, v, pos0 + i) for i in range(t)])
+    ref = ops_ref.attention(q, k.astype(np.float32), v.astype(np.float32), pos0)
+    np.testing.assert_allclose(rows, ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
     n0 = ops.get_num_threads()
     try:
-        for n in (2, 3):
+        got = []
+        for n in (1, 2, 3):
             ops.set_num_threads(n)
-            np.testing.assert_array_equal(ops.attention(q, k, v, pos0), rows)
-        ops.set_num_threads(1)
-        ref = ops_ref.attention(q, k.astype(np.float32), v.astype(np.float32), pos0)
-        np.testing.assert_allclose(ops.attention(q, k, v, pos0), ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
-        np.testing.assert_allclose(rows, ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
+            got.append(ops.attention(q, k, v, pos0))
+        for g in got:
+            np.testing.assert_array_equal(g, got[0])
+        if dh % 16 == 0:
+            np.testing.assert_array_equal(got[0], rows)
+        else:
+            np.testing.assert_allclose(got[0], ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
     finally:
         ops.set_num_threads(n0)
 

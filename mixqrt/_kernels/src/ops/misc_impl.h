@@ -35,13 +35,14 @@ static inline float MQ_FN(fexp_)(float x) {
     return p * sf;
 }
 
-/* y[i] = hexp_(x[i]) for n values, in two passes that gcc vectorizes: the fast path on the input
- * clamped to the range, then libm expf for the (rare) inputs outside it. Same values as hexp_. */
-static void MQ_FN(hexp_n_)(const float *x, float *y, size_t n) {   /* y may alias x */
+/* y[i] = hexp_(x[i] - sub) for n values, in two passes that gcc vectorizes: the fast path on the
+ * input clamped to the range, then libm expf for the (rare) inputs outside it. Same values as hexp_
+ * of the float difference. */
+static void MQ_FN(hexp_n_)(const float *x, float *y, size_t n, float sub) {   /* y may alias x */
     float t[256];
     for (size_t i0 = 0; i0 < n; i0 += 256) {
         size_t m = n - i0 < 256 ? n - i0 : 256;
-        memcpy(t, x + i0, m * 4);
+        for (size_t i = 0; i < m; i++) t[i] = x[i0 + i] - sub;
         for (size_t i = 0; i < m; i++) {
             float v = t[i];
             v = v < MQ_EXP_LO ? MQ_EXP_LO : v;
@@ -81,7 +82,7 @@ void MQ_FN(mq_silu_mul_)(const float *g, const float *u, float *y, size_t n) {
     for (size_t i0 = 0; i0 < n; i0 += 256) {
         size_t m = n - i0 < 256 ? n - i0 : 256;
         for (size_t i = 0; i < m; i++) ng[i] = -g[i0 + i];
-        MQ_FN(hexp_n_)(ng, e, m);
+        MQ_FN(hexp_n_)(ng, e, m, 0.0f);
         for (size_t i = 0; i < m; i++) y[i0 + i] = g[i0 + i] / (1.0f + e[i]) * u[i0 + i];
     }
 }
@@ -184,14 +185,33 @@ void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K,
 
 /* one row in place; returns nothing. fast=0 uses libm expf everywhere (the "exact" variant). */
 static void MQ_FN(softmax_row_)(float *x, int n, int fast) {
-    float mx = -INFINITY;
-    for (int i = 0; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    /* the max in 16 lanes (a vector max instead of a serial chain; the max is the same value in
+     * any order, and a +-0 tie changes no exp below) */
+    float m16[16], mx = -INFINITY;
+    int i0 = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; i0 + 16 <= n; i0 += 16) mv = _mm512_max_ps(_mm512_loadu_ps(x + i0), mv);   /* x > m ? x : m */
+    _mm512_storeu_ps(m16, mv);
+#elif defined(__AVX2__)
+    __m256 ma = _mm256_set1_ps(-INFINITY), mb = ma;
+    for (; i0 + 16 <= n; i0 += 16) {
+        ma = _mm256_max_ps(_mm256_loadu_ps(x + i0), ma);
+        mb = _mm256_max_ps(_mm256_loadu_ps(x + i0 + 8), mb);
+    }
+    _mm256_storeu_ps(m16, ma);
+    _mm256_storeu_ps(m16 + 8, mb);
+#else
+    for (int l = 0; l < 16; l++) m16[l] = -INFINITY;
+    for (; i0 + 16 <= n; i0 += 16) for (int l = 0; l < 16; l++) m16[l] = x[i0 + l] > m16[l] ? x[i0 + l] : m16[l];
+#endif
+    for (; i0 < n; i0++) m16[0] = x[i0] > m16[0] ? x[i0] : m16[0];
+    for (int l = 0; l < 16; l++) mx = m16[l] > mx ? m16[l] : mx;
     if (mx == -INFINITY) { for (int i = 0; i < n; i++) x[i] = 0.0f; return; }
     float sum[16] = {0};
     int i = 0;
     if (fast) {
-        for (i = 0; i < n; i++) x[i] = x[i] - mx;
-        MQ_FN(hexp_n_)(x, x, (size_t)n);
+        MQ_FN(hexp_n_)(x, x, (size_t)n, mx);
     } else {
         for (i = 0; i < n; i++) x[i] = expf(x[i] - mx);
     }
@@ -316,9 +336,38 @@ static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc
     for (int c = 0; c < nc; c++) _mm512_storeu_ps(out + 16 * c, o[c]);
 }
 
-/* Dh 64: the heads of a group share each V row; 4 x G independent sums. 1 if done. */
+/* Dh 128: two heads share each V row (2 x 8 sums); an odd last head alone (att_pv_) */
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_pairs128_)(const float *scratch, int S, int G, const void *v, int f16,
+                                                                        size_t kb, int n, float *out) {
+    int j = 0;
+    for (; j + 2 <= G; j += 2) {
+        const float *s0 = scratch + (size_t)j * (S + 16), *s1 = s0 + (S + 16);
+        __m512 o0[8], o1[8];
+        for (int c = 0; c < 8; c++) o0[c] = o1[c] = _mm512_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            const __m512 p0 = _mm512_set1_ps(s0[i]), p1 = _mm512_set1_ps(s1[i]);
+            for (int c = 0; c < 8; c++) {
+                const __m512 vr = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * 128 + 16 * c);
+                o0[c] = _mm512_add_ps(o0[c], _mm512_mul_ps(p0, vr));
+                o1[c] = _mm512_add_ps(o1[c], _mm512_mul_ps(p1, vr));
+            }
+        }
+        for (int c = 0; c < 8; c++) {
+            _mm512_storeu_ps(out + (size_t)j * 128 + 16 * c, o0[c]);
+            _mm512_storeu_ps(out + (size_t)(j + 1) * 128 + 16 * c, o1[c]);
+        }
+    }
+    if (j < G) MQ_FN(att_pv_)(scratch + (size_t)j * (S + 16), v, f16, kb, n, 128, out + (size_t)j * 128);
+}
+
+/* Dh 64: the heads of a group share each V row; 4 x G independent sums. Dh 128: att_pv_pairs128_.
+ * 1 if done. */
 static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb, int n,
                                        int Dh, float *out) {
+    if (Dh == 128) {
+        MQ_FN(att_pv_pairs128_)(scratch, S, G, v, f16, kb, n, out);
+        return 1;
+    }
     if (Dh != 64) return 0;
     __m512 o[MQ_ATT_GB][4];
     for (int j = 0; j < MQ_ATT_GB; j++) for (int c = 0; c < 4; c++) o[j][c] = _mm512_setzero_ps();
@@ -392,7 +441,7 @@ static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const floa
  * value sums stay in registers. */
 static inline __attribute__((always_inline)) void
 MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f16, float *out, int T,
-                      int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
+                      int Hq, int Hkv, const int Dh, int S, int pos0, int h0, int h1, float *scratch) {
     const int g = Hq / Hkv;
     const float scale = (float)(1.0 / sqrt((double)Dh));
     float *kr = scratch + (size_t)MQ_ATT_GB * ((size_t)S + 16);
@@ -431,10 +480,21 @@ MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f1
     }
 }
 
+/* specialised per cache dtype and for head_dim 64 and 128 (a constant head_dim turns the 16 key rows
+ * of a block into displacements from one pointer instead of 16 offsets in registers) */
 static void MQ_FN(att_grouped_)(const float *q, const void *k, const void *v, int f16, float *out, int T,
                                 int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
-    if (f16) MQ_FN(att_grouped_f_)(q, k, v, 1, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
-    else MQ_FN(att_grouped_f_)(q, k, v, 0, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
+#define MQ_ATT_CALL(F16, DH) MQ_FN(att_grouped_f_)(q, k, v, F16, out, T, Hq, Hkv, DH, S, pos0, h0, h1, scratch)
+    if (f16) {
+        if (Dh == 64) MQ_ATT_CALL(1, 64);
+        else if (Dh == 128) MQ_ATT_CALL(1, 128);
+        else MQ_ATT_CALL(1, Dh);
+    } else {
+        if (Dh == 64) MQ_ATT_CALL(0, 64);
+        else if (Dh == 128) MQ_ATT_CALL(0, 128);
+        else MQ_ATT_CALL(0, Dh);
+    }
+#undef MQ_ATT_CALL
 }
 #endif
 
