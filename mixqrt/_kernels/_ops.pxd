@@ -64,4 +64,4 @@ cdef extern from "mq_ops.h" nogil:
     float mq_expf_fast(float x)
     void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                       int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch)
-    size_t MQ_ATT_SCRATCH(int S, int Dh)
+    size_t MQ_ATT_SCRATCH(int S, int Dh, int T)

@@ -633,7 +633,7 @@ cdef struct _att_arg:
 
 cdef void _att_task(void *arg, int64_t h0, int64_t h1) noexcept nogil:
     cdef _att_arg *p = <_att_arg*>arg
-    cdef float *scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(p.S, p.Dh))
+    cdef float *scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(p.S, p.Dh, p.T))
     if scr == NULL:
         return
     mq_attention(p.q, p.k, p.v, p.f16, p.out, p.T, p.Hq, p.Hkv, p.Dh, p.S, p.pos0, <int>h0, <int>h1, scr)
@@ -646,7 +646,7 @@ cdef int ATT_ROWS_MIN_T = 16
 cdef void _att_rows_task(void *arg, int64_t t0, int64_t t1) noexcept nogil:
     # query positions [t0, t1), every head: each row exactly as a single-query call at pos0 + t
     cdef _att_arg *p = <_att_arg*>arg
-    cdef float *scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(p.S, p.Dh))
+    cdef float *scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(p.S, p.Dh, <int>(t1 - t0)))
     cdef size_t off = <size_t>t0 * p.Hq * p.Dh
     if scr == NULL:
         return
@@ -670,7 +670,7 @@ cdef void _attb_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
         h0 = <int>(i - <int64_t>b * p.Hq)
         e = min(i1, (<int64_t>b + 1) * p.Hq)
         a = &p.seq[b]
-        scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(a.S, a.Dh))
+        scr = <float*>mq_scratch(sizeof(float) * MQ_ATT_SCRATCH(a.S, a.Dh, 1))
         if scr == NULL:
             return
         mq_attention(a.q, a.k, a.v, a.f16, a.out, 1, a.Hq, a.Hkv, a.Dh, a.S, a.pos0, h0,

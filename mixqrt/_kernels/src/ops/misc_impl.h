@@ -325,11 +325,12 @@ static inline __attribute__((always_inline)) void MQ_FN(att_scores_)(const float
     _mm512_storeu_ps(out, _mm512_mul_ps(MQ_FN(att_red16_)(acc), _mm512_set1_ps(scale)));
 }
 
-static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int n, int Dh, float *out) {
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int i0, int n, int Dh,
+                                                                float *out, const int acc) {
     const int nc = Dh / 16;
     __m512 o[16];
-    for (int c = 0; c < nc; c++) o[c] = _mm512_setzero_ps();
-    for (int i = 0; i < n; i++) {
+    for (int c = 0; c < nc; c++) o[c] = acc ? _mm512_loadu_ps(out + 16 * c) : _mm512_setzero_ps();
+    for (int i = i0; i < n; i++) {
         const __m512 p = _mm512_set1_ps(sc[i]);
         for (int c = 0; c < nc; c++) o[c] = _mm512_add_ps(o[c], _mm512_mul_ps(p, MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c)));
     }
@@ -338,13 +339,16 @@ static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc
 
 /* Dh 128: two heads share each V row (2 x 8 sums); an odd last head alone (att_pv_) */
 static inline __attribute__((always_inline)) void MQ_FN(att_pv_pairs128_)(const float *scratch, int S, int G, const void *v, int f16,
-                                                                        size_t kb, int n, float *out) {
+                                                                        size_t kb, int i0, int n, float *out, const int acc) {
     int j = 0;
     for (; j + 2 <= G; j += 2) {
         const float *s0 = scratch + (size_t)j * (S + 16), *s1 = s0 + (S + 16);
         __m512 o0[8], o1[8];
-        for (int c = 0; c < 8; c++) o0[c] = o1[c] = _mm512_setzero_ps();
-        for (int i = 0; i < n; i++) {
+        for (int c = 0; c < 8; c++) {
+            o0[c] = acc ? _mm512_loadu_ps(out + (size_t)j * 128 + 16 * c) : _mm512_setzero_ps();
+            o1[c] = acc ? _mm512_loadu_ps(out + (size_t)(j + 1) * 128 + 16 * c) : _mm512_setzero_ps();
+        }
+        for (int i = i0; i < n; i++) {
             const __m512 p0 = _mm512_set1_ps(s0[i]), p1 = _mm512_set1_ps(s1[i]);
             for (int c = 0; c < 8; c++) {
                 const __m512 vr = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * 128 + 16 * c);
@@ -357,21 +361,22 @@ static inline __attribute__((always_inline)) void MQ_FN(att_pv_pairs128_)(const 
             _mm512_storeu_ps(out + (size_t)(j + 1) * 128 + 16 * c, o1[c]);
         }
     }
-    if (j < G) MQ_FN(att_pv_)(scratch + (size_t)j * (S + 16), v, f16, kb, n, 128, out + (size_t)j * 128);
+    if (j < G) MQ_FN(att_pv_)(scratch + (size_t)j * (S + 16), v, f16, kb, i0, n, 128, out + (size_t)j * 128, acc);
 }
 
 /* Dh 64: the heads of a group share each V row; 4 x G independent sums. Dh 128: att_pv_pairs128_.
- * 1 if done. */
-static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb, int n,
-                                       int Dh, float *out) {
+ * Keys [i0, n); acc: continue the sums in out (else start at zero). 1 if done. */
+static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb,
+                                                                    int i0, int n, int Dh, float *out, const int acc) {
     if (Dh == 128) {
-        MQ_FN(att_pv_pairs128_)(scratch, S, G, v, f16, kb, n, out);
+        MQ_FN(att_pv_pairs128_)(scratch, S, G, v, f16, kb, i0, n, out, acc);
         return 1;
     }
     if (Dh != 64) return 0;
     __m512 o[MQ_ATT_GB][4];
-    for (int j = 0; j < MQ_ATT_GB; j++) for (int c = 0; c < 4; c++) o[j][c] = _mm512_setzero_ps();
-    for (int i = 0; i < n; i++) {
+    for (int j = 0; j < MQ_ATT_GB; j++)
+        for (int c = 0; c < 4; c++) o[j][c] = acc && j < G ? _mm512_loadu_ps(out + (size_t)j * Dh + 16 * c) : _mm512_setzero_ps();
+    for (int i = i0; i < n; i++) {
         __m512 vr[4];
         for (int c = 0; c < 4; c++) vr[c] = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c);
         for (int j = 0; j < MQ_ATT_GB; j++) {
@@ -415,20 +420,21 @@ static inline __attribute__((always_inline)) void MQ_FN(att_scores_)(const float
     _mm_storeu_ps(out, _mm_mul_ps(_mm256_castps256_ps128(p), _mm_set1_ps(scale)));
 }
 
-static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int n, int Dh, float *out) {
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int i0, int n, int Dh,
+                                                                float *out, const int acc) {
     const int nc = Dh / 8;
     __m256 o[16];
-    for (int c = 0; c < nc; c++) o[c] = _mm256_setzero_ps();
-    for (int i = 0; i < n; i++) {
+    for (int c = 0; c < nc; c++) o[c] = acc ? _mm256_loadu_ps(out + 8 * c) : _mm256_setzero_ps();
+    for (int i = i0; i < n; i++) {
         const __m256 p = _mm256_set1_ps(sc[i]);
         for (int c = 0; c < nc; c++) o[c] = _mm256_add_ps(o[c], _mm256_mul_ps(p, MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 8 * c)));
     }
     for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
 }
 
-static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb, int n,
-                                       int Dh, float *out) {
-    (void)scratch; (void)S; (void)G; (void)v; (void)f16; (void)kb; (void)n; (void)Dh; (void)out;
+static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb,
+                                                                    int i0, int n, int Dh, float *out, const int acc) {
+    (void)scratch; (void)S; (void)G; (void)v; (void)f16; (void)kb; (void)i0; (void)n; (void)Dh; (void)out; (void)acc;
     return 0;
 }
 #endif
@@ -438,16 +444,23 @@ static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const floa
 /* The attention below for Dh a multiple of 16 (<= MQ_ATT_MAXDH), bit for bit: the query heads of one KV
  * group (MQ_ATT_GB at a time) share each block of MQ_ATT_KB keys of K while it sits in L1, and a
  * block's dot products are reduced together (att_scores_) instead of one horizontal sum per key; the
- * value sums stay in registers. */
+ * value sums stay in registers. A prompt (T > 1) runs in tiles of MQ_ATT_TP positions: each key block
+ * serves every position of the tile, and the value sums run over MQ_ATT_PVC keys at a time for every
+ * position, continued from out in key order, so K and V are read once per tile instead of once per
+ * position, and every row keeps the single-position operations (the same bits). */
+#define MQ_ATT_PVC 64
 static inline __attribute__((always_inline)) void
 MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f16, float *out, int T,
                       int Hq, int Hkv, const int Dh, int S, int pos0, int h0, int h1, float *scratch) {
     const int g = Hq / Hkv;
     const float scale = (float)(1.0 / sqrt((double)Dh));
-    float *kr = scratch + (size_t)MQ_ATT_GB * ((size_t)S + 16);
-    for (int t = 0; t < T; t++) {
-        int n = pos0 + t + 1;
-        if (n > S) n = S;
+    const size_t rs = (size_t)S + 16;                                   /* one row of scores */
+    const int tp = T < MQ_ATT_TP ? T : MQ_ATT_TP;
+    float *kr = scratch + (size_t)tp * MQ_ATT_GB * rs;
+    for (int t0 = 0; t0 < T; t0 += MQ_ATT_TP) {
+        const int tn = T - t0 < MQ_ATT_TP ? T - t0 : MQ_ATT_TP;
+        int nmax = pos0 + t0 + tn;
+        if (nmax > S) nmax = S;
         for (int hb = h0; hb < h1;) {
             const int kh = hb / g;
             int he = (kh + 1) * g;
@@ -455,26 +468,53 @@ MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f1
             if (he - hb > MQ_ATT_GB) he = hb + MQ_ATT_GB;
             const int G = he - hb;
             const size_t kb = (size_t)kh * S * Dh;
-            const float *qt = q + ((size_t)t * Hq + hb) * Dh;
-            float *ot = out + ((size_t)t * Hq + hb) * Dh;
-            int i0 = 0;
-            for (; i0 + MQ_ATT_KB <= n; i0 += MQ_ATT_KB)
-                for (int j = 0; j < G; j++)
-                    MQ_FN(att_scores_)(qt + (size_t)j * Dh, k, f16, kb + (size_t)i0 * Dh, Dh, scale,
-                                       scratch + (size_t)j * (S + 16) + i0);
-            for (int i = i0; i < n; i++) {       /* the last keys: one at a time, as below */
-                const float *krow = (const float *)k + kb + (size_t)i * Dh;
-                if (f16) {
-                    for (int d = 0; d < Dh; d++) kr[d] = mq_f16_to_f32(((const uint16_t *)k)[kb + (size_t)i * Dh + d]);
-                    krow = kr;
+            for (int i0 = 0; i0 + MQ_ATT_KB <= nmax; i0 += MQ_ATT_KB)     /* whole key blocks */
+                for (int p = 0; p < tn; p++) {
+                    int n = pos0 + t0 + p + 1;
+                    if (n > S) n = S;
+                    if (i0 + MQ_ATT_KB > n) continue;
+                    const float *qt = q + ((size_t)(t0 + p) * Hq + hb) * Dh;
+                    float *sp = scratch + (size_t)p * MQ_ATT_GB * rs;
+                    for (int j = 0; j < G; j++)
+                        MQ_FN(att_scores_)(qt + (size_t)j * Dh, k, f16, kb + (size_t)i0 * Dh, Dh, scale, sp + (size_t)j * rs + i0);
                 }
-                for (int j = 0; j < G; j++)
-                    scratch[(size_t)j * (S + 16) + i] = MQ_FN(dotf_)(qt + (size_t)j * Dh, krow, Dh) * scale;
+            for (int p = 0; p < tn; p++) {
+                int n = pos0 + t0 + p + 1;
+                if (n > S) n = S;
+                const float *qt = q + ((size_t)(t0 + p) * Hq + hb) * Dh;
+                float *sp = scratch + (size_t)p * MQ_ATT_GB * rs;
+                for (int i = n / MQ_ATT_KB * MQ_ATT_KB; i < n; i++) {   /* the last keys: one at a time */
+                    const float *krow = (const float *)k + kb + (size_t)i * Dh;
+                    if (f16) {
+                        for (int d = 0; d < Dh; d++) kr[d] = mq_f16_to_f32(((const uint16_t *)k)[kb + (size_t)i * Dh + d]);
+                        krow = kr;
+                    }
+                    for (int j = 0; j < G; j++)
+                        sp[(size_t)j * rs + i] = MQ_FN(dotf_)(qt + (size_t)j * Dh, krow, Dh) * scale;
+                }
+                for (int j = 0; j < G; j++) MQ_FN(softmax_row_)(sp + (size_t)j * rs, n, 1);
             }
-            for (int j = 0; j < G; j++) MQ_FN(softmax_row_)(scratch + (size_t)j * (S + 16), n, 1);
-            if (!MQ_FN(att_pv_group_)(scratch, S, G, v, f16, kb, n, Dh, ot))
-                for (int j = 0; j < G; j++)
-                    MQ_FN(att_pv_)(scratch + (size_t)j * (S + 16), v, f16, kb, n, Dh, ot + (size_t)j * Dh);
+            if (tn == 1) {                                               /* decode: one pass */
+                float *ot = out + ((size_t)t0 * Hq + hb) * Dh;
+                int n = nmax;
+                if (!MQ_FN(att_pv_group_)(scratch, S, G, v, f16, kb, 0, n, Dh, ot, 0))
+                    for (int j = 0; j < G; j++)
+                        MQ_FN(att_pv_)(scratch + (size_t)j * rs, v, f16, kb, 0, n, Dh, ot + (size_t)j * Dh, 0);
+            } else {
+                for (int p = 0; p < tn; p++) memset(out + ((size_t)(t0 + p) * Hq + hb) * Dh, 0, sizeof(float) * G * Dh);
+                for (int c0 = 0; c0 < nmax; c0 += MQ_ATT_PVC)
+                    for (int p = 0; p < tn; p++) {
+                        int n = pos0 + t0 + p + 1;
+                        if (n > S) n = S;
+                        const int c1 = c0 + MQ_ATT_PVC < n ? c0 + MQ_ATT_PVC : n;
+                        if (c1 <= c0) continue;
+                        float *sp = scratch + (size_t)p * MQ_ATT_GB * rs;
+                        float *ot = out + ((size_t)(t0 + p) * Hq + hb) * Dh;
+                        if (!MQ_FN(att_pv_group_)(sp, S, G, v, f16, kb, c0, c1, Dh, ot, 1))
+                            for (int j = 0; j < G; j++)
+                                MQ_FN(att_pv_)(sp + (size_t)j * rs, v, f16, kb, c0, c1, Dh, ot + (size_t)j * Dh, 1);
+                    }
+            }
             hb = he;
         }
     }
@@ -499,7 +539,7 @@ static void MQ_FN(att_grouped_)(const float *q, const void *k, const void *v, in
 #endif
 
 /* Heads [h0, h1) of causal GQA attention. q [T,Hq,Dh]; k, v [Hkv,S,Dh] (f32, or f16 if kv_f16);
- * out [T,Hq,Dh]; scratch: MQ_ATT_SCRATCH(S, Dh) floats. */
+ * out [T,Hq,Dh]; scratch: MQ_ATT_SCRATCH(S, Dh, T) floats. */
 void MQ_FN(mq_attention_)(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                           int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch) {
 #if defined(MQ_ATT_KB)
