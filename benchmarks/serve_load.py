@@ -46,7 +46,8 @@ QUESTIONS = ["Write a function that reverses a singly linked list.",
 FOLLOW_UP = "Now add a pytest test for it."
 
 
-SYSTEMS = ("mixqrt", "mixqrt-notiles", "llamacpp")
+SYSTEMS = ("mixqrt", "mixqrt-tiles", "llamacpp")
+TILES_BYTES = 1 << 30   # mixqrt-tiles: the GEMM tile cache on (serve's default is off)
 
 
 def conversations() -> list[list[dict]]:
@@ -241,7 +242,7 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
     docs = ROOT / "docs"
     write_json(docs / "data" / "serving.json", {"results": res, "machine": info, "command": cmd})
     labels = {"mixqrt": f"mixqrt serve ({Path(a.mxq).name}, {a.max_slots} slots)",
-              "mixqrt-notiles": f"mixqrt serve, --gemm-cache-bytes 0 ({a.max_slots} slots)",
+              "mixqrt-tiles": f"mixqrt serve, --gemm-cache-bytes {TILES_BYTES} ({a.max_slots} slots)",
               "llamacpp": f"llama-cpp-python server ({Path(a.gguf).name})"}
     run = [f"Run {info.get('date_utc')} (commit {info.get('git_commit')}): {info.get('cpu_model')}, "
            f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
@@ -288,7 +289,7 @@ def write_plot(path, res, clients, labels) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, style in (("mixqrt", "o-"), ("mixqrt-notiles", "^:"), ("llamacpp", "s--")):
+    for name, style in (("mixqrt", "o-"), ("mixqrt-tiles", "^:"), ("llamacpp", "s--")):
         ns = [n for n in clients if str(n) in res.get(name, {})]
         if not ns:
             continue
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--systems", default="mixqrt,llamacpp",
-                   help=f"comma-separated, of {', '.join(SYSTEMS)} (mixqrt-notiles: the GEMM tile cache off)")
+                   help=f"comma-separated, of {', '.join(SYSTEMS)} (mixqrt-tiles: the GEMM tile cache on, 1 GiB)")
     p.add_argument("--log-dir", default="/tmp/serve_load")
     a = p.parse_args(argv)
     systems = a.systems.split(",")
@@ -334,7 +335,7 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
-        for name, gc in (("mixqrt", a.gemm_cache_bytes), ("mixqrt-notiles", 0)):
+        for name, gc in (("mixqrt", a.gemm_cache_bytes), ("mixqrt-tiles", TILES_BYTES)):
             if name not in systems:
                 continue
             port = free_port()

@@ -10,7 +10,6 @@ from mixqrt.quant.recipes import DEFAULT_RECIPE
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE = 64
-GEMM_CACHE_CAP = 2 << 30
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -56,19 +55,11 @@ def limits_from_args(a):
                   max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout)
 
 
-def auto_gemm_cache_bytes() -> int:
-    """The server's default GEMM tile budget: 1/8 of the machine's memory, at most 2 GiB (the 0.5B
-    2356 model's tiles take 0.6 GB; a 7B's would take ~9.5 GB, so there the first layers get them)."""
-    from mixqrt.runtime.topology import mem_total
-    return min(GEMM_CACHE_CAP, mem_total() // 8)
-
-
-def engine_kwargs(a, replicas: bool = False) -> dict:
-    """Engine settings from the arguments. Ray replicas default to no tile cache: each replica
-    would hold its own copy beside the shared, mmapped weights."""
-    gc = a.gemm_cache_bytes
-    if gc is None:
-        gc = 0 if replicas else auto_gemm_cache_bytes()
+def engine_kwargs(a) -> dict:
+    """Engine settings from the arguments. The GEMM tile cache is off unless --gemm-cache-bytes asks
+    for it: a decode step of up to 8 slots reads the packed weights faster than the unpacked tiles
+    (docs/engine.md), and Ray replicas would each hold their own copy beside the shared weights."""
+    gc = a.gemm_cache_bytes or 0
     return {"max_slots": a.max_slots, "max_queue": a.max_queue, "prefill_chunk": a.prefill_chunk,
             "kv_cache_bytes": a.kv_cache_bytes, "stall_timeout": a.stall_timeout, "threads": a.threads,
             "gemm_cache_bytes": gc}
@@ -86,7 +77,7 @@ def cmd_serve(a):
         path = prepare(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
         return serve_ray(path, host=a.host, port=a.port, address=a.ray_address,
                          model_name=a.model_alias or _model_id(a.model) or path.stem, limits=limits_from_args(a),
-                         engine_kwargs=engine_kwargs(a, replicas=True), replicas=a.replicas, min_replicas=a.min_replicas,
+                         engine_kwargs=engine_kwargs(a), replicas=a.replicas, min_replicas=a.min_replicas,
                          max_replicas=a.max_replicas, max_context=a.ctx)
     import logging
 
@@ -157,8 +148,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=_positive, default=256, help="prompt tokens per scheduler step")
     s.add_argument("--kv-cache-bytes", type=_positive, default=None, help="prompt-cache memory bound (LRU)")
     s.add_argument("--gemm-cache-bytes", type=_non_negative, default=None,
-                   help="bytes of unpacked weight tiles that batched steps read instead of unpacking "
-                        "(0: off; default: 1/8 of RAM, at most 2 GiB; with --ray: 0; docs/engine.md)")
+                   help="bytes of unpacked weight tiles that batched steps of more than 8 rows read "
+                        "instead of unpacking (default 0: off; docs/engine.md)")
     s.add_argument("--max-tokens-cap", type=_positive, default=None, help="largest max_tokens accepted")
     s.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
     s.add_argument("--stall-timeout", type=float, default=10.0,

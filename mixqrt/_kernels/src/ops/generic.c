@@ -212,6 +212,7 @@ int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1) {
 /* the tier files compile to nothing off x86: their tuning knobs still exist (and do nothing) */
 void mq_set_gemm_min_t(int t) { (void)t; }
 int mq_set_lean_mv(int on) { (void)on; return 0; }
+int mq_set_few_t(int on) { (void)on; return 0; }
 int mq_set_float_mv(int on) { (void)on; return 0; }
 int mq_set_q6_fold(int on) { (void)on; return 0; }
 #endif

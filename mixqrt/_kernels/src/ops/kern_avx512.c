@@ -748,6 +748,138 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* ------------------------------------------------------------------ few tokens (2 <= T <= 4) on the
+ * interleaved formats: the decode kernels' unpack, each unpacked step feeding the T tokens' vpdpbusd,
+ * and per chunk and token the GEMM's float fold (acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s,
+ * acc)), so the rows are bit for bit the GEMM's for any T >= 2 (its isum is an exact int32 sum in any
+ * order). The GEMM unpacked every group into a VNNI tile in memory for the few tokens that read it:
+ * a batched decode step of 2-4 sequences cost about as much as that many single steps. */
+#define MQ_FEW_T 8
+static int mq_few_t = -1;   /* -1: not read yet; MIXQRT_FEW_T=0 starts it off (T = 2..4 through the GEMM) */
+static int few_t_on(void) {
+    if (mq_few_t < 0) { const char *e = getenv("MIXQRT_FEW_T"); mq_few_t = !(e && e[0] == '0'); }
+    return mq_few_t;
+}
+int mq_set_few_t(int on) { int old = few_t_on(); if (on >= 0) mq_few_t = on != 0; return old; }
+
+static inline __attribute__((always_inline)) void
+few_fold(__m512 *acc, const __m512i *is, const __m512 dw, const __m512 mm, const float *dx, const float *sx,
+         size_t ncp, int c, const int nt) {
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[t * ncp + c])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sx[t * ncp + c]), acc[t]);
+    }
+}
+
+static inline __attribute__((always_inline)) void few_store(const mq_mm_job *j, int g0, const __m512 *acc, const int nt) {
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)t * j->ldy + g0, acc[t]);
+}
+
+static inline __attribute__((always_inline)) void mv_q4x_few(const mq_mm_job *j, int n0, int n1, const int nt) {
+    const mq_act *a = j->a;
+    const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
+    const uint32_t *x32 = (const uint32_t *)a->q;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m512 acc[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
+            const __m512i h = _mm512_loadu_si512((const void *)b);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            __m512i il[MQ_FEW_T], ih[MQ_FEW_T];
+            for (int t = 0; t < nt; t++) il[t] = ih[t] = _mm512_setzero_si512();
+            for (int s = 0; s < 4; s++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q4X_CODES + 64 * s));
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(v, m4h);
+                for (int t = 0; t < nt; t++) {
+                    const uint32_t *xc = x32 + t * kq + 8 * c;
+                    il[t] = _mm512_dpbusd_epi32(il[t], lo, _mm512_set1_epi32((int)xc[s]));
+                    ih[t] = _mm512_dpbusd_epi32(ih[t], hi, _mm512_set1_epi32((int)xc[4 + s]));
+                }
+            }
+            for (int t = 0; t < nt; t++) il[t] = _mm512_add_epi32(il[t], _mm512_srai_epi32(ih[t], 4));
+            few_fold(acc, il, d, m, a->d, a->s, ncp, c, nt);
+        }
+        few_store(j, g0, acc, nt);
+    }
+}
+
+static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j, int n0, int n1, const int nt) {
+    const mq_act *a = j->a;
+    const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
+    const uint32_t *x32 = (const uint32_t *)a->q;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m512 acc[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+            const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64));
+            __m512i is[MQ_FEW_T];
+            for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+            for (int s = 0; s < 8; s++) {   /* the levels U = lo4 | hi2 << 4 of step s, as the GEMM tile */
+                const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q6X_LO + 64 * (s & 3)));
+                const __m512i lo = s < 4 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                const __m512i h = (s & 1) ? h1 : h0;
+                const int f = s >> 1;
+                const __m512i hs = f == 0 ? _mm512_slli_epi16(h, 4) : f == 1 ? _mm512_slli_epi16(h, 2) : f == 2 ? h : _mm512_srli_epi16(h, 2);
+                const __m512i u = _mm512_ternarylogic_epi32(lo, hs, m30, 0xF8);
+                for (int t = 0; t < nt; t++)
+                    is[t] = _mm512_dpbusd_epi32(is[t], u, _mm512_set1_epi32((int)x32[t * kq + 8 * c + s]));
+            }
+            few_fold(acc, is, d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)), a->d, a->s, ncp, c, nt);
+        }
+        few_store(j, g0, acc, nt);
+    }
+}
+
+static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1, const int nt) {
+    const mq_act *a = j->a;
+    const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
+    const uint32_t *x32 = (const uint32_t *)a->q;
+    const int nb = j->nc / 2;
+    const __m512i tab = cx->tab64;
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+        __m512 acc[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+            const __m512i h = _mm512_loadu_si512((const void *)b);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
+                __m512i is[MQ_FEW_T];
+                for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+                for (int s = 0; s < 8; s++) {
+                    const __m512i lv = q3x_step(b, 8 * half + s, tab);
+                    for (int t = 0; t < nt; t++)
+                        is[t] = _mm512_dpbusd_epi32(is[t], lv, _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
+                }
+                few_fold(acc, is, d, m, a->d, a->s, ncp, 2 * bi + half, nt);
+            }
+        }
+        few_store(j, g0, acc, nt);
+    }
+}
+
+static void mm_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+#define MQ_FEW(T_) do { \
+        if (j->fmt == MQ_Q4X) mv_q4x_few(j, n0, n1, T_); \
+        else if (j->fmt == MQ_Q6X) mv_q6x_few(j, n0, n1, T_); \
+        else mv_q3x_few(cx, j, n0, n1, T_); } while (0)
+    switch (j->T) {
+    case 2: MQ_FEW(2); break;
+    case 3: MQ_FEW(3); break;
+    case 4: MQ_FEW(4); break;
+    case 5: MQ_FEW(5); break;
+    case 6: MQ_FEW(6); break;
+    case 7: MQ_FEW(7); break;
+    default: MQ_FEW(8); break;
+    }
+#undef MQ_FEW
+}
+
 static float dot_ps(const float *w, const float *x, int K) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int k = 0;
@@ -1275,18 +1407,21 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
         FMT_CASE(MQ_Q5G)
     case MQ_Q4X:   /* whole groups only (mq_mm_rows): decode kernel, else the GEMM (mm_fmt reads rows) */
         if (j->T == 1) mv_q4x(j, n0, n1);
+        else if (j->T <= MQ_FEW_T && few_t_on()) mm_few(&cx, j, n0, n1);
         else if (j->T <= 2) gemm_fmt(&cx, MQ_Q4X, j, n0, n1, 2);
         else if (j->T <= 4) gemm_fmt(&cx, MQ_Q4X, j, n0, n1, 4);
         else gemm_fmt(&cx, MQ_Q4X, j, n0, n1, GTT);
         break;
     case MQ_Q6X:
         if (j->T == 1) mv_q6x(j, n0, n1);
+        else if (j->T <= MQ_FEW_T && few_t_on()) mm_few(&cx, j, n0, n1);
         else if (j->T <= 2) gemm_fmt(&cx, MQ_Q6X, j, n0, n1, 2);
         else if (j->T <= 4) gemm_fmt(&cx, MQ_Q6X, j, n0, n1, 4);
         else gemm_fmt(&cx, MQ_Q6X, j, n0, n1, GTT);
         break;
     case MQ_Q3X:
         if (j->T == 1) mv_q3x(&cx, j, n0, n1);
+        else if (j->T <= MQ_FEW_T && few_t_on()) mm_few(&cx, j, n0, n1);
         else if (j->T <= 2) gemm_fmt(&cx, MQ_Q3X, j, n0, n1, 2);
         else if (j->T <= 4) gemm_fmt(&cx, MQ_Q3X, j, n0, n1, 4);
         else gemm_fmt(&cx, MQ_Q3X, j, n0, n1, GTT);

@@ -53,6 +53,7 @@ void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1);
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1);
 /* AVX-512 prefill GEMM path for T >= t (t <= 0: never); default 8 */
 void mq_set_gemm_min_t(int t);
+int mq_set_few_t(int on);      /* AVX-512 q4x/q6x/q3x products of 2-4 rows by the decode unpack (default on); on < 0 queries */
 int mq_set_lean_mv(int on);    /* AVX-512 lean decode path for q3p/q3u/q6 (default on); on < 0 queries; returns the old state */
 int mq_set_q6_fold(int on);    /* AVX-512 q6 short-row decode by mv_q6f (default off); on < 0 queries; returns the old state */
 int mq_set_float_mv(int on);   /* AVX-512 4-row prefetched float decode (default on); on < 0 queries; returns the old state */
