@@ -280,8 +280,9 @@ def test_q3x_keeps_its_level_table():
     q, qx = x_of("q3x", 32, 256, rng)
     q.meta, qx.meta = {"q3p_levels": table}, {"q3p_levels": table}
     np.testing.assert_array_equal(qx.dequantize(), q.dequantize())
-    x = rng.standard_normal((1, 256)).astype(np.float32)
-    np.testing.assert_allclose(ops.matmul(qx, x), ops.matmul(q, x), rtol=1e-5, atol=1e-5)
+    for t in (1, 3, 20):   # decode, few-row and GEMM paths: each builds its lookups from the table
+        x = rng.standard_normal((t, 256)).astype(np.float32)
+        np.testing.assert_allclose(ops.matmul(qx, x), ops.matmul(q, x), rtol=1e-5, atol=1e-5)
     assert not np.allclose(q.dequantize(), QTensor("q3p", q.shape, q.raw).dequantize())
 
 

@@ -49,6 +49,7 @@ typedef struct {
     int fmt, nc;
     __m512i tab;     /* q3p levels in every 128-bit lane */
     __m512i tab64;   /* q3p levels at every index i (level of i & 7): a vpermb table */
+    __m512i t3x[10]; /* q3x: the levels for each index placement of q3x_steps (Q3X_PLACE) */
     __m512i p3lo, p3hi, p6lo, p6hi, pw16, bitsel;
     const uint8_t *end;  /* one past the last byte of the tensor's rows */
     float q5_lo, q5_step;
@@ -694,20 +695,45 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
-/* q3x step i of a block (mq_format.h): the levels of codes k = 16 f + 4 z .. +3 of the 16 rows,
- * f = i >> 2, z = i & 3: bits 0-1 from the low plane shifted by 2f, bit 2 from the high plane
- * shifted so that its bit (i & 7) lands on bit 2, merged by one bit select (bits 3-7 of the index
- * are don't-cares: tab64 repeats the 8 levels, vpermb reads bits 0-5) */
-static inline __attribute__((always_inline)) __m512i q3x_step(const uint8_t *b, const int i, __m512i tab64) {
-    const int f = i >> 2, z = i & 3, p = i & 7;
-    __m512i lo = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 64 * z));
-    __m512i hi = _mm512_loadu_si512((const void *)(b + MQ_Q3X_HI + 64 * (i >> 3)));
-    if (f) lo = _mm512_srli_epi16(lo, 2 * f);
-    if (p > 2) hi = _mm512_srli_epi16(hi, p - 2);
-    else if (p < 2) hi = _mm512_slli_epi16(hi, 2 - p);
-    /* C ? A : B with A = lo, B = hi, C = 0x03 per byte */
-    __m512i idx = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(3), 0xE4);
-    return _mm512_permutexvar_epi8(idx, tab64);
+/* q3x steps of a block (mq_format.h): step i holds the levels of codes k = 16 f + 4 z .. +3 of the
+ * 16 rows, f = i >> 2, z = i & 3; their low 2 bits are bits 2f..2f+1 of low-plane word z, their bit 2
+ * is bit p = i & 7 of high-plane word i >> 3. vpermb reads bits 0-5 of an index byte, so rather
+ * than shifting both fields to bits 0-2 (26 shifts per block), each step's index keeps the two
+ * fields where they lie, or where one shared shift puts them (7 shifts per block), merged by one bit
+ * select, and looks the level up in a table made for that placement (cx->t3x, Q3X_PLACE). */
+enum { Q3X_T02, Q3X_T03, Q3X_T04, Q3X_T05, Q3X_T24, Q3X_T25, Q3X_T40, Q3X_T41, Q3X_T42, Q3X_T43, Q3X_NT };
+/* bit position of the low field and of the high bit in each table's index */
+_Static_assert(Q3X_NT == sizeof(((ctx_t *)0)->t3x) / sizeof(__m512i), "ctx_t.t3x holds every q3x table");
+static const uint8_t Q3X_PLACE[Q3X_NT][2] = {{0, 2}, {0, 3}, {0, 4}, {0, 5}, {2, 4}, {2, 5}, {4, 0}, {4, 1}, {4, 2}, {4, 3}};
+
+static void q3x_tables(__m512i *t, const uint8_t *levels) {
+    uint8_t b[64];
+    for (int n = 0; n < Q3X_NT; n++) {
+        for (int e = 0; e < 64; e++) b[e] = levels[((e >> Q3X_PLACE[n][0]) & 3) | (((e >> Q3X_PLACE[n][1]) & 1) << 2)];
+        t[n] = _mm512_loadu_si512(b);
+    }
+}
+
+static inline __attribute__((always_inline)) void q3x_steps(const uint8_t *b, const __m512i *t, __m512i lv[16]) {
+    const __m512i l0 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO)), l1 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 64));
+    const __m512i l2 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 128)), l3 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 192));
+    const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_HI + 64));
+    /* bits 0, 1 of h0 -> 4, 5; bits 6, 7 of h0 and h1 -> 4, 5 (16-bit shifts: each byte's bits that
+     * matter stay in the byte) */
+    const __m512i h0s = _mm512_slli_epi16(h0, 4), h0r = _mm512_srli_epi16(h0, 2), h1r = _mm512_srli_epi16(h1, 2);
+    const __m512i c0 = _mm512_set1_epi8(0x03), c2 = _mm512_set1_epi8(0x0c), c4 = _mm512_set1_epi8(0x30);
+    /* C ? lo : hi per bit, then the placement's table */
+#define Q3X_SEL(lo, hi, c, T) _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(lo, hi, c, 0xE4), t[T])
+    lv[0] = Q3X_SEL(l0, h0s, c0, Q3X_T04);  lv[1] = Q3X_SEL(l1, h0s, c0, Q3X_T05);
+    lv[2] = Q3X_SEL(l2, h0, c0, Q3X_T02);   lv[3] = Q3X_SEL(l3, h0, c0, Q3X_T03);
+    lv[4] = Q3X_SEL(l0, h0, c2, Q3X_T24);   lv[5] = Q3X_SEL(l1, h0, c2, Q3X_T25);
+    lv[6] = Q3X_SEL(l2, h0r, c2, Q3X_T24);  lv[7] = Q3X_SEL(l3, h0r, c2, Q3X_T25);
+    lv[8] = Q3X_SEL(l0, h1, c4, Q3X_T40);   lv[9] = Q3X_SEL(l1, h1, c4, Q3X_T41);
+    lv[10] = Q3X_SEL(l2, h1, c4, Q3X_T42);  lv[11] = Q3X_SEL(l3, h1, c4, Q3X_T43);
+    /* field 3 (bits 6-7) to bits 0-1 */
+    lv[12] = Q3X_SEL(_mm512_srli_epi16(l0, 6), h1, c0, Q3X_T04);  lv[13] = Q3X_SEL(_mm512_srli_epi16(l1, 6), h1, c0, Q3X_T05);
+    lv[14] = Q3X_SEL(_mm512_srli_epi16(l2, 6), h1r, c0, Q3X_T04); lv[15] = Q3X_SEL(_mm512_srli_epi16(l3, 6), h1r, c0, Q3X_T05);
+#undef Q3X_SEL
 }
 
 /* q3x decode: like mv_q4x, a group of 16 rows per step, lanes are rows. Per 64-weight block 16
@@ -718,7 +744,7 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const uint32_t *x32 = (const uint32_t *)j->a->q;
     const float *dx = j->a->d, *sx = j->a->s;
     const int nb = j->nc / 2;
-    const __m512i tab = cx->tab64;
+    const __m512i *t3 = cx->t3x;
     static long q3x_pf = -1;   /* software prefetch distance (bytes, 0 = none): MIXQRT_Q3X_PF */
     if (q3x_pf < 0) { const char *e = getenv("MIXQRT_Q3X_PF"); q3x_pf = e ? atol(e) : 4096; }
     const size_t pfd = (size_t)q3x_pf;
@@ -733,12 +759,13 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             const uint32_t *xc = x32 + 16 * bi;
             const __m512i z = _mm512_setzero_si512();
-            __m512i a0 = z, a1 = z, b0 = z, b1 = z;
+            __m512i a0 = z, a1 = z, b0 = z, b1 = z, lv[16];
+            q3x_steps(b, t3, lv);
             for (int i = 0; i < 4; i++) {
-                a0 = _mm512_dpbusd_epi32(a0, q3x_step(b, i, tab), _mm512_set1_epi32((int)xc[i]));
-                a1 = _mm512_dpbusd_epi32(a1, q3x_step(b, 4 + i, tab), _mm512_set1_epi32((int)xc[4 + i]));
-                b0 = _mm512_dpbusd_epi32(b0, q3x_step(b, 8 + i, tab), _mm512_set1_epi32((int)xc[8 + i]));
-                b1 = _mm512_dpbusd_epi32(b1, q3x_step(b, 12 + i, tab), _mm512_set1_epi32((int)xc[12 + i]));
+                a0 = _mm512_dpbusd_epi32(a0, lv[i], _mm512_set1_epi32((int)xc[i]));
+                a1 = _mm512_dpbusd_epi32(a1, lv[4 + i], _mm512_set1_epi32((int)xc[4 + i]));
+                b0 = _mm512_dpbusd_epi32(b0, lv[8 + i], _mm512_set1_epi32((int)xc[8 + i]));
+                b1 = _mm512_dpbusd_epi32(b1, lv[12 + i], _mm512_set1_epi32((int)xc[12 + i]));
             }
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), _mm512_mul_ps(d, _mm512_set1_ps(dx[2 * bi])), acc);
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(b0, b1)), _mm512_mul_ps(d, _mm512_set1_ps(dx[2 * bi + 1])), acc);
@@ -840,7 +867,6 @@ static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, co
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
     const uint32_t *x32 = (const uint32_t *)a->q;
     const int nb = j->nc / 2;
-    const __m512i tab = cx->tab64;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc[MQ_FEW_T];
@@ -848,13 +874,14 @@ static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, co
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+            __m512i lv[16];
+            q3x_steps(b, cx->t3x, lv);
             for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
                 __m512i is[MQ_FEW_T];
                 for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
                 for (int s = 0; s < 8; s++) {
-                    const __m512i lv = q3x_step(b, 8 * half + s, tab);
                     for (int t = 0; t < nt; t++)
-                        is[t] = _mm512_dpbusd_epi32(is[t], lv, _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
+                        is[t] = _mm512_dpbusd_epi32(is[t], lv[8 * half + s], _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
                 }
                 few_fold(acc, is, d, m, a->d, a->s, ncp, 2 * bi + half, nt);
             }
@@ -1127,9 +1154,11 @@ static inline __attribute__((always_inline)) void gemm_unpack_q6x(const uint8_t 
  * the first chunk is q3x step s, of the second q3x step 8 + s; both chunks take the block's d and m */
 static inline __attribute__((always_inline)) void gemm_unpack_q3x(const ctx_t *cx, const uint8_t *grp, int bi, uint32_t *tb) {
     const uint8_t *b = grp + (size_t)bi * MQ_Q3X_BLOCK;
+    __m512i lv[16];
+    q3x_steps(b, cx->t3x, lv);
     for (int s = 0; s < 8; s++) {
-        _mm512_store_si512((__m512i *)(tb + s * GR), q3x_step(b, s, cx->tab64));
-        _mm512_store_si512((__m512i *)(tb + CB + s * GR), q3x_step(b, 8 + s, cx->tab64));
+        _mm512_store_si512((__m512i *)(tb + s * GR), lv[s]);
+        _mm512_store_si512((__m512i *)(tb + CB + s * GR), lv[8 + s]);
     }
     const __m512i h = _mm512_loadu_si512((const void *)b);
     const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
@@ -1344,6 +1373,7 @@ static void ctx_init(ctx_t *cx, const mq_mm_job *j) {
     for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
     cx->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
     cx->tab64 = _mm512_loadu_si512(t64);
+    if (j->fmt == MQ_Q3X) q3x_tables(cx->t3x, t16);
     cx->p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx->p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
     cx->p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx->p6hi = _mm512_loadu_si512(PERM_Q6[1]);
     cx->bitsel = _mm512_loadu_si512(BITSEL);
