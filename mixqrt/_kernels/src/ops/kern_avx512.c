@@ -745,8 +745,8 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const float *dx = j->a->d, *sx = j->a->s;
     const int nb = j->nc / 2;
     const __m512i *t3 = cx->t3x;
-    static long q3x_pf = -1;   /* software prefetch distance (bytes, 0 = none): MIXQRT_Q3X_PF */
-    if (q3x_pf < 0) { const char *e = getenv("MIXQRT_Q3X_PF"); q3x_pf = e ? atol(e) : 4096; }
+    static long q3x_pf = -1;   /* software prefetch distance into L2 (bytes, 0 = none): MIXQRT_Q3X_PF */
+    if (q3x_pf < 0) { const char *e = getenv("MIXQRT_Q3X_PF"); q3x_pf = e ? atol(e) : 16384; }
     const size_t pfd = (size_t)q3x_pf;
     const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
@@ -754,7 +754,7 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
             if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
-                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T0);
+                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             const uint32_t *xc = x32 + 16 * bi;
