@@ -272,9 +272,9 @@ def test_matmul_then_prefetch_changes_nothing():
         ops.GAP_PREFETCH_BYTES = before
 
 
-def test_q3x_keeps_its_level_table():
+def test_q3x_keeps_its_level_table(tier):
     """A q3x tensor decodes and multiplies with the q3p level table in its meta (a file written with
-    another table), like q3p."""
+    another table), like q3p, on every tier (each builds its own lookup tables from it)."""
     rng = np.random.default_rng(6)
     table = np.array([0, 9, 18, 27, 36, 45, 54, 63], np.uint8)
     q, qx = x_of("q3x", 32, 256, rng)

@@ -75,6 +75,7 @@ void mq_quantize_act_avx2(const float *x, int K, int kp, int8_t *q, float *d, fl
 typedef struct {
     __m256i tab;      /* q3p levels in both 128-bit lanes */
     __m256i bsh, bsel; /* bit expansion: byte i <- byte i/8 of a dword, select bit i%8 */
+    __m256i t3x[4];   /* q3x: the levels for each index placement of mv_q3x (Q3X_PLACE) */
     float q5_lo, q5_step;
 } ctx_t;
 
@@ -393,10 +394,30 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* q3x (mq_format.h): step i takes the code's low 2 bits from bits 2f..2f+1 of low-plane word z
+ * (f = i >> 2, z = i & 3) and bit 2 from bit p = i & 7 of high-plane word i >> 3. vpshufb reads index
+ * bits 0-3 (bit 7 zeroes), so each index keeps the low field at bits 0-1 or 2-3 and the high bit in
+ * one of the two other bits, each moved there by a shift shared by several steps (10 per block and
+ * half instead of 26), masked and merged, and the level comes from the table made for that placement
+ * (the AVX-512 tier's q3x_steps with 16-entry tables). */
+enum { Q3X_T02, Q3X_T03, Q3X_T20, Q3X_T21, Q3X_NT };
+static const uint8_t Q3X_PLACE[Q3X_NT][2] = {{0, 2}, {0, 3}, {2, 0}, {2, 1}};   /* low field, high bit */
+_Static_assert(Q3X_NT == sizeof(((ctx_t *)0)->t3x) / sizeof(__m256i), "ctx_t.t3x holds every q3x table");
+
+static void q3x_tables(__m256i *t, const uint8_t *levels) {
+    uint8_t b[16];
+    for (int n = 0; n < Q3X_NT; n++) {
+        for (int e = 0; e < 16; e++) b[e] = levels[((e >> Q3X_PLACE[n][0]) & 3) | (((e >> Q3X_PLACE[n][1]) & 1) << 2)];
+        t[n] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+    }
+}
+
 static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const uint32_t *x32 = (const uint32_t *)j->a->q;
     const float *dx = j->a->d, *sx = j->a->s;
-    const __m256i m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
+    const __m256i c03 = _mm256_set1_epi8(0x03), c0c = _mm256_set1_epi8(0x0c), ones = _mm256_set1_epi16(1);
+    const __m256i b0 = _mm256_set1_epi8(1), b1 = _mm256_set1_epi8(2), b2 = _mm256_set1_epi8(4), b3 = _mm256_set1_epi8(8);
+    const __m256i *t = cx->t3x;
     const int nb = j->nc / 2;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
@@ -404,16 +425,23 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
             const uint32_t *xc = x32 + 16 * bi;
             for (int h = 0; h < 2; h++) {
-                __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
-                for (int i = 0; i < 16; i++) {   /* step i: codes 16f + 4z .. +3 (mq_format.h) */
-                    const int f = i >> 2, z = i & 3, p = i & 7;
-                    __m256i lo = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
-                    __m256i hi = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * (i >> 3) + 32 * h));
-                    lo = _mm256_and_si256(f ? _mm256_srli_epi16(lo, 2 * f) : lo, m3);
-                    hi = _mm256_and_si256(p > 2 ? _mm256_srli_epi16(hi, p - 2) : p < 2 ? _mm256_slli_epi16(hi, 2 - p) : hi, m4);
-                    const __m256i lv = _mm256_shuffle_epi8(cx->tab, _mm256_or_si256(lo, hi));
-                    const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(xc, i)), ones);
-                    if (i < 8) ia = _mm256_add_epi32(ia, pr); else ib = _mm256_add_epi32(ib, pr);
+                __m256i lo[4], ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
+                for (int z = 0; z < 4; z++) lo[z] = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
+                for (int w = 0; w < 2; w++) {   /* steps 8w .. 8w + 7: fields 2w, 2w + 1; high word w, p = 0..7 */
+                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * w + 32 * h));
+                    /* bits 0, 1 -> 2, 3; 4, 5 and 6, 7 -> 0, 1 (16-bit shifts keep each byte's bits that
+                     * matter in the byte) */
+                    const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
+                    for (int s = 0; s < 8; s++) {
+                        const int i = 8 * w + s, z = s & 3, odd = s >> 2;   /* field 2w + odd at bits 2 odd.. */
+                        const __m256i src = w ? _mm256_srli_epi16(lo[z], 4) : lo[z];
+                        const __m256i lf = _mm256_and_si256(src, odd ? c0c : c03);
+                        const __m256i hf = _mm256_and_si256(hs[s >> 1], odd ? (s & 1 ? b1 : b0) : (s & 1 ? b3 : b2));
+                        const __m256i tv = t[odd ? (s & 1 ? Q3X_T21 : Q3X_T20) : (s & 1 ? Q3X_T03 : Q3X_T02)];
+                        const __m256i lv = _mm256_shuffle_epi8(tv, _mm256_or_si256(lf, hf));
+                        const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(xc, i)), ones);
+                        if (w == 0) ia = _mm256_add_epi32(ia, pr); else ib = _mm256_add_epi32(ib, pr);
+                    }
                 }
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
@@ -439,6 +467,7 @@ void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     cx.bsel = _mm256_set1_epi64x((long long)0x8040201008040201ull);
     cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
+    if (j->fmt == MQ_Q3X) q3x_tables(cx.t3x, t16);
     switch (j->fmt) {
         FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
         FMT_CASE(MQ_Q5G)
