@@ -49,7 +49,7 @@ typedef struct {
     int fmt, nc;
     __m512i tab;     /* q3p levels in every 128-bit lane */
     __m512i tab64;   /* q3p levels at every index i (level of i & 7): a vpermb table */
-    __m512i t3x[10]; /* q3x: the levels for each index placement of q3x_steps (Q3X_PLACE) */
+    const __m512i *t3x; /* q3x: the levels for each index placement of q3x_steps (Q3X_PLACE) */
     __m512i p3lo, p3hi, p6lo, p6hi, pw16, bitsel;
     const uint8_t *end;  /* one past the last byte of the tensor's rows */
     float q5_lo, q5_step;
@@ -703,15 +703,26 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
  * select, and looks the level up in a table made for that placement (cx->t3x, Q3X_PLACE). */
 enum { Q3X_T02, Q3X_T03, Q3X_T04, Q3X_T05, Q3X_T24, Q3X_T25, Q3X_T40, Q3X_T41, Q3X_T42, Q3X_T43, Q3X_NT };
 /* bit position of the low field and of the high bit in each table's index */
-_Static_assert(Q3X_NT == sizeof(((ctx_t *)0)->t3x) / sizeof(__m512i), "ctx_t.t3x holds every q3x table");
 static const uint8_t Q3X_PLACE[Q3X_NT][2] = {{0, 2}, {0, 3}, {0, 4}, {0, 5}, {2, 4}, {2, 5}, {4, 0}, {4, 1}, {4, 2}, {4, 3}};
 
-static void q3x_tables(__m512i *t, const uint8_t *levels) {
-    uint8_t b[64];
-    for (int n = 0; n < Q3X_NT; n++) {
-        for (int e = 0; e < 64; e++) b[e] = levels[((e >> Q3X_PLACE[n][0]) & 3) | (((e >> Q3X_PLACE[n][1]) & 1) << 2)];
-        t[n] = _mm512_loadu_si512(b);
+/* the tables of a level table: kept per thread for the last level table seen (a product asks once
+ * per chunk and thread); the pointer is valid on this thread until its next call */
+static const __m512i *q3x_tables(const uint8_t *levels) {
+    static __thread int have;
+    static __thread uint64_t key;
+    static __thread __m512i last[Q3X_NT];
+    uint64_t k;
+    memcpy(&k, levels, 8);
+    if (!have || k != key) {
+        uint8_t b[64];
+        for (int n = 0; n < Q3X_NT; n++) {
+            for (int e = 0; e < 64; e++) b[e] = levels[((e >> Q3X_PLACE[n][0]) & 3) | (((e >> Q3X_PLACE[n][1]) & 1) << 2)];
+            last[n] = _mm512_loadu_si512(b);
+        }
+        key = k;
+        have = 1;
     }
+    return last;
 }
 
 static inline __attribute__((always_inline)) void q3x_steps(const uint8_t *b, const __m512i *t, __m512i lv[16]) {
@@ -1373,7 +1384,7 @@ static void ctx_init(ctx_t *cx, const mq_mm_job *j) {
     for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
     cx->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
     cx->tab64 = _mm512_loadu_si512(t64);
-    if (j->fmt == MQ_Q3X) q3x_tables(cx->t3x, t16);
+    cx->t3x = j->fmt == MQ_Q3X ? q3x_tables(t16) : NULL;
     cx->p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx->p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
     cx->p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx->p6hi = _mm512_loadu_si512(PERM_Q6[1]);
     cx->bitsel = _mm512_loadu_si512(BITSEL);
