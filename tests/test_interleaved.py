@@ -190,6 +190,29 @@ def test_few_rows_equal_the_gemm_rows(fmt, k):
 
 
 @pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("k", [1, 33, 257, 896])
+def test_avx2_rows_equal_the_decode_rows(fmt, k):
+    """The AVX2 tier's products of several rows (its decode kernels' unpack shared by up to 4 tokens,
+    each with the decode kernel's float fold) give every row bit for bit as a single-row product, for
+    row counts across the 4-token tiles, on the pool or on one thread."""
+    if "avx2" not in isa.available():
+        pytest.skip("no AVX2 tier on this CPU")
+    rng = np.random.default_rng(k + 1)
+    _, qx = x_of(fmt, 48, k, rng)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    before = isa.current()
+    try:
+        isa.set_isa("avx2")
+        rows = np.concatenate([ops.matmul(qx, x[t:t + 1]) for t in range(11)])
+        for t in (2, 3, 4, 5, 11):
+            np.testing.assert_array_equal(ops.matmul(qx, x[:t]), rows[:t])
+            with ops.local_threads(1):
+                np.testing.assert_array_equal(ops.matmul(qx, x[:t]), rows[:t])
+    finally:
+        isa.set_isa(before)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 def test_gemm_tiles_cached_and_row_ranges(fmt):
     if "avx512" not in isa.available():
         pytest.skip("no AVX-512 tier on this CPU")

@@ -187,9 +187,8 @@ void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
     if (isa >= MQ_ISA_AVX512) tier = mq_mm_rows_avx512;
     else if (isa >= MQ_ISA_AVX2) tier = mq_mm_rows_avx2;
     /* q4x / q6x / q3x on whole groups: native on AVX-512 (decode kernels, GEMM tiles straight from the
-     * groups); AVX2: native decode */
-    if (mq_x_base(j->fmt) >= 0 && n0 % MQ_XROWS == 0 && n1 % MQ_XROWS == 0
-        && (isa >= MQ_ISA_AVX512 || (isa >= MQ_ISA_AVX2 && j->T == 1))) { tier(j, n0, n1); return; }
+     * groups) and AVX2 (decode kernels, and their unpack shared by up to 4 tokens for T >= 2) */
+    if (mq_x_base(j->fmt) >= 0 && n0 % MQ_XROWS == 0 && n1 % MQ_XROWS == 0 && isa >= MQ_ISA_AVX2) { tier(j, n0, n1); return; }
 #endif
     if (mq_x_base(j->fmt) >= 0) { mm_rows_x_via_rows(j, n0, n1, tier); return; }
     tier(j, n0, n1);

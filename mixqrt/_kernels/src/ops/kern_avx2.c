@@ -455,6 +455,156 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* ------------------------------------------------------------------ T >= 2 on the interleaved formats
+ * (prefill, batched decode): per half group (8 rows, lanes are rows) the decode kernels' unpack of a
+ * step feeds up to MX_T tokens' vpmaddubsw, and each token gets the decode kernel's float fold in its
+ * order, so every row is bit for bit the T = 1 row (test). The groups used to be gathered back into
+ * q4 / q6 / q3p rows for the row GEMM (mm_fmt: a horizontal sum per row and token, the unpack per
+ * 4-row tile). */
+#define MX_T 4
+typedef struct { const uint32_t *x32; const float *dx, *sx; float *y; } mx_tok;
+
+static inline __attribute__((always_inline)) void mx_toks(const mq_mm_job *j, int t0, const int nt, mx_tok *tk) {
+    const mq_act *a = j->a;
+    for (int t = 0; t < nt; t++) {
+        tk[t].x32 = (const uint32_t *)(a->q + (size_t)(t0 + t) * a->kp);
+        tk[t].dx = a->d + (size_t)(t0 + t) * a->ncp; tk[t].sx = a->s + (size_t)(t0 + t) * a->ncp;
+        tk[t].y = j->y + (size_t)(t0 + t) * j->ldy;
+    }
+}
+
+static inline __attribute__((always_inline)) void mx_q4x(const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
+    mx_tok tk[MX_T];
+    mx_toks(j, t0, nt, tk);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS)
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+            __m256 acc[MX_T], accm[MX_T];
+            for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+            for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
+                __m256i i16[MX_T];
+                for (int t = 0; t < nt; t++) i16[t] = _mm256_setzero_si256();
+                for (int s = 0; s < 4; s++) {   /* mv_q4x's steps */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q4X_CODES + 64 * s + 32 * h));
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    for (int t = 0; t < nt; t++) {
+                        const uint32_t *xc = tk[t].x32 + 8 * c;
+                        i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(lo, bc32(xc, s)));
+                        i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(hi, bc32(xc, 4 + s)));
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+                for (int t = 0; t < nt; t++) {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t], ones)), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[c])), acc[t]);
+                    accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(tk[t].sx[c]), accm[t]);
+                }
+            }
+            for (int t = 0; t < nt; t++) _mm256_storeu_ps(tk[t].y + g0 + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+        }
+}
+
+static inline __attribute__((always_inline)) void mx_q6x(const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
+    mx_tok tk[MX_T];
+    mx_toks(j, t0, nt, tk);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS)
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+            __m256 acc[MX_T], accm[MX_T];
+            for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+            for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
+                const __m256i hw[2] = {_mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 32 * h)),
+                                       _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 64 + 32 * h))};
+                __m256i i32[MX_T];
+                for (int t = 0; t < nt; t++) i32[t] = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s += 2) {   /* mv_q6x's step pairs */
+                    __m256i i16[MX_T];
+                    for (int t = 0; t < nt; t++) i16[t] = _mm256_setzero_si256();
+                    for (int u = s; u < s + 2; u++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_LO + 64 * (u & 3) + 32 * h));
+                        const __m256i lo = u < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        const __m256i hv = hw[u & 1];
+                        const int f = u >> 1;
+                        const __m256i hs = f == 0 ? _mm256_slli_epi16(hv, 4) : f == 1 ? _mm256_slli_epi16(hv, 2)
+                                         : f == 2 ? hv : _mm256_srli_epi16(hv, 2);
+                        const __m256i lv = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
+                        for (int t = 0; t < nt; t++)
+                            i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 8 * c, u)));
+                    }
+                    for (int t = 0; t < nt; t++) i32[t] = _mm256_add_epi32(i32[t], _mm256_madd_epi16(i16[t], ones));
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+                for (int t = 0; t < nt; t++) {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[c])), acc[t]);
+                    accm[t] = _mm256_fmadd_ps(d, _mm256_set1_ps(-32.0f * tk[t].sx[c]), accm[t]);
+                }
+            }
+            for (int t = 0; t < nt; t++) _mm256_storeu_ps(tk[t].y + g0 + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+        }
+}
+
+static inline __attribute__((always_inline)) void mx_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
+    mx_tok tk[MX_T];
+    mx_toks(j, t0, nt, tk);
+    const __m256i c03 = _mm256_set1_epi8(0x03), c0c = _mm256_set1_epi8(0x0c), ones = _mm256_set1_epi16(1);
+    const __m256i b0 = _mm256_set1_epi8(1), b1 = _mm256_set1_epi8(2), b2 = _mm256_set1_epi8(4), b3 = _mm256_set1_epi8(8);
+    const __m256i *tb = cx->t3x;
+    const int nb = j->nc / 2;
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS)
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+            __m256 acc[MX_T], accm[MX_T];
+            for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
+            for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+                __m256i lo[4], ia[MX_T], ib[MX_T];
+                for (int t = 0; t < nt; t++) ia[t] = ib[t] = _mm256_setzero_si256();
+                for (int z = 0; z < 4; z++) lo[z] = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
+                for (int w = 0; w < 2; w++) {   /* mv_q3x's steps */
+                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * w + 32 * h));
+                    const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
+                    for (int s = 0; s < 8; s++) {
+                        const int i = 8 * w + s, z = s & 3, odd = s >> 2;
+                        const __m256i src = w ? _mm256_srli_epi16(lo[z], 4) : lo[z];
+                        const __m256i lf = _mm256_and_si256(src, odd ? c0c : c03);
+                        const __m256i hf = _mm256_and_si256(hs[s >> 1], odd ? (s & 1 ? b1 : b0) : (s & 1 ? b3 : b2));
+                        const __m256i tv = tb[odd ? (s & 1 ? Q3X_T21 : Q3X_T20) : (s & 1 ? Q3X_T03 : Q3X_T02)];
+                        const __m256i lv = _mm256_shuffle_epi8(tv, _mm256_or_si256(lf, hf));
+                        for (int t = 0; t < nt; t++) {
+                            const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 16 * bi, i)), ones);
+                            if (w == 0) ia[t] = _mm256_add_epi32(ia[t], pr); else ib[t] = _mm256_add_epi32(ib[t], pr);
+                        }
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+                for (int t = 0; t < nt; t++) {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[2 * bi])), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[2 * bi + 1])), acc[t]);
+                    accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(tk[t].sx[2 * bi] + tk[t].sx[2 * bi + 1]), accm[t]);
+                }
+            }
+            for (int t = 0; t < nt; t++) _mm256_storeu_ps(tk[t].y + g0 + 8 * h, _mm256_add_ps(acc[t], accm[t]));
+        }
+}
+
+static void mx_run(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+#define MX_CALL(NT) do { \
+        if (j->fmt == MQ_Q4X) mx_q4x(j, n0, n1, t0, NT); \
+        else if (j->fmt == MQ_Q6X) mx_q6x(j, n0, n1, t0, NT); \
+        else mx_q3x(cx, j, n0, n1, t0, NT); } while (0)
+    for (int t0 = 0; t0 < j->T; t0 += MX_T) {
+        switch (j->T - t0) {
+        case 1: MX_CALL(1); break;
+        case 2: MX_CALL(2); break;
+        case 3: MX_CALL(3); break;
+        default: MX_CALL(4); break;
+        }
+    }
+#undef MX_CALL
+}
+
 #define FMT_CASE(F) case F: if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); else mm_fmt(&cx, F, j, n0, n1); break;
 
 void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
@@ -471,9 +621,9 @@ void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
     switch (j->fmt) {
         FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
         FMT_CASE(MQ_Q5G)
-    /* interleaved formats: decode of whole groups only (mq_mm_rows sends the rest through the gathering path) */
-    case MQ_Q4X: mv_q4x(j, n0, n1); break;
-    case MQ_Q6X: mv_q6x(j, n0, n1); break;
-    case MQ_Q3X: mv_q3x(&cx, j, n0, n1); break;
+    /* interleaved formats: whole groups only (mq_mm_rows sends the rest through the gathering path) */
+    case MQ_Q4X: if (j->T == 1) mv_q4x(j, n0, n1); else mx_run(&cx, j, n0, n1); break;
+    case MQ_Q6X: if (j->T == 1) mv_q6x(j, n0, n1); else mx_run(&cx, j, n0, n1); break;
+    case MQ_Q3X: if (j->T == 1) mv_q3x(&cx, j, n0, n1); else mx_run(&cx, j, n0, n1); break;
     }
 }
