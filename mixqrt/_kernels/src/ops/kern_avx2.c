@@ -331,6 +331,18 @@ static void mm_float(const mq_mm_job *j, int n0, int n1) {
  * <= 127, 32258). */
 static inline __m256i bc32(const uint32_t *x, int i) { return _mm256_set1_epi32((int)x[i]); }
 
+/* level vector of q6x step w (0..7) of half h of a chunk: low 4 bits from word w & 3 (nibble w >> 2),
+ * top 2 bits from high word w & 1, field w >> 1, moved to bits 4-5 */
+static inline __attribute__((always_inline)) __m256i q6x_lv(const uint8_t *b, int h, int w, const __m256i *hw) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_LO + 64 * (w & 3) + 32 * h));
+    const __m256i lo = w < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const __m256i hv = hw[w & 1];
+    const int f = w >> 1;
+    const __m256i hs = f == 0 ? _mm256_slli_epi16(hv, 4) : f == 1 ? _mm256_slli_epi16(hv, 2) : f == 2 ? hv : _mm256_srli_epi16(hv, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
+}
+
 static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
     const uint32_t *x32 = (const uint32_t *)j->a->q;
     const float *dx = j->a->d, *sx = j->a->s;
@@ -361,7 +373,7 @@ static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
 static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
     const uint32_t *x32 = (const uint32_t *)j->a->q;
     const float *dx = j->a->d, *sx = j->a->s;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -373,15 +385,8 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
                 __m256i i32 = _mm256_setzero_si256();
                 for (int s = 0; s < 8; s += 2) {
                     __m256i i16 = _mm256_setzero_si256();
-                    for (int t = s; t < s + 2; t++) {   /* levels lo4 | hi2 << 4 (mv_q6x of the AVX-512 tier) */
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_LO + 64 * (t & 3) + 32 * h));
-                        const __m256i lo = t < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        const __m256i hv = hw[t & 1];
-                        const int f = t >> 1;
-                        const __m256i hs = f == 0 ? _mm256_slli_epi16(hv, 4) : f == 1 ? _mm256_slli_epi16(hv, 2)
-                                         : f == 2 ? hv : _mm256_srli_epi16(hv, 2);
-                        i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(_mm256_or_si256(lo, _mm256_and_si256(hs, m30)), bc32(xc, t)));
-                    }
+                    for (int t = s; t < s + 2; t++)   /* levels lo4 | hi2 << 4 (mv_q6x of the AVX-512 tier) */
+                        i16 = _mm256_add_epi16(i16, _mm256_maddubs_epi16(q6x_lv(b, h, t, hw), bc32(xc, t)));
                     i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(i16, ones));
                 }
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
@@ -412,12 +417,21 @@ static void q3x_tables(__m256i *t, const uint8_t *levels) {
     }
 }
 
+/* level vector of q3x step i = 8w + s of a block half: lo, the 4 low-plane words (w = 1: their fields
+ * 2-3, shifted here); hs, high word w shifted as Q3X_PLACE expects (<< 2, as is, >> 4, >> 6) */
+static inline __attribute__((always_inline)) __m256i q3x_lv(const ctx_t *cx, const __m256i *lo, const __m256i *hs, int w, int s) {
+    const int z = s & 3, odd = s >> 2;
+    const __m256i src = w ? _mm256_srli_epi16(lo[z], 4) : lo[z];
+    const __m256i lf = _mm256_and_si256(src, _mm256_set1_epi8(odd ? 0x0c : 0x03));
+    const __m256i hf = _mm256_and_si256(hs[s >> 1], _mm256_set1_epi8((char)(odd ? (s & 1 ? 2 : 1) : (s & 1 ? 8 : 4))));
+    const __m256i tv = cx->t3x[odd ? (s & 1 ? Q3X_T21 : Q3X_T20) : (s & 1 ? Q3X_T03 : Q3X_T02)];
+    return _mm256_shuffle_epi8(tv, _mm256_or_si256(lf, hf));
+}
+
 static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const uint32_t *x32 = (const uint32_t *)j->a->q;
     const float *dx = j->a->d, *sx = j->a->s;
-    const __m256i c03 = _mm256_set1_epi8(0x03), c0c = _mm256_set1_epi8(0x0c), ones = _mm256_set1_epi16(1);
-    const __m256i b0 = _mm256_set1_epi8(1), b1 = _mm256_set1_epi8(2), b2 = _mm256_set1_epi8(4), b3 = _mm256_set1_epi8(8);
-    const __m256i *t = cx->t3x;
+    const __m256i ones = _mm256_set1_epi16(1);
     const int nb = j->nc / 2;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
@@ -432,14 +446,8 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
                     /* bits 0, 1 -> 2, 3; 4, 5 and 6, 7 -> 0, 1 (16-bit shifts keep each byte's bits that
                      * matter in the byte) */
                     const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
-                    for (int s = 0; s < 8; s++) {
-                        const int i = 8 * w + s, z = s & 3, odd = s >> 2;   /* field 2w + odd at bits 2 odd.. */
-                        const __m256i src = w ? _mm256_srli_epi16(lo[z], 4) : lo[z];
-                        const __m256i lf = _mm256_and_si256(src, odd ? c0c : c03);
-                        const __m256i hf = _mm256_and_si256(hs[s >> 1], odd ? (s & 1 ? b1 : b0) : (s & 1 ? b3 : b2));
-                        const __m256i tv = t[odd ? (s & 1 ? Q3X_T21 : Q3X_T20) : (s & 1 ? Q3X_T03 : Q3X_T02)];
-                        const __m256i lv = _mm256_shuffle_epi8(tv, _mm256_or_si256(lf, hf));
-                        const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(xc, i)), ones);
+                    for (int s = 0; s < 8; s++) {   /* step 8w + s: field 2w + (s >> 2) */
+                        const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(q3x_lv(cx, lo, hs, w, s), bc32(xc, 8 * w + s)), ones);
                         if (w == 0) ia = _mm256_add_epi32(ia, pr); else ib = _mm256_add_epi32(ib, pr);
                     }
                 }
@@ -473,127 +481,95 @@ static inline __attribute__((always_inline)) void mx_toks(const mq_mm_job *j, in
     }
 }
 
-static inline __attribute__((always_inline)) void mx_q4x(const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
-    mx_tok tk[MX_T];
-    mx_toks(j, t0, nt, tk);
+/* one unit of a half group (q4x / q6x: a chunk, q3x: a block) for nt tokens: the decode kernel's
+ * steps (mv_q4x / mv_q6x / mv_q3x), each unpacked step feeding every token, then its float fold */
+static inline __attribute__((always_inline)) void
+mx_unit(const ctx_t *cx, const int fmt, const uint8_t *b, int u, int h, const mx_tok *tk, const int nt, __m256 *acc, __m256 *accm) {
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS)
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-            __m256 acc[MX_T], accm[MX_T];
-            for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
-            for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
-                __m256i i16[MX_T];
-                for (int t = 0; t < nt; t++) i16[t] = _mm256_setzero_si256();
-                for (int s = 0; s < 4; s++) {   /* mv_q4x's steps */
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q4X_CODES + 64 * s + 32 * h));
-                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    for (int t = 0; t < nt; t++) {
-                        const uint32_t *xc = tk[t].x32 + 8 * c;
-                        i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(lo, bc32(xc, s)));
-                        i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(hi, bc32(xc, 4 + s)));
-                    }
-                }
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+    if (fmt == MQ_Q4X) {
+        __m256i i16[MX_T];
+        for (int t = 0; t < nt; t++) i16[t] = _mm256_setzero_si256();
+        for (int s = 0; s < 4; s++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q4X_CODES + 64 * s + 32 * h));
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            for (int t = 0; t < nt; t++) {
+                const uint32_t *xc = tk[t].x32 + 8 * u;
+                i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(lo, bc32(xc, s)));
+                i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(hi, bc32(xc, 4 + s)));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+        for (int t = 0; t < nt; t++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t], ones)), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[u])), acc[t]);
+            accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(tk[t].sx[u]), accm[t]);
+        }
+    } else if (fmt == MQ_Q6X) {
+        const __m256i hw[2] = {_mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 32 * h)),
+                               _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 64 + 32 * h))};
+        __m256i i32[MX_T];
+        for (int t = 0; t < nt; t++) i32[t] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s += 2) {   /* step pairs: int16 bound */
+            __m256i i16[MX_T];
+            for (int t = 0; t < nt; t++) i16[t] = _mm256_setzero_si256();
+            for (int w = s; w < s + 2; w++) {
+                const __m256i lv = q6x_lv(b, h, w, hw);
+                for (int t = 0; t < nt; t++)
+                    i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 8 * u, w)));
+            }
+            for (int t = 0; t < nt; t++) i32[t] = _mm256_add_epi32(i32[t], _mm256_madd_epi16(i16[t], ones));
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+        for (int t = 0; t < nt; t++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[u])), acc[t]);
+            accm[t] = _mm256_fmadd_ps(d, _mm256_set1_ps(-32.0f * tk[t].sx[u]), accm[t]);
+        }
+    } else {   /* q3x block u: activation chunks 2u, 2u + 1 */
+        __m256i lo[4], ia[MX_T], ib[MX_T];
+        for (int t = 0; t < nt; t++) ia[t] = ib[t] = _mm256_setzero_si256();
+        for (int z = 0; z < 4; z++) lo[z] = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
+        for (int w = 0; w < 2; w++) {
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * w + 32 * h));
+            const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
+            for (int s = 0; s < 8; s++) {
+                const __m256i lv = q3x_lv(cx, lo, hs, w, s);
                 for (int t = 0; t < nt; t++) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(i16[t], ones)), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[c])), acc[t]);
-                    accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(tk[t].sx[c]), accm[t]);
+                    const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 16 * u, 8 * w + s)), ones);
+                    if (w == 0) ia[t] = _mm256_add_epi32(ia[t], pr); else ib[t] = _mm256_add_epi32(ib[t], pr);
                 }
             }
-            for (int t = 0; t < nt; t++) _mm256_storeu_ps(tk[t].y + g0 + 8 * h, _mm256_add_ps(acc[t], accm[t]));
         }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
+        for (int t = 0; t < nt; t++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[2 * u])), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[2 * u + 1])), acc[t]);
+            accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(tk[t].sx[2 * u] + tk[t].sx[2 * u + 1]), accm[t]);
+        }
+    }
 }
 
-static inline __attribute__((always_inline)) void mx_q6x(const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
+static inline __attribute__((always_inline)) void
+mx_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
     mx_tok tk[MX_T];
     mx_toks(j, t0, nt, tk);
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    const int units = fmt == MQ_Q3X ? j->nc / 2 : j->nc;
+    const size_t ub = fmt == MQ_Q4X ? MQ_Q4X_CHUNK : fmt == MQ_Q6X ? MQ_Q6X_CHUNK : MQ_Q3X_BLOCK;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS)
         for (int h = 0; h < 2; h++) {
             const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
             __m256 acc[MX_T], accm[MX_T];
             for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
-            for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
-                const __m256i hw[2] = {_mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 32 * h)),
-                                       _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_HI + 64 + 32 * h))};
-                __m256i i32[MX_T];
-                for (int t = 0; t < nt; t++) i32[t] = _mm256_setzero_si256();
-                for (int s = 0; s < 8; s += 2) {   /* mv_q6x's step pairs */
-                    __m256i i16[MX_T];
-                    for (int t = 0; t < nt; t++) i16[t] = _mm256_setzero_si256();
-                    for (int u = s; u < s + 2; u++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + MQ_Q6X_LO + 64 * (u & 3) + 32 * h));
-                        const __m256i lo = u < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                        const __m256i hv = hw[u & 1];
-                        const int f = u >> 1;
-                        const __m256i hs = f == 0 ? _mm256_slli_epi16(hv, 4) : f == 1 ? _mm256_slli_epi16(hv, 2)
-                                         : f == 2 ? hv : _mm256_srli_epi16(hv, 2);
-                        const __m256i lv = _mm256_or_si256(lo, _mm256_and_si256(hs, m30));
-                        for (int t = 0; t < nt; t++)
-                            i16[t] = _mm256_add_epi16(i16[t], _mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 8 * c, u)));
-                    }
-                    for (int t = 0; t < nt; t++) i32[t] = _mm256_add_epi32(i32[t], _mm256_madd_epi16(i16[t], ones));
-                }
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
-                for (int t = 0; t < nt; t++) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[c])), acc[t]);
-                    accm[t] = _mm256_fmadd_ps(d, _mm256_set1_ps(-32.0f * tk[t].sx[c]), accm[t]);
-                }
-            }
-            for (int t = 0; t < nt; t++) _mm256_storeu_ps(tk[t].y + g0 + 8 * h, _mm256_add_ps(acc[t], accm[t]));
-        }
-}
-
-static inline __attribute__((always_inline)) void mx_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1, int t0, const int nt) {
-    mx_tok tk[MX_T];
-    mx_toks(j, t0, nt, tk);
-    const __m256i c03 = _mm256_set1_epi8(0x03), c0c = _mm256_set1_epi8(0x0c), ones = _mm256_set1_epi16(1);
-    const __m256i b0 = _mm256_set1_epi8(1), b1 = _mm256_set1_epi8(2), b2 = _mm256_set1_epi8(4), b3 = _mm256_set1_epi8(8);
-    const __m256i *tb = cx->t3x;
-    const int nb = j->nc / 2;
-    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS)
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-            __m256 acc[MX_T], accm[MX_T];
-            for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm256_setzero_ps();
-            for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
-                __m256i lo[4], ia[MX_T], ib[MX_T];
-                for (int t = 0; t < nt; t++) ia[t] = ib[t] = _mm256_setzero_si256();
-                for (int z = 0; z < 4; z++) lo[z] = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
-                for (int w = 0; w < 2; w++) {   /* mv_q3x's steps */
-                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * w + 32 * h));
-                    const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
-                    for (int s = 0; s < 8; s++) {
-                        const int i = 8 * w + s, z = s & 3, odd = s >> 2;
-                        const __m256i src = w ? _mm256_srli_epi16(lo[z], 4) : lo[z];
-                        const __m256i lf = _mm256_and_si256(src, odd ? c0c : c03);
-                        const __m256i hf = _mm256_and_si256(hs[s >> 1], odd ? (s & 1 ? b1 : b0) : (s & 1 ? b3 : b2));
-                        const __m256i tv = tb[odd ? (s & 1 ? Q3X_T21 : Q3X_T20) : (s & 1 ? Q3X_T03 : Q3X_T02)];
-                        const __m256i lv = _mm256_shuffle_epi8(tv, _mm256_or_si256(lf, hf));
-                        for (int t = 0; t < nt; t++) {
-                            const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 16 * bi, i)), ones);
-                            if (w == 0) ia[t] = _mm256_add_epi32(ia[t], pr); else ib[t] = _mm256_add_epi32(ib[t], pr);
-                        }
-                    }
-                }
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
-                for (int t = 0; t < nt; t++) {
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[2 * bi])), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib[t]), _mm256_mul_ps(d, _mm256_set1_ps(tk[t].dx[2 * bi + 1])), acc[t]);
-                    accm[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(tk[t].sx[2 * bi] + tk[t].sx[2 * bi + 1]), accm[t]);
-                }
-            }
+            for (int u = 0; u < units; u++, b += ub) mx_unit(cx, fmt, b, u, h, tk, nt, acc, accm);
             for (int t = 0; t < nt; t++) _mm256_storeu_ps(tk[t].y + g0 + 8 * h, _mm256_add_ps(acc[t], accm[t]));
         }
 }
 
 static void mx_run(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
 #define MX_CALL(NT) do { \
-        if (j->fmt == MQ_Q4X) mx_q4x(j, n0, n1, t0, NT); \
-        else if (j->fmt == MQ_Q6X) mx_q6x(j, n0, n1, t0, NT); \
-        else mx_q3x(cx, j, n0, n1, t0, NT); } while (0)
+        if (j->fmt == MQ_Q4X) mx_fmt(cx, MQ_Q4X, j, n0, n1, t0, NT); \
+        else if (j->fmt == MQ_Q6X) mx_fmt(cx, MQ_Q6X, j, n0, n1, t0, NT); \
+        else mx_fmt(cx, MQ_Q3X, j, n0, n1, t0, NT); } while (0)
     for (int t0 = 0; t0 < j->T; t0 += MX_T) {
         switch (j->T - t0) {
         case 1: MX_CALL(1); break;
