@@ -102,6 +102,8 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         hwm_reset = _reset_peak_rss()
         cache = model.make_cache(n_prompt + n_gen + 8)
         model(prompt[:32], cache, 0, last_only=True)        # warm-up: page in weights, JIT nothing
+        arena = getattr(getattr(loaded, "file", None), "arena", None)
+        huge = arena.huge_fraction() if arena is not None else None   # weights in 2 MiB pages (decode speed)
         pp, tg, ttft = [], [], []
         counters = None
         for r in range(repeats):
@@ -134,7 +136,8 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                "model_bytes": loaded.nbytes, "decode_bytes_per_token": bpt,
                "read_bandwidth_bytes_s": bw, "probe_bandwidth_bytes_s": probe, "probe_note": probe_note,
                # achieved decode bandwidth / measured bandwidth; 1.0 = at the memory limit
-               "bandwidth_ratio": tg_med * bpt / bw, "n_prompt": n_prompt, "n_gen": n_gen}
+               "bandwidth_ratio": tg_med * bpt / bw, "n_prompt": n_prompt, "n_gen": n_gen,
+               "weights_huge_fraction": huge}
         if perf:
             if counters is not None and counters.ok:
                 row["cache_miss_per_instr"] = counters.miss_ratio()
@@ -163,6 +166,10 @@ def format_rows(rows, label: str) -> str:
                    f"{r['bandwidth_ratio']:.2f} ({r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s) |")
         if r.get("probe_note"):
             out.append(f"NOTE: {r['probe_note']}")
+        if r.get("weights_huge_fraction") is not None and r["weights_huge_fraction"] < 0.5:
+            out.append(f"NOTE: only {100 * r['weights_huge_fraction']:.0f} % of the weights are mapped in 2 MiB pages "
+                       "(a copied or freshly written file); `mixqrt doctor --model FILE --recache` fixes that and "
+                       "decode is faster afterwards")
         if "cache_miss_per_instr" in r:
             warn = "  WARNING: above 15 %" if r["cache_miss_per_instr"] > 0.15 else ""
             out.append(f"cache-misses/instructions: {100 * r['cache_miss_per_instr']:.2f} %{warn}")

@@ -50,9 +50,16 @@ def _pipeline(a):
 
 
 def cmd_doctor(a):
-    from mixqrt.doctor import format_report, report
+    from mixqrt.doctor import format_pages, format_report, model_pages, report
     info = report()
-    print(json.dumps(info, indent=2) if a.json else format_report(info))
+    if a.model:
+        info["model_pages"] = model_pages(a.model, recache=a.recache)
+    if a.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_report(info))
+        if a.model:
+            print(format_pages(info["model_pages"]))
 
 
 def parse_rotate(items):
@@ -216,6 +223,11 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("doctor", help="CPU, ISA tier, usable cores, NUMA nodes, hugepages")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--model", default=None, metavar="FILE",
+                   help="also report how much of this .mxq's weights the kernel maps in 2 MiB pages")
+    s.add_argument("--recache", action="store_true",
+                   help="with --model: read the file into the page cache again in 2 MiB pages (a copied or "
+                        "freshly written file sits in 4 KiB ones; decode is faster from 2 MiB pages)")
     s.set_defaults(fn=cmd_doctor)
 
     s = sub.add_parser("quantize", help="quantize a model with a recipe into a .mxq file")
@@ -340,6 +352,8 @@ def main(argv=None) -> int:
         build_parser().error("quantize needs -o OUTPUT (or --dry-run)")
     if args.cmd == "quantize" and (args.recipe == "auto") != (args.budget_bytes is not None):
         build_parser().error("--recipe auto needs --budget-bytes N (and --budget-bytes needs --recipe auto)")
+    if args.cmd == "doctor" and args.recache and not args.model:
+        build_parser().error("doctor --recache needs --model FILE")
     try:
         args.fn(args)
     except MixqrtError as e:

@@ -47,6 +47,47 @@ def report() -> dict:
     return info
 
 
+def model_pages(path, *, recache: bool = False) -> dict:
+    """How a .mxq file's weights are mapped: the fraction in 2 MiB pages (mixqrt.io.arena
+    Arena.huge_fraction) after touching every page as mixqrt.load would, and, with recache, after
+    re-reading the file into 2 MiB folios (Arena.recache). Reads the whole file once (twice with
+    recache)."""
+    import numpy as np
+
+    from mixqrt.io.mxq import MxqFile
+
+    def touch(f):
+        np.frombuffer(f.arena._mm, np.uint8)[::4096].max()
+
+    from mixqrt.errors import FormatError
+
+    out = {"model": str(path)}
+    if not os.path.isfile(path):
+        raise FormatError(f"{path}: no such file (want a .mxq model file)")
+    with MxqFile(path, hugepages=True) as f:
+        touch(f)
+        out["huge_fraction"] = f.arena.huge_fraction()
+        if recache:
+            out["recached"] = f.arena.recache()
+            touch(f)
+            out["huge_fraction_after"] = f.arena.huge_fraction()
+    return out
+
+
+def format_pages(info: dict) -> str:
+    def pct(v):
+        return "unknown (kernel does not say)" if v is None else f"{100 * v:.0f} %"
+    lines = [f"weights    {info['model']}: {pct(info['huge_fraction'])} in 2 MiB pages"]
+    if "recached" in info:
+        lines.append(f"recache    {'done' if info['recached'] else 'not available'}: "
+                     f"{pct(info['huge_fraction_after'])} in 2 MiB pages")
+    elif info["huge_fraction"] is not None and info["huge_fraction"] < 0.5:
+        lines.append("           mostly 4 KiB pages (a copied or freshly written file's page cache): "
+                     "`mixqrt doctor --model FILE --recache` reads it again in 2 MiB pages (faster decode, "
+                     "docs/runtime.md)")
+    return "\n".join(lines)
+
+
 def format_report(info: dict) -> str:
     lines = [
         f"CPU        {info['cpu_vendor']} / {info['cpu_model']}",

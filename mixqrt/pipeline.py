@@ -243,6 +243,7 @@ class Pipeline:
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:
         """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
+        from mixqrt.io.arena import drop_cached
         from mixqrt.io.atomic import file_lock, mkstemp_for
         path = Path(path)
         if path.resolve() == Path(self.path).resolve():
@@ -254,6 +255,7 @@ class Pipeline:
                     shutil.copyfileobj(src, f, 1 << 22)
                     f.flush()
                     os.fsync(f.fileno())
+                    drop_cached(f.fileno())          # see mixqrt.io.arena.drop_cached
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):

@@ -29,6 +29,23 @@ def test_doctor(capsys):
     assert info["isa"] in ("generic", "avx2", "avx512") and info["usable_cpus"] >= 1
 
 
+def test_doctor_model_pages(tiny, tmp_path, capsys):
+    out = tmp_path / "m.mxq"
+    assert main(["quantize", str(tiny), "--recipe", "2356", "-o", str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert main(["doctor", "--model", str(out), "--recache"]) == 0
+    text = capsys.readouterr().out
+    assert "in 2 MiB pages" in text and "recache" in text
+    assert main(["doctor", "--json", "--model", str(out)]) == 0
+    pages = json.loads(capsys.readouterr().out)["model_pages"]
+    assert pages["model"] == str(out) and "recached" not in pages
+    assert main(["doctor", "--model", str(tmp_path / "none.mxq")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--recache"])
+    assert e.value.code == 2
+
+
 def test_doctor_honours_mixqrt_isa():
     import os
     import mixqrt  # run where the imported package lives (the source tree in development, site-packages in CI)

@@ -54,6 +54,26 @@ def test_hints_and_close_with_live_views(tmp_path):
     f.close()
 
 
+def test_writer_drops_its_page_cache_and_recache_keeps_the_bytes(tmp_path, monkeypatch):
+    """The writer drops the file's pages after fsync (so they come back in 2 MiB folios through a
+    MADV_HUGEPAGE mapping); huge_fraction is a fraction or None; recache keeps every view valid."""
+    from mixqrt.io import arena as arena_mod
+    dropped = []
+    real = arena_mod.drop_cached
+    monkeypatch.setattr(mxq, "drop_cached", lambda fd: dropped.append(fd) or real(fd))
+    p = tmp_path / "m.mxq"
+    write_model(p, tiny_model_tensors(layers=1))
+    assert len(dropped) == 1
+    with MxqFile(p, hugepages=True) as f:
+        want = {n: q.raw.copy() for n, q in f.tensors.items()}
+        frac = f.arena.huge_fraction()
+        assert frac is None or 0.0 <= frac <= 1.0
+        assert f.arena.recache() in (True, False)
+        for n, q in f.tensors.items():
+            assert np.array_equal(q.raw, want[n])
+    assert f.arena.huge_fraction() is None and f.arena.recache() is False      # closed: no-ops
+
+
 def test_empty_model_and_meta_types(tmp_path):
     p = tmp_path / "e.mxq"
     with MxqWriter(p, {"a": [1, None, "é"], "b": {"c": 1.5}}):

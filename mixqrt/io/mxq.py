@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from mixqrt.errors import FormatError, MixqrtError
 from mixqrt.io.atomic import mkstemp_for, umask as _umask
 from mixqrt.quant import layout
-from mixqrt.io.arena import ALIGN, PAGE, Arena, align_up, is_pow2
+from mixqrt.io.arena import ALIGN, PAGE, Arena, align_up, drop_cached, is_pow2
 
 MAGIC = b"MXQ\0"
 # 2: q3p codes are packed pack3c (layout.py). Version 1 files still load unless they hold q3p tensors
@@ -504,6 +504,7 @@ class MxqWriter:
             self._f.flush()
             os.fchmod(self._f.fileno(), 0o666 & ~_umask())
             os.fsync(self._f.fileno())
+            drop_cached(self._f.fileno())        # read back in 2 MiB folios, not write()'s small ones
             self._f.close()
             self._f = None
             os.replace(self._tmp, self.path)
