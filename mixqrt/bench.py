@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from mixqrt.perf import peak_rss_bytes
+from mixqrt.perf import cpu_jiffies, peak_rss_bytes, steal_fraction
 
 
 def measure_bandwidth(threads: int, nbytes: int = 1 << 30, probes: int = 3) -> float:
@@ -104,7 +104,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         model(prompt[:32], cache, 0, last_only=True)        # warm-up: page in weights, JIT nothing
         arena = getattr(getattr(loaded, "file", None), "arena", None)
         huge = arena.huge_fraction() if arena is not None else None   # weights in 2 MiB pages (decode speed)
-        pp, tg, ttft = [], [], []
+        pp, tg, ttft, steal = [], [], [], []
         counters = None
         for r in range(repeats):
             cache.reset()
@@ -119,6 +119,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
             if perf and r == 0:
                 from mixqrt.perf import Counters
                 counters = Counters()
+            j0 = cpu_jiffies()
             t = time.perf_counter()
             ctx = counters if (counters is not None and counters.ok and r == 0) else _null()
             with ctx:
@@ -126,6 +127,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                     logits = model(np.array([tok]), cache, None, last_only=True)
                     tok = int(np.argmax(logits))
             tg.append(n_gen / (time.perf_counter() - t))
+            steal.append(steal_fraction(j0, cpu_jiffies()))
         peak = (_vm_hwm_bytes() if hwm_reset else None) or peak_rss_bytes()
         probe = max(bw, measure_bandwidth(int(nt)))     # probed before and after the timed runs
         tg_med = statistics.median(tg)
@@ -137,7 +139,9 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                "read_bandwidth_bytes_s": bw, "probe_bandwidth_bytes_s": probe, "probe_note": probe_note,
                # achieved decode bandwidth / measured bandwidth; 1.0 = at the memory limit
                "bandwidth_ratio": tg_med * bpt / bw, "n_prompt": n_prompt, "n_gen": n_gen,
-               "weights_huge_fraction": huge}
+               "weights_huge_fraction": huge,
+               # CPU time the hypervisor took during the decode runs (all CPUs): a noisy-neighbour gauge
+               "steal_fraction": statistics.median(steal) if None not in steal else None}
         if perf:
             if counters is not None and counters.ok:
                 row["cache_miss_per_instr"] = counters.miss_ratio()
@@ -166,6 +170,9 @@ def format_rows(rows, label: str) -> str:
                    f"{r['bandwidth_ratio']:.2f} ({r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s) |")
         if r.get("probe_note"):
             out.append(f"NOTE: {r['probe_note']}")
+        if r.get("steal_fraction") is not None and r["steal_fraction"] >= 0.02:
+            out.append(f"NOTE: the hypervisor took {100 * r['steal_fraction']:.0f} % of the CPU time during decode "
+                       "(steal, /proc/stat): the machine is shared; compare ratios from one run")
         if r.get("weights_huge_fraction") is not None and r["weights_huge_fraction"] < 0.5:
             out.append(f"NOTE: only {100 * r['weights_huge_fraction']:.0f} % of the weights are mapped in 2 MiB pages "
                        "(a copied or freshly written file); `mixqrt doctor --model FILE --recache` fixes that and "

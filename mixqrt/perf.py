@@ -28,6 +28,27 @@ HW_CYCLES = 0
 _IOC_ENABLE, _IOC_DISABLE, _IOC_RESET = 0x2400, 0x2401, 0x2403
 
 
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(steal, total) clock ticks of all CPUs from /proc/stat's "cpu" line; None where unavailable.
+    Steal is time a hypervisor ran something else while this guest wanted the CPU."""
+    try:
+        with open("/proc/stat") as fh:
+            f = fh.readline().split()
+    except OSError:
+        return None
+    if len(f) < 9 or f[0] != "cpu":
+        return None
+    vals = [int(v) for v in f[1:9]]          # user nice system idle iowait irq softirq steal
+    return vals[7], sum(vals)
+
+
+def steal_fraction(before, after) -> float | None:
+    """The share of all CPUs' time stolen by the hypervisor between two cpu_jiffies() readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def _attr(config: int) -> bytes:
     # struct perf_event_attr (size 128): type, size, config, sample_period, sample_type, read_format, flags...
     flags = (1 << 0) | (1 << 1) | (1 << 5) | (1 << 6)   # disabled, inherit, exclude_kernel, exclude_hv

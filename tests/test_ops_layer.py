@@ -279,3 +279,20 @@ def test_honest_bound():
     assert honest_bound(50e9, [40e9, float("nan")]) == (50e9, None)
     bw, note = honest_bound(50e9, [57e9])
     assert bw == 57e9 and "probe is wrong" in note
+
+
+def test_bench_notes_steal_and_small_pages():
+    """The bench row notes hypervisor steal (>= 2 %) and weights mostly outside 2 MiB pages."""
+    from mixqrt.bench import format_rows
+    from mixqrt.perf import cpu_jiffies, steal_fraction
+    a = cpu_jiffies()
+    assert a is None or (len(a) == 2 and 0 <= a[0] <= a[1])
+    assert steal_fraction(None, a) is None and steal_fraction((5, 100), (15, 200)) == 0.1
+    assert steal_fraction((5, 100), (5, 100)) is None
+    row = {"threads": 2, "pp_tok_s": 1.0, "tg_tok_s": 1.0, "ttft_s": 1.0, "peak_rss_bytes": 1 << 20,
+           "model_bytes": 1 << 20, "bandwidth_ratio": 0.5, "read_bandwidth_bytes_s": 1e10, "n_prompt": 8,
+           "n_gen": 8, "steal_fraction": 0.2, "weights_huge_fraction": 0.1}
+    text = format_rows([row], "m")
+    assert "took 20 % of the CPU time" in text and "only 10 % of the weights" in text
+    quiet = format_rows([{**row, "steal_fraction": 0.0, "weights_huge_fraction": None}], "m")
+    assert "NOTE" not in quiet
