@@ -119,6 +119,11 @@ class Arena:
             return False
         return True
 
+    def touch(self) -> None:
+        """Fault every page of the mapping in (one byte read per page), as a full forward pass would."""
+        if not self.closed:
+            np.frombuffer(self._mm, dtype=np.uint8)[::SYS_PAGE].max()
+
     def huge_fraction(self) -> float | None:
         """The fraction of the file that this process maps with 2 MiB entries (FilePmdMapped in
         /proc/self/smaps over the file size), after the pages were touched; None where the kernel does
