@@ -45,6 +45,31 @@ def test_silu_mul(tier, n):
     assert (np.abs(y - ref) <= 8 * EPS * np.abs(ref) + 1e-37).all()
 
 
+@pytest.mark.parametrize("n", [1, 31, 33, 255, 257, 896, 4864])
+def test_fast_exp_paths_are_bit_identical_across_tiers(n):
+    """SiLU and the fast softmax run exp on 4 vectors at a time in the AVX2 / AVX-512 tiers and one
+    value at a time in the generic one (and in every tier's tail): the same operations per value, so
+    the same bits, over the whole range, its edges, out-of-range values (libm) and NaN / inf."""
+    rng = np.random.default_rng(n)
+    g = (rng.uniform(-100, 100, n)).astype(np.float32)
+    edge = np.array([-87.0, 88.0, -87.00001, 88.00001, 0.0, -0.0, 1e-30, -200.0, np.inf, -np.inf, np.nan],
+                    np.float32)
+    g[: min(n, edge.size)] = edge[: min(n, edge.size)]
+    u = rng.standard_normal(n).astype(np.float32)
+    x = (rng.standard_normal((2, n)) * 40).astype(np.float32)
+    before = isa.current()
+    try:
+        outs = []
+        for t in isa.available():
+            isa.set_isa(t)
+            outs.append((ops.silu_mul(g, u), ops.softmax(x, fast=True)))
+    finally:
+        isa.set_isa(before)
+    for y, sm in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0][0])
+        np.testing.assert_array_equal(sm, outs[0][1])
+
+
 @pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("n", [1, 17, 1000, 32768])
 def test_softmax(tier, fast, n):

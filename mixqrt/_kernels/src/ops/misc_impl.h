@@ -38,12 +38,70 @@ static inline float MQ_FN(fexp_)(float x) {
 /* y[i] = hexp_(x[i] - sub) for n values, in two passes that gcc vectorizes: the fast path on the
  * input clamped to the range, then libm expf for the (rare) inputs outside it. Same values as hexp_
  * of the float difference. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* fexp_ on a vector, operation for operation (the same bits per lane). Clamping by max / min differs
+ * from fexp_'s callers only on NaN, whose lanes hexp_n_ recomputes with libm anyway. */
+#if defined(__AVX512F__)
+#define MQ_XV 16
+typedef __m512 mq_xv;
+#define MQ_X1(v) _mm512_set1_ps(v)
+#define MQ_XMUL _mm512_mul_ps
+#define MQ_XADD _mm512_add_ps
+#define MQ_XSUB _mm512_sub_ps
+#define MQ_XLOAD _mm512_loadu_ps
+#define MQ_XSTORE _mm512_storeu_ps
+#define MQ_XCLAMP(v) _mm512_min_ps(_mm512_max_ps(v, MQ_X1(MQ_EXP_LO)), MQ_X1(MQ_EXP_HI))
+#define MQ_XROUND(v) _mm512_roundscale_ps(v, 0x0C)          /* nearbyint: current mode, no exception */
+#define MQ_XSCALE(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23))
+#else
+#define MQ_XV 8
+typedef __m256 mq_xv;
+#define MQ_X1(v) _mm256_set1_ps(v)
+#define MQ_XMUL _mm256_mul_ps
+#define MQ_XADD _mm256_add_ps
+#define MQ_XSUB _mm256_sub_ps
+#define MQ_XLOAD _mm256_loadu_ps
+#define MQ_XSTORE _mm256_storeu_ps
+#define MQ_XCLAMP(v) _mm256_min_ps(_mm256_max_ps(v, MQ_X1(MQ_EXP_LO)), MQ_X1(MQ_EXP_HI))
+#define MQ_XROUND(v) _mm256_round_ps(v, 0x0C)
+#define MQ_XSCALE(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23))
+#endif
+static inline __attribute__((always_inline)) mq_xv MQ_FN(fexp_v_)(mq_xv x) {
+    const mq_xv n = MQ_XROUND(MQ_XMUL(x, MQ_X1(1.44269504088896341f)));
+    mq_xv r = MQ_XSUB(x, MQ_XMUL(n, MQ_X1(0.693359375f)));
+    r = MQ_XSUB(r, MQ_XMUL(n, MQ_X1(-2.12194440e-4f)));
+    mq_xv p = MQ_X1(1.9875691500E-4f);
+    p = MQ_XADD(MQ_XMUL(p, r), MQ_X1(1.3981999507E-3f));
+    p = MQ_XADD(MQ_XMUL(p, r), MQ_X1(8.3334519073E-3f));
+    p = MQ_XADD(MQ_XMUL(p, r), MQ_X1(4.1665795894E-2f));
+    p = MQ_XADD(MQ_XMUL(p, r), MQ_X1(1.6666665459E-1f));
+    p = MQ_XADD(MQ_XMUL(p, r), MQ_X1(5.0000001201E-1f));
+    p = MQ_XADD(MQ_XADD(MQ_XMUL(p, MQ_XMUL(r, r)), r), MQ_X1(1.0f));
+    return MQ_XMUL(p, MQ_XSCALE(n));
+}
+#endif
+
 static void MQ_FN(hexp_n_)(const float *x, float *y, size_t n, float sub) {   /* y may alias x */
     float t[256];
     for (size_t i0 = 0; i0 < n; i0 += 256) {
         size_t m = n - i0 < 256 ? n - i0 : 256;
         for (size_t i = 0; i < m; i++) t[i] = x[i0 + i] - sub;
-        for (size_t i = 0; i < m; i++) {
+        size_t i = 0;
+#if defined(MQ_XV)
+        /* four independent vectors per step: Horner's chain is latency-bound one vector at a time */
+        for (; i + 4 * MQ_XV <= m; i += 4 * MQ_XV) {
+            mq_xv e0 = MQ_FN(fexp_v_)(MQ_XCLAMP(MQ_XLOAD(t + i)));
+            mq_xv e1 = MQ_FN(fexp_v_)(MQ_XCLAMP(MQ_XLOAD(t + i + MQ_XV)));
+            mq_xv e2 = MQ_FN(fexp_v_)(MQ_XCLAMP(MQ_XLOAD(t + i + 2 * MQ_XV)));
+            mq_xv e3 = MQ_FN(fexp_v_)(MQ_XCLAMP(MQ_XLOAD(t + i + 3 * MQ_XV)));
+            MQ_XSTORE(y + i0 + i, e0);
+            MQ_XSTORE(y + i0 + i + MQ_XV, e1);
+            MQ_XSTORE(y + i0 + i + 2 * MQ_XV, e2);
+            MQ_XSTORE(y + i0 + i + 3 * MQ_XV, e3);
+        }
+        for (; i + MQ_XV <= m; i += MQ_XV) MQ_XSTORE(y + i0 + i, MQ_FN(fexp_v_)(MQ_XCLAMP(MQ_XLOAD(t + i))));
+#endif
+        for (; i < m; i++) {
             float v = t[i];
             v = v < MQ_EXP_LO ? MQ_EXP_LO : v;
             v = v > MQ_EXP_HI ? MQ_EXP_HI : v;
