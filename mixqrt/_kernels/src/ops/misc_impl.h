@@ -157,6 +157,8 @@ typedef __m512 mq_hv;
 #define MQ_HSTORE _mm512_storeu_ps
 #define MQ_HADD _mm512_add_ps
 #define MQ_HSUB _mm512_sub_ps
+#define MQ_HMUL _mm512_mul_ps
+#define MQ_HSET1 _mm512_set1_ps
 /* one butterfly stage h < 16 inside a vector: lane j pairs with lane j^h. Lanes with bit h clear get
  * v[j] + v[j^h] (= a + c), the others v[j^h] - v[j] (= a - c): the scalar loop's operands, exactly. */
 static inline __m512 MQ_FN(hstage_)(__m512 v, int h) {
@@ -173,6 +175,8 @@ typedef __m256 mq_hv;
 #define MQ_HSTORE _mm256_storeu_ps
 #define MQ_HADD _mm256_add_ps
 #define MQ_HSUB _mm256_sub_ps
+#define MQ_HMUL _mm256_mul_ps
+#define MQ_HSET1 _mm256_set1_ps
 static inline __m256 MQ_FN(hstage_)(__m256 v, int h) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 p = _mm256_permutevar8x32_ps(v, _mm256_xor_si256(lane, _mm256_set1_epi32(h)));
@@ -182,6 +186,37 @@ static inline __m256 MQ_FN(hstage_)(__m256 v, int h) {
 #endif
 
 void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K, int b, float scale) {
+#if defined(MQ_HV)
+    if (b >= 2 * MQ_HV && b <= 8 * MQ_HV) {
+        /* a whole block in registers (2-8 vectors): signs, the in-vector stages of every vector (they
+         * are independent, so their latency overlaps), the cross-vector stages, the scale; one load and
+         * one store per value. The same operations per value as the passes below: the same bits. */
+        const mq_hv sc = MQ_HSET1(scale);
+        const int nv = b / MQ_HV;
+        for (int t = 0; t < T; t++) {
+            const float *xr = x + (size_t)t * K;
+            float *yr = y + (size_t)t * K;
+            for (int i0 = 0; i0 < K; i0 += b) {
+                mq_hv r[8];
+                for (int j = 0; j < nv; j++) {
+                    r[j] = MQ_HLOAD(xr + i0 + j * MQ_HV);
+                    if (s) r[j] = MQ_HMUL(r[j], MQ_HLOAD(s + i0 + j * MQ_HV));
+                }
+                for (int hh = 1; hh < MQ_HV; hh *= 2)
+                    for (int j = 0; j < nv; j++) r[j] = MQ_FN(hstage_)(r[j], hh);
+                for (int hv = 1; hv < nv; hv *= 2)          /* stage h = hv * MQ_HV: vector j with j + hv */
+                    for (int j0 = 0; j0 < nv; j0 += 2 * hv)
+                        for (int j = j0; j < j0 + hv; j++) {
+                            const mq_hv a = r[j], c = r[j + hv];
+                            r[j] = MQ_HADD(a, c);
+                            r[j + hv] = MQ_HSUB(a, c);
+                        }
+                for (int j = 0; j < nv; j++) MQ_HSTORE(yr + i0 + j * MQ_HV, MQ_HMUL(r[j], sc));
+            }
+        }
+        return;
+    }
+#endif
     for (int t = 0; t < T; t++) {
         const float *xr = x + (size_t)t * K;
         float *yr = y + (size_t)t * K;
@@ -239,6 +274,8 @@ void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K,
 #undef MQ_HSTORE
 #undef MQ_HADD
 #undef MQ_HSUB
+#undef MQ_HMUL
+#undef MQ_HSET1
 #endif
 
 /* one row in place; returns nothing. fast=0 uses libm expf everywhere (the "exact" variant). */
