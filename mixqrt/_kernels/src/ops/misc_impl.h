@@ -35,9 +35,6 @@ static inline float MQ_FN(fexp_)(float x) {
     return p * sf;
 }
 
-/* y[i] = hexp_(x[i] - sub) for n values, in two passes that gcc vectorizes: the fast path on the
- * input clamped to the range, then libm expf for the (rare) inputs outside it. Same values as hexp_
- * of the float difference. */
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* fexp_ on a vector, operation for operation (the same bits per lane). Clamping by max / min differs
  * from fexp_'s callers only on NaN, whose lanes hexp_n_ recomputes with libm anyway. */
@@ -81,6 +78,9 @@ static inline __attribute__((always_inline)) mq_xv MQ_FN(fexp_v_)(mq_xv x) {
 }
 #endif
 
+/* y[i] = hexp_(x[i] - sub) for n values, in two passes: the fast path on the input clamped to the
+ * range (four vectors per step where the tier has them, else what gcc vectorizes), then libm expf for
+ * the (rare) inputs outside it. Same values as hexp_ of the float difference. */
 static void MQ_FN(hexp_n_)(const float *x, float *y, size_t n, float sub) {   /* y may alias x */
     float t[256];
     for (size_t i0 = 0; i0 < n; i0 += 256) {
