@@ -87,12 +87,13 @@ def measure(path: str, cold: bool, hugepages: bool, willneed: bool) -> dict:
     import numpy  # noqa: F401  (imports are not part of the load)
     import test_mxq_fuzz  # noqa: F401
 
+    from mixqrt.io.arena import drop_cached
     from mixqrt.io.mxq import MxqFile
     from mixqrt.quant.qtensor import QTensor  # noqa: F401
     if cold:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_cached(fd)
         os.close(fd)
     before = _status()
     t = time.perf_counter()

@@ -35,9 +35,8 @@ static inline float MQ_FN(fexp_)(float x) {
     return p * sf;
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-/* fexp_ on a vector, operation for operation (the same bits per lane). Clamping by max / min differs
- * from fexp_'s callers only on NaN, whose lanes hexp_n_ recomputes with libm anyway. */
+/* One vector of floats in the AVX2 / AVX-512 tiers (MQ_XV lanes), for the loops below that keep the
+ * scalar code's operations per value (fast exp, block Hadamard); undefined in the generic tier. */
 #if defined(__AVX512F__)
 #define MQ_XV 16
 typedef __m512 mq_xv;
@@ -50,7 +49,7 @@ typedef __m512 mq_xv;
 #define MQ_XCLAMP(v) _mm512_min_ps(_mm512_max_ps(v, MQ_X1(MQ_EXP_LO)), MQ_X1(MQ_EXP_HI))
 #define MQ_XROUND(v) _mm512_roundscale_ps(v, 0x0C)          /* nearbyint: current mode, no exception */
 #define MQ_XSCALE(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23))
-#else
+#elif defined(__AVX2__)
 #define MQ_XV 8
 typedef __m256 mq_xv;
 #define MQ_X1(v) _mm256_set1_ps(v)
@@ -63,6 +62,10 @@ typedef __m256 mq_xv;
 #define MQ_XROUND(v) _mm256_round_ps(v, 0x0C)
 #define MQ_XSCALE(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23))
 #endif
+
+#if defined(MQ_XV)
+/* fexp_ on a vector, operation for operation (the same bits per lane). Clamping by max / min differs
+ * from fexp_'s callers only on NaN, whose lanes hexp_n_ recomputes with libm anyway. */
 static inline __attribute__((always_inline)) mq_xv MQ_FN(fexp_v_)(mq_xv x) {
     const mq_xv n = MQ_XROUND(MQ_XMUL(x, MQ_X1(1.44269504088896341f)));
     mq_xv r = MQ_XSUB(x, MQ_XMUL(n, MQ_X1(0.693359375f)));
@@ -151,16 +154,9 @@ void MQ_FN(mq_silu_mul_)(const float *g, const float *u, float *y, size_t n) {
  * floats, then one multiply by the scale: no reassociation, so every tier gives the same bits.
  * b is a power of two <= 1024 dividing K (checked by the caller); y may alias x. */
 #if defined(__AVX512F__)
-#define MQ_HV 16                         /* lanes per vector: stages 1, 2, 4, 8 run in a register */
-typedef __m512 mq_hv;
-#define MQ_HLOAD _mm512_loadu_ps
-#define MQ_HSTORE _mm512_storeu_ps
-#define MQ_HADD _mm512_add_ps
-#define MQ_HSUB _mm512_sub_ps
-#define MQ_HMUL _mm512_mul_ps
-#define MQ_HSET1 _mm512_set1_ps
-/* one butterfly stage h < 16 inside a vector: lane j pairs with lane j^h. Lanes with bit h clear get
- * v[j] + v[j^h] (= a + c), the others v[j^h] - v[j] (= a - c): the scalar loop's operands, exactly. */
+/* one butterfly stage h < 16 inside a vector (stages 1, 2, 4, 8 run in a register): lane j pairs with
+ * lane j^h. Lanes with bit h clear get v[j] + v[j^h] (= a + c), the others v[j^h] - v[j] (= a - c):
+ * the scalar loop's operands, exactly. */
 static inline __m512 MQ_FN(hstage_)(__m512 v, int h) {
     static const int masks[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -169,14 +165,6 @@ static inline __m512 MQ_FN(hstage_)(__m512 v, int h) {
     return _mm512_mask_blend_ps((__mmask16)masks[k], _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
 }
 #elif defined(__AVX2__)
-#define MQ_HV 8
-typedef __m256 mq_hv;
-#define MQ_HLOAD _mm256_loadu_ps
-#define MQ_HSTORE _mm256_storeu_ps
-#define MQ_HADD _mm256_add_ps
-#define MQ_HSUB _mm256_sub_ps
-#define MQ_HMUL _mm256_mul_ps
-#define MQ_HSET1 _mm256_set1_ps
 static inline __m256 MQ_FN(hstage_)(__m256 v, int h) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 p = _mm256_permutevar8x32_ps(v, _mm256_xor_si256(lane, _mm256_set1_epi32(h)));
@@ -186,32 +174,32 @@ static inline __m256 MQ_FN(hstage_)(__m256 v, int h) {
 #endif
 
 void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K, int b, float scale) {
-#if defined(MQ_HV)
-    if (b >= 2 * MQ_HV && b <= 8 * MQ_HV) {
+#if defined(MQ_XV)
+    if (b >= 2 * MQ_XV && b <= 8 * MQ_XV) {
         /* a whole block in registers (2-8 vectors): signs, the in-vector stages of every vector (they
          * are independent, so their latency overlaps), the cross-vector stages, the scale; one load and
          * one store per value. The same operations per value as the passes below: the same bits. */
-        const mq_hv sc = MQ_HSET1(scale);
-        const int nv = b / MQ_HV;
+        const mq_xv sc = MQ_X1(scale);
+        const int nv = b / MQ_XV;
         for (int t = 0; t < T; t++) {
             const float *xr = x + (size_t)t * K;
             float *yr = y + (size_t)t * K;
             for (int i0 = 0; i0 < K; i0 += b) {
-                mq_hv r[8];
+                mq_xv r[8];
                 for (int j = 0; j < nv; j++) {
-                    r[j] = MQ_HLOAD(xr + i0 + j * MQ_HV);
-                    if (s) r[j] = MQ_HMUL(r[j], MQ_HLOAD(s + i0 + j * MQ_HV));
+                    r[j] = MQ_XLOAD(xr + i0 + j * MQ_XV);
+                    if (s) r[j] = MQ_XMUL(r[j], MQ_XLOAD(s + i0 + j * MQ_XV));
                 }
-                for (int hh = 1; hh < MQ_HV; hh *= 2)
+                for (int hh = 1; hh < MQ_XV; hh *= 2)
                     for (int j = 0; j < nv; j++) r[j] = MQ_FN(hstage_)(r[j], hh);
-                for (int hv = 1; hv < nv; hv *= 2)          /* stage h = hv * MQ_HV: vector j with j + hv */
+                for (int hv = 1; hv < nv; hv *= 2)          /* stage h = hv * MQ_XV: vector j with j + hv */
                     for (int j0 = 0; j0 < nv; j0 += 2 * hv)
                         for (int j = j0; j < j0 + hv; j++) {
-                            const mq_hv a = r[j], c = r[j + hv];
-                            r[j] = MQ_HADD(a, c);
-                            r[j + hv] = MQ_HSUB(a, c);
+                            const mq_xv a = r[j], c = r[j + hv];
+                            r[j] = MQ_XADD(a, c);
+                            r[j + hv] = MQ_XSUB(a, c);
                         }
-                for (int j = 0; j < nv; j++) MQ_HSTORE(yr + i0 + j * MQ_HV, MQ_HMUL(r[j], sc));
+                for (int j = 0; j < nv; j++) MQ_XSTORE(yr + i0 + j * MQ_XV, MQ_XMUL(r[j], sc));
             }
         }
         return;
@@ -225,19 +213,19 @@ void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K,
         for (int i0 = 0; i0 < K; i0 += b) {
             float *v = yr + i0;
             int h = 1;
-#if defined(MQ_HV)
-            if (b >= 2 * MQ_HV) {            /* the first log2(lanes) stages in registers */
-                for (int j = 0; j < b; j += MQ_HV) {
-                    mq_hv r = MQ_HLOAD(v + j);
-                    for (int hh = 1; hh < MQ_HV; hh *= 2) r = MQ_FN(hstage_)(r, hh);
-                    MQ_HSTORE(v + j, r);
+#if defined(MQ_XV)
+            if (b >= 2 * MQ_XV) {            /* the first log2(lanes) stages in registers */
+                for (int j = 0; j < b; j += MQ_XV) {
+                    mq_xv r = MQ_XLOAD(v + j);
+                    for (int hh = 1; hh < MQ_XV; hh *= 2) r = MQ_FN(hstage_)(r, hh);
+                    MQ_XSTORE(v + j, r);
                 }
-                for (h = MQ_HV; h < b; h *= 2)
+                for (h = MQ_XV; h < b; h *= 2)
                     for (int j0 = 0; j0 < b; j0 += 2 * h)
-                        for (int j = j0; j < j0 + h; j += MQ_HV) {
-                            mq_hv a = MQ_HLOAD(v + j), c = MQ_HLOAD(v + j + h);
-                            MQ_HSTORE(v + j, MQ_HADD(a, c));
-                            MQ_HSTORE(v + j + h, MQ_HSUB(a, c));
+                        for (int j = j0; j < j0 + h; j += MQ_XV) {
+                            mq_xv a = MQ_XLOAD(v + j), c = MQ_XLOAD(v + j + h);
+                            MQ_XSTORE(v + j, MQ_XADD(a, c));
+                            MQ_XSTORE(v + j + h, MQ_XSUB(a, c));
                         }
                 continue;
             }
@@ -268,15 +256,6 @@ void MQ_FN(mq_hadamard_)(const float *x, float *y, const float *s, int T, int K,
         for (int i = 0; i < K; i++) yr[i] = yr[i] * scale;
     }
 }
-#if defined(MQ_HV)
-#undef MQ_HV
-#undef MQ_HLOAD
-#undef MQ_HSTORE
-#undef MQ_HADD
-#undef MQ_HSUB
-#undef MQ_HMUL
-#undef MQ_HSET1
-#endif
 
 /* one row in place; returns nothing. fast=0 uses libm expf everywhere (the "exact" variant). */
 static void MQ_FN(softmax_row_)(float *x, int n, int fast) {
