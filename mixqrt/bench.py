@@ -86,8 +86,10 @@ def _weights(model):
 
 
 def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_prompt: int = 128,
-          repeats: int = 3, perf: bool = False, progress: bool = True) -> list[dict]:
-    """One row per thread count: pp_tok_s, tg_tok_s, ttft_s, peak_rss_bytes, model_bytes, bandwidth_ratio."""
+          repeats: int = 3, perf: bool = False, progress: bool = True, probe_bytes: int = 1 << 30,
+          probes: int = 3) -> list[dict]:
+    """One row per thread count: pp_tok_s, tg_tok_s, ttft_s, peak_rss_bytes, model_bytes, bandwidth_ratio.
+    The bandwidth probe (``probes`` runs over ``probe_bytes``) runs before and after each row's timings."""
     from mixqrt import ops
     model = loaded.model
     rng = np.random.default_rng(0)
@@ -97,7 +99,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
     for nt in threads:
         if hasattr(ops, "set_num_threads"):
             ops.set_num_threads(int(nt))
-        bw = measure_bandwidth(int(nt))
+        bw = measure_bandwidth(int(nt), probe_bytes, probes)
         # the probe's 1 GB buffer is freed again: peak RSS counts from here (where Linux lets us reset it)
         hwm_reset = _reset_peak_rss()
         cache = model.make_cache(n_prompt + n_gen + 8)
@@ -129,7 +131,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
             tg.append(n_gen / (time.perf_counter() - t))
             steal.append(steal_fraction(j0, cpu_jiffies()))
         peak = (_vm_hwm_bytes() if hwm_reset else None) or peak_rss_bytes()
-        probe = max(bw, measure_bandwidth(int(nt)))     # probed before and after the timed runs
+        probe = max(bw, measure_bandwidth(int(nt), probe_bytes, probes))   # probed before and after the timed runs
         tg_med = statistics.median(tg)
         bpt = decode_bytes_per_token(model, ttft_prompt + n_gen // 2)
         bw, probe_note = honest_bound(probe, [max(tg) * bpt])

@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 
 from mixqrt import ops_ref
-from mixqrt.errors import KernelError
+from mixqrt.errors import KernelError, MixqrtError
 from mixqrt.isa import TIERS
 from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
 from mixqrt.quant import layout, rotation
@@ -72,6 +72,18 @@ def _limit_blas(n: int) -> None:
         _blas_limiter = None
 
 
+def _worker_order() -> list[int]:
+    """Every allowed CPU in the pool's pinning order (runtime.affinity.worker_cpus: compact over
+    NUMA nodes, one thread per core before SMT siblings); worker i runs on the i-th."""
+    from mixqrt.runtime import affinity
+    allowed = topology.allowed_cpus()
+    try:
+        topo = topology.topology()
+    except MixqrtError:          # an unreadable sysfs must not stop the kernels: plain CPU order
+        topo = None
+    return affinity.worker_cpus(len(allowed), topo, allowed)
+
+
 def set_num_threads(n: int) -> int:
     """Restart the native pool with n threads (the calling thread counts as one); returns n."""
     n = int(n)
@@ -80,7 +92,7 @@ def set_num_threads(n: int) -> int:
     if _ops is None:
         return 1
     global _pool_started
-    got = _ops.pool_start(n, topology.allowed_cpus())
+    got = _ops.pool_start(n, _worker_order())
     _pool_started = True
     _limit_blas(got)
     return got
@@ -606,17 +618,25 @@ def attention_batch(q, k_caches, v_caches, positions, out=None) -> np.ndarray:
         raise KernelError(str(e)) from None
 
 
+def probe_bytes(nbytes: int) -> int:
+    """The probe's buffer: ``nbytes``, but at least 4x the machine's last-level cache
+    (:func:`runtime.topology.llc_bytes`), so that it reads memory, not the cache."""
+    return max(int(nbytes), 4 * topology.llc_bytes())
+
+
 def read_bandwidth(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> float:
     """Measured read bandwidth, bytes/s: the best of every read pattern of the C probe
-    (:func:`read_bandwidth_patterns` reports each)."""
-    return _ops.read_bandwidth(int(nbytes), int(threads), int(reps))
+    (:func:`read_bandwidth_patterns` reports each), over :func:`probe_bytes` (nbytes) bytes."""
+    _ops.bw_set_cpus(_worker_order())      # the cores the pool's workers use, in their order
+    return _ops.read_bandwidth(probe_bytes(nbytes), int(threads), int(reps))
 
 
 def read_bandwidth_patterns(nbytes: int = 1 << 28, threads: int = 1, reps: int = 3) -> dict[str, float]:
     """Bytes/s per read pattern of the probe (one stream, several prefetched streams, AVX2 /
-    AVX-512 wide and non-temporal loads where the CPU has them; hugepage-advised buffer, pinned
-    threads)."""
-    return _ops.read_bandwidth_all(int(nbytes), int(threads), int(reps))
+    AVX-512 wide and non-temporal loads where the CPU has them; hugepage-advised buffer at least 4x
+    the last-level cache, threads pinned in the pool's order)."""
+    _ops.bw_set_cpus(_worker_order())
+    return _ops.read_bandwidth_all(probe_bytes(nbytes), int(threads), int(reps))
 
 
 if _ops is None:  # kernels not built: the numpy reference serves every op

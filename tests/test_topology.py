@@ -176,3 +176,119 @@ def test_worker_cpus_compact():
     assert affinity.worker_cpus(3, t, allowed=range(8)) == [0, 1, 2]
     assert affinity.worker_cpus(3, t, allowed=[1, 4, 5, 6]) == [4, 5, 6]  # node1 has more
     assert affinity.worker_cpus(2, None, allowed=[3, 1]) == [1, 3]
+
+
+def _smt_tree(root, siblings):
+    for group in siblings:
+        for c in group:
+            d = root / "devices" / "system" / "cpu" / f"cpu{c}" / "topology"
+            d.mkdir(parents=True)
+            (d / "thread_siblings_list").write_text(",".join(map(str, group)) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("siblings,want", [
+    # Linux numbers SMT siblings apart (Intel servers: 0 and 4) or side by side (many VMs, some AMD)
+    ([(0, 4), (1, 5), (2, 6), (3, 7)], (0, 1, 2, 3, 4, 5, 6, 7)),
+    ([(0, 1), (2, 3), (4, 5), (6, 7)], (0, 2, 4, 6, 1, 3, 5, 7)),
+    ([(0,), (1,), (2,), (3,)], (0, 1, 2, 3)),                       # no SMT
+    ([(0, 1, 2, 3)], (0, 1, 2, 3)),                                 # 4-way SMT, one core
+])
+def test_worker_cpus_one_per_core_first(tmp_path, siblings, want):
+    from mixqrt.runtime.topology import core_first, cores_together, physical_cores
+    root = _smt_tree(tmp_path, siblings)
+    cpus = sorted(c for g in siblings for c in g)
+    assert core_first(cpus, root) == want
+    assert affinity.worker_cpus(len(cpus), None, cpus, sysfs_root=root) == list(want)
+    assert physical_cores(cpus, root) == len(siblings)
+    # contiguous runs of the splitting order are whole cores
+    together = cores_together(cpus, root)
+    k = len(siblings[0])
+    assert [tuple(sorted(together[i:i + k])) for i in range(0, len(together), k)] == [tuple(sorted(g)) for g in siblings]
+    # an affinity subset keeps the rule: 2 workers on a 2-core, 4-thread subset get both cores
+    if len(siblings) >= 2 and len(siblings[0]) == 2:
+        sub = sorted(siblings[0] + siblings[1])
+        assert set(affinity.worker_cpus(2, None, sub, sysfs_root=root)) == {siblings[0][0], siblings[1][0]}
+
+
+def test_worker_cpus_without_topology_files(tmp_path):
+    """A VM that shows no cpuN/topology (or garbage in it): every CPU its own core, CPU order."""
+    from mixqrt.runtime.topology import core_first, physical_cores
+    d = tmp_path / "devices" / "system" / "cpu" / "cpu1" / "topology"
+    d.mkdir(parents=True)
+    (d / "thread_siblings_list").write_text("garbage\n")
+    assert core_first([3, 1, 0, 2], tmp_path) == (0, 1, 2, 3)
+    assert physical_cores([0, 1, 2, 3], tmp_path) == 4
+
+
+def test_pool_and_probe_pin_in_worker_order(monkeypatch):
+    """ops.set_num_threads and the bandwidth probe take the CPU order from affinity.worker_cpus."""
+    from mixqrt import ops
+    if ops._ops is None:
+        pytest.skip("kernels not built")
+    n = ops.get_num_threads()
+    seen = []
+    real = affinity.worker_cpus
+    monkeypatch.setattr(affinity, "worker_cpus", lambda *a, **k: seen.append(1) or real(*a, **k))
+    try:
+        ops.set_num_threads(1)
+        assert ops.read_bandwidth(1 << 22, 1, 1) > 0
+        assert len(seen) == 2
+    finally:
+        ops.set_num_threads(n)
+
+
+def _cache(root, cpu, index, level, size, shared):
+    d = root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    (d / "level").write_text(f"{level}\n")
+    (d / "size").write_text(f"{size}\n")
+    (d / "shared_cpu_list").write_text(f"{shared}\n")
+
+
+def test_llc_bytes_counts_each_instance_once(tmp_path):
+    """Two L3 instances (two CCXs) of 32 MiB, seen from 4 CPUs: 64 MiB; L2s are not the LLC."""
+    from mixqrt.runtime.topology import llc_bytes
+    for cpu in range(4):
+        _cache(tmp_path, cpu, 2, 2, "1024K", str(cpu))
+        _cache(tmp_path, cpu, 3, 3, "32768K", "0-1" if cpu < 2 else "2-3")
+    assert llc_bytes(tmp_path) == 64 << 20
+
+
+def test_llc_bytes_unknown_is_zero(tmp_path):
+    from mixqrt.runtime.topology import llc_bytes
+    assert llc_bytes(tmp_path) == 0
+    _cache(tmp_path, 0, 3, 3, "lots", "0")            # unparsable size: skipped, not a crash
+    assert llc_bytes(tmp_path) == 0
+    _cache(tmp_path, 1, 3, 3, "300M", "1")
+    assert llc_bytes(tmp_path) == 300 << 20
+
+
+def test_probe_reads_past_the_llc(monkeypatch):
+    """The bandwidth probe's buffer is at least 4x the LLC, whatever a caller asks for: a smaller
+    one measures the cache (a 300 MB L3 read 250 GB/s over a 256 MB buffer)."""
+    from mixqrt import ops
+    from mixqrt.runtime import topology as topo
+    monkeypatch.setattr(topo, "llc_bytes", lambda root=None: 300 << 20)
+    assert ops.probe_bytes(256 << 20) == 1200 << 20
+    assert ops.probe_bytes(2 << 30) == 2 << 30
+
+
+def test_numa_compact_then_core_first(tmp_path):
+    """Two nodes, SMT siblings side by side: the pool fills node 0's cores, then their siblings, then
+    node 1; splitting the machine keeps each core's two threads in one set."""
+    make_sys(tmp_path, [("0-3", 1024, [10, 20]), ("4-7", 1024, [20, 10])])
+    _smt_tree(tmp_path, [(0, 1), (2, 3), (4, 5), (6, 7)])
+    t = topology(tmp_path)
+    assert affinity.worker_cpus(8, t, allowed=range(8)) == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert affinity.worker_cpus(2, t, allowed=range(8)) == [0, 2]
+    assert affinity.compact_cpus(t, allowed=range(8)) == list(range(8))
+
+
+@pytest.mark.parametrize("siblings", [[(0, 4), (1, 5), (2, 6), (3, 7)], [(0, 1), (2, 3), (4, 5), (6, 7)]])
+def test_replica_core_sets_are_whole_cores(tmp_path, siblings):
+    from mixqrt.serve.ray import core_sets
+    make_sys(tmp_path, [("0-7", 1024, [10])])
+    _smt_tree(tmp_path, siblings)
+    sets = core_sets(4, topology(tmp_path), allowed=range(8))
+    assert sorted(sets) == sorted(tuple(sorted(g)) for g in siblings)

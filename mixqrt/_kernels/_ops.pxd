@@ -51,6 +51,7 @@ cdef extern from "mq_ops.h" nogil:
     void *mq_call_buf(size_t n)
     void mq_call_buf_release(void *p)
     double mq_read_bandwidth(size_t nbytes, int threads, int reps)
+    int mq_bw_set_cpus(const int *cpus, int n)
     int mq_bw_npatterns()
     const char *mq_bw_pattern_name(int i)
     int mq_bw_pattern_available(int i)

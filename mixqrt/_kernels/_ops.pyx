@@ -415,6 +415,17 @@ def read_bandwidth(size_t nbytes=1 << 28, int threads=1, int reps=3):
     return r
 
 
+def bw_set_cpus(cpus):
+    """Pin the probe's thread i to cpus[i % len(cpus)] (at most 64 kept); empty: the affinity mask
+    in CPU order."""
+    cdef int buf[64]
+    cdef int n = 0
+    for c in list(cpus)[:64]:
+        buf[n] = int(c)
+        n += 1
+    return mq_bw_set_cpus(buf, n)
+
+
 def bw_patterns():
     """Names of the probe's read patterns this CPU can run, in probe order."""
     return [mq_bw_pattern_name(i).decode() for i in range(mq_bw_npatterns()) if mq_bw_pattern_available(i)]

@@ -17,6 +17,7 @@ import threading
 
 from mixqrt.errors import MixqrtError
 from mixqrt.runtime.topology import allowed_cpus, usable_cpus  # noqa: F401  (re-exported for callers)
+from mixqrt.runtime.topology import core_first, cores_together
 
 PAGE_SIZE = mmap.PAGESIZE
 
@@ -81,25 +82,43 @@ def pinned(cpus):
         os.sched_setaffinity(0, prev)
 
 
-def worker_cpus(n_threads: int, topo=None, allowed=None) -> list[int]:
-    """One CPU per worker, filling the node with the most allowed CPUs first (compact placement).
-
-    Compact keeps a small thread count on one memory controller, so first-touch lands weights on
-    the node that reads them. Returns fewer than ``n_threads`` CPUs if fewer are allowed.
-    """
-    allowed = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+def _node_groups(allowed: list[int], topo) -> list[list[int]]:
+    """Allowed CPUs by NUMA node, the node with the most allowed CPUs first; CPUs no node claims last."""
     if topo is None or not topo.is_numa:
-        return allowed[:n_threads]
+        return [allowed]
     groups = []
     for node in topo.cpu_nodes:
         cs = [c for c in node.cpus if c in set(allowed)]
         if cs:
             groups.append(cs)
     claimed = {c for g in groups for c in g}
-    leftover = [c for c in allowed if c not in claimed]
     groups.sort(key=len, reverse=True)
-    order = [c for g in groups for c in g] + leftover
+    leftover = [c for c in allowed if c not in claimed]
+    return groups + ([leftover] if leftover else [])
+
+
+def worker_cpus(n_threads: int, topo=None, allowed=None, sysfs_root=None) -> list[int]:
+    """One CPU per worker, in the order the native pool pins them (``ops.set_num_threads``): the
+    node with the most allowed CPUs first (compact placement), and inside a node one hardware thread
+    of every core before any core's SMT sibling (``topology.core_first``).
+
+    Compact keeps a small thread count on one memory controller, so first-touch lands weights on
+    the node that reads them; core-first keeps two lock-step workers off one core's ports. Returns
+    fewer than ``n_threads`` CPUs if fewer are allowed.
+    """
+    allowed = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    root = sysfs_root if sysfs_root is not None else getattr(topo, "root", None)
+    order = [c for g in _node_groups(allowed, topo) for c in core_first(g, root)]
     return order[:n_threads]
+
+
+def compact_cpus(topo=None, allowed=None, sysfs_root=None) -> list[int]:
+    """Every allowed CPU, node-filling (as :func:`worker_cpus`) with each core's hardware threads
+    side by side: contiguous runs are whole cores on as few nodes as possible (splitting a
+    machine between replicas, ``serve.ray.core_sets``)."""
+    allowed = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    root = sysfs_root if sysfs_root is not None else getattr(topo, "root", None)
+    return [c for g in _node_groups(allowed, topo) for c in cores_together(g, root)]
 
 
 # --- addresses ---------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Everything reads from a root directory (``/sys`` by default, ``$MIXQRT_SYSFS`` i
     ROOT/devices/system/node/nodeN/cpulist         "" for a CPU-less (CXL / far-memory) node
     ROOT/devices/system/node/nodeN/distance        "10 21" (SLIT row, ordered by node id)
     ROOT/devices/system/node/nodeN/meminfo         "Node N MemTotal:  123 kB" ...
+    ROOT/devices/system/cpu/cpuN/topology/thread_siblings_list  "0,8" (cpuN's core: SMT siblings)
+    ROOT/devices/system/cpu/cpuN/cache/indexI/{level,size,shared_cpu_list}  "3" "32768K" "0-7"
 
 A kernel without NUMA (no node directory) is reported as one node holding every online CPU.
 """
@@ -147,7 +149,7 @@ def _mem_total(text: str | None, path: Path) -> int:
 
 def topology(root: str | os.PathLike | None = None) -> Topology:
     """Read the NUMA topology under ``root`` (default ``$MIXQRT_SYSFS`` or ``/sys``)."""
-    root = Path(root if root is not None else os.environ.get("MIXQRT_SYSFS", DEFAULT_ROOT))
+    root = _sysfs_root(root)
     sysdir = root / "devices" / "system"
     online_txt = _read(sysdir / "cpu" / "online")
     online = parse_cpulist(online_txt, str(sysdir / "cpu" / "online")) if online_txt is not None else None
@@ -215,6 +217,100 @@ def allowed_cpus() -> tuple[int, ...]:
     if hasattr(os, "sched_getaffinity"):
         return tuple(sorted(os.sched_getaffinity(0)))
     return tuple(range(os.cpu_count() or 1))
+
+
+def _sysfs_root(root) -> Path:
+    return Path(root if root is not None else os.environ.get("MIXQRT_SYSFS", DEFAULT_ROOT))
+
+
+def core_of_cpus(cpus, root: str | os.PathLike | None = None) -> dict[int, int]:
+    """The physical core of each CPU, named by its lowest hardware thread: ROOT/devices/system/cpu/
+    cpuN/topology/thread_siblings_list (the CPUs sharing cpuN's core, SMT siblings). A CPU whose
+    list is missing or unreadable counts as a core of its own (a VM that shows no topology)."""
+    base = _sysfs_root(root) / "devices" / "system" / "cpu"
+    out = {}
+    for c in cpus:
+        p = base / f"cpu{int(c)}" / "topology" / "thread_siblings_list"
+        try:
+            sib = parse_cpulist(p.read_text(), str(p))
+        except (OSError, MixqrtError):
+            sib = ()
+        out[int(c)] = min(sib) if int(c) in sib else int(c)
+    return out
+
+
+def core_first(cpus, root: str | os.PathLike | None = None) -> tuple[int, ...]:
+    """``cpus`` ordered one hardware thread of every core before any core's second one (then the
+    third, ...), each round in CPU order. Lock-step kernels on two SMT siblings share one core's load
+    and FMA ports, so n workers on a machine with SMT should get n cores, not n/2 (Linux numbers
+    siblings either apart, 0 and n/2, or side by side, 0 and 1, depending on the machine; this order
+    is the same for both). The pool's order: runtime.affinity.worker_cpus."""
+    cpus = tuple(sorted(int(c) for c in cpus))
+    core = core_of_cpus(cpus, root)
+    rank, seen = {}, {}
+    for c in cpus:
+        rank[c] = seen.get(core[c], 0)
+        seen[core[c]] = rank[c] + 1
+    return tuple(sorted(cpus, key=lambda c: (rank[c], c)))
+
+
+def cores_together(cpus, root: str | os.PathLike | None = None) -> tuple[int, ...]:
+    """``cpus`` with each core's hardware threads next to each other (cores in order of their first
+    CPU): contiguous runs of this order are whole cores, for splitting CPUs between processes."""
+    cpus = tuple(sorted(int(c) for c in cpus))
+    core = core_of_cpus(cpus, root)
+    first = {}
+    for c in cpus:
+        first.setdefault(core[c], c)
+    return tuple(sorted(cpus, key=lambda c: (first[core[c]], c)))
+
+
+def physical_cores(cpus=None, root: str | os.PathLike | None = None) -> int:
+    """Distinct physical cores among ``cpus`` (default: :func:`allowed_cpus`)."""
+    cpus = allowed_cpus() if cpus is None else tuple(cpus)
+    return len(set(core_of_cpus(cpus, root).values()))
+
+
+def _cache_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", text)
+    if not m:
+        raise ValueError(text)
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+
+
+def llc_bytes(root: str | os.PathLike | None = None) -> int:
+    """Total last-level cache of the machine in bytes: every instance of the highest cache level
+    (ROOT/devices/system/cpu/cpuN/cache/indexI/{level,size,shared_cpu_list}), each counted once;
+    0 where sysfs does not say. A read-bandwidth probe over fewer bytes than this reads the cache,
+    not memory (a 300 MB L3 on a 16-core Xeon VM read 250 GB/s over a 256 MB buffer)."""
+    base = _sysfs_root(root) / "devices" / "system" / "cpu"
+    best_level, seen, total = 0, set(), 0
+    try:
+        cpu_dirs = [p for p in base.iterdir() if re.fullmatch(r"cpu\d+", p.name)]
+    except OSError:
+        return 0
+    found = []
+    for cpu in cpu_dirs:
+        try:
+            idx = [p for p in (cpu / "cache").iterdir() if p.name.startswith("index")]
+        except OSError:
+            continue
+        for d in idx:
+            try:
+                level = int((d / "level").read_text())
+                size = _cache_size((d / "size").read_text())
+                shared = (d / "shared_cpu_list").read_text().strip() or cpu.name
+            except (OSError, ValueError):
+                continue
+            found.append((level, shared, size))
+    if not found:
+        return 0
+    best_level = max(f[0] for f in found)
+    for level, shared, size in found:
+        if level == best_level and shared not in seen:
+            seen.add(shared)
+            total += size
+    return total
 
 
 def cgroup_cpu_limit(cgroup_root: str | os.PathLike = "/sys/fs/cgroup",

@@ -17,13 +17,14 @@ import os
 import socket
 
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime.affinity import worker_cpus
+from mixqrt.runtime.affinity import compact_cpus
 from mixqrt.runtime.topology import format_cpulist, topology
 
 
 def core_sets(n: int, topo=None, allowed=None) -> list[tuple[int, ...]]:
     """n CPU sets, disjoint while the CPUs last: one NUMA node per replica when there are at least n
-    nodes with allowed CPUs, else contiguous runs of the compact (node-filling) CPU order."""
+    nodes with allowed CPUs, else contiguous runs of the compact (node-filling) CPU order, in which
+    a core's SMT siblings sit together (a replica gets whole cores)."""
     if n < 1:
         raise MixqrtError(f"core_sets: need at least one replica, got {n}")
     allowed = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
@@ -32,7 +33,7 @@ def core_sets(n: int, topo=None, allowed=None) -> list[tuple[int, ...]]:
     nodes = [g for g in nodes if g]
     if len(nodes) >= n:
         return nodes[:n]
-    order = worker_cpus(len(allowed), topo, allowed)
+    order = compact_cpus(topo, allowed)
     if len(order) < n:                  # more replicas than CPUs: they share, one CPU each
         return [(order[i % len(order)],) for i in range(n)]
     k = len(order) // n

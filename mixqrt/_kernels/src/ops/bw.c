@@ -2,7 +2,7 @@
  * fastest read the machine can sustain, not what one naive loop reaches: one stream per thread
  * leaves the memory controller idle between hardware-prefetcher ramps. Each pattern below reads the
  * same buffer (2 MiB aligned, MADV_HUGEPAGE, pages touched first so no fault is timed) on threads
- * pinned one per CPU of the affinity mask; mq_read_bandwidth_pattern reports one pattern and
+ * pinned one per CPU (mq_bw_set_cpus order, else the affinity mask); mq_read_bandwidth_pattern reports one pattern and
  * mq_read_bandwidth the best of them. Wide-load patterns live in bw_avx2.c / bw_avx512.c and are
  * offered only where cpuid + xgetbv say they run (mq_cpu_best_isa), whatever tier MIXQRT_ISA forces:
  * the bound belongs to the machine. */
@@ -118,6 +118,21 @@ static void *bw_thread(void *vp) {
     return NULL;
 }
 
+/* The CPUs the probe's threads are pinned to, in order (thread i on cpus[i % n]); unset: the
+ * affinity mask in CPU order. Python sets the pool's order (runtime.affinity.worker_cpus: one
+ * thread per core before SMT siblings), so the probe at n threads reads with the cores decode uses. */
+static int bw_cpus[64];
+static _Atomic int bw_ncpu = 0;
+
+int mq_bw_set_cpus(const int *cpus, int n) {
+    if (n < 0) n = 0;
+    if (n > 64) n = 64;
+    atomic_store(&bw_ncpu, 0);
+    for (int i = 0; i < n; i++) bw_cpus[i] = cpus[i];
+    atomic_store(&bw_ncpu, n);
+    return n;
+}
+
 /* 2 MiB-aligned anonymous buffer advised for transparent huge pages; map and maplen for munmap */
 static uint8_t *huge_alloc(size_t n, void **map, size_t *maplen) {
     const size_t H = 2u << 20;
@@ -148,9 +163,10 @@ static double probe(size_t nbytes, int threads, int reps, const int *want, doubl
     if (!buf) return -1.0;
     uint64_t *w = (uint64_t *)buf;
     for (size_t i = 0; i < per * threads / 8; i++) w[i] = i * 0x9e3779b97f4a7c15ull;
-    int cpus[64], ncpu = 0;
+    int cpus[64], ncpu = atomic_load(&bw_ncpu);
+    for (int i = 0; i < ncpu; i++) cpus[i] = bw_cpus[i];
     cpu_set_t cs;
-    if (sched_getaffinity(0, sizeof cs, &cs) == 0)
+    if (ncpu == 0 && sched_getaffinity(0, sizeof cs, &cs) == 0)
         for (int c = 0; c < CPU_SETSIZE && ncpu < 64; c++) if (CPU_ISSET(c, &cs)) cpus[ncpu++] = c;
     double best = -1.0;
     for (int pat = 0; pat < NPAT; pat++) {

@@ -105,6 +105,7 @@ int mq_pool_get_hot(void);
 /* ---------------------------------------------------------------- bandwidth probe (bw.c) */
 /* best of every pattern this CPU runs, bytes/s (-1 on failure) */
 double mq_read_bandwidth(size_t nbytes, int threads, int reps);
+int mq_bw_set_cpus(const int *cpus, int n);   /* pinning order of the probe's threads; 0: affinity order */
 int mq_bw_npatterns(void);
 const char *mq_bw_pattern_name(int i);
 int mq_bw_pattern_available(int i);            /* 0 where the CPU/OS lacks the ISA */
