@@ -19,8 +19,9 @@ def git(*args: str) -> str:
 
 
 def git_commit() -> str:
-    """'abc1234' or 'abc1234+dirty' (uncommitted changes under mixqrt/ or benchmarks/)."""
-    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    """'abc1234' or 'abc1234+dirty' (uncommitted changes under mixqrt/ or benchmarks/); outside a git
+    checkout (a copied tree) $MIXQRT_GIT_COMMIT names it."""
+    head = git("rev-parse", "--short=12", "HEAD") or os.environ.get("MIXQRT_GIT_COMMIT") or "unknown"
     dirty = git("status", "--porcelain", "--", "mixqrt", "benchmarks", "setup.py")
     return head + ("+dirty" if dirty else "")
 

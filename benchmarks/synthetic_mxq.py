@@ -27,6 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from synthetic_checkpoint import QWEN2_7B_CONFIG  # noqa: E402
 
 CONFIGS = {"7b": QWEN2_7B_CONFIG,
+           # Qwen2.5(-Coder)-0.5B's shapes: the demo model, for machines without its GGUF (a device run)
+           "0.5b": {**QWEN2_7B_CONFIG, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                    "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+                    "max_window_layers": 24, "tie_word_embeddings": True},
            "tiny": {**QWEN2_7B_CONFIG, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                     "num_key_value_heads": 2, "intermediate_size": 256, "vocab_size": 512}}
 
@@ -72,7 +76,10 @@ def write(out: str, recipe: str, config: dict, seed: int = 0, progress: bool = T
     from mixqrt.quant.recipes import get_recipe, tensor_plan
     rng = np.random.default_rng(seed)
     rec = get_recipe(recipe)
-    plan = tensor_plan(ShapeSource(config), rec, tie=None)
+    # a tied config under a tying recipe (2356t): one embedding tensor in the lm_head's format, as
+    # `mixqrt quantize` writes the real 0.5B
+    tie = spec.EMBED if (config.get("tie_word_embeddings") and rec.tie) else None
+    plan = tensor_plan(ShapeSource(config), rec, tie=tie)
     meta = {"kind": MXQ_KIND, "arch": "qwen2", "config": dict(config), "generation_config": {},
             "recipe": rec.spec(), "source": f"synthetic ({os.path.basename(__file__)})",
             "fused": {g.target: list(g.parts) for g in spec.FUSION_GROUPS},
