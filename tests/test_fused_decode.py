@@ -148,23 +148,28 @@ def test_decode_layer_rejects_bad_arguments():
 @pytest.mark.parametrize("fmt", ["f32", "f16", "q8", "q6", "q4", "q3p", "q2c"])
 def test_decode_chunking_changes_nothing(fmt):
     """Decode products split in chunks taken in turn (ops.set_decode_chunk) give the bits of the static
-    split, whatever the chunk (one group of 16 rows, a few, more than the tensor), and a bad size raises."""
+    split, whatever the chunk (one group of 16 rows, a few, more than the tensor) and thread count
+    (5 threads: fewer chunks than threads, which the pool re-cuts into one per thread), and a bad
+    size raises."""
     rng = np.random.default_rng(9)
     w = rng.standard_normal((16 * 37 + 16, 256)).astype(np.float32)
     W = w.astype(np.float16) if fmt == "f16" else w if fmt == "f32" else to_storage(quantize(w, fmt))
     x = rng.standard_normal((1, 256)).astype(np.float32)
-    before = ops.set_decode_chunk()
+    before, n0 = ops.set_decode_chunk(), ops.get_num_threads()
     try:
         with ops.local_threads(None):
             ops.set_decode_chunk(0)
             want = ops.matmul(W, x)
-            for nbytes in (1, 3 * 16 * 256, 256 << 10, 1 << 40):
-                ops.set_decode_chunk(nbytes)
-                np.testing.assert_array_equal(ops.matmul(W, x), want)
+            for n in (2, 5):
+                ops.set_num_threads(n)
+                for nbytes in (1, 3 * 16 * 256, 256 << 10, W.nbytes // 3, 1 << 40):
+                    ops.set_decode_chunk(nbytes)
+                    np.testing.assert_array_equal(ops.matmul(W, x), want)
         with pytest.raises(ValueError):
             ops.set_decode_chunk(-1)
     finally:
         ops.set_decode_chunk(before)
+        ops.set_num_threads(n0)
 
 
 @pytest.mark.parametrize("dh", [16, 64])
