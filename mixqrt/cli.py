@@ -128,6 +128,18 @@ def cmd_inspect(a):
     print(inspect_model(a.model, placement=a.placement, as_json=a.json, recipe=a.recipe))
 
 
+def cmd_upgrade(a):
+    import os
+
+    from mixqrt.errors import MixqrtError
+    from mixqrt.io.mxq import upgrade
+    if os.path.abspath(a.input) == os.path.abspath(a.output):
+        raise MixqrtError(f"upgrade: OUTPUT must be another file than INPUT ({a.input})")
+    n = upgrade(a.input, a.output)
+    if not a.quiet:
+        print(f"{a.output}: {n} tensor{'s' * (n != 1)} rewritten in the current storage forms")
+
+
 def cmd_generate(a):
     pipe = _pipeline(a)
     prompt = a.prompt if a.prompt is not None else sys.stdin.read()
@@ -289,6 +301,12 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--placement", action="store_true", help="print the NUMA/tier placement plan")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("upgrade", help="rewrite an older .mxq in the current storage forms, losslessly")
+    s.add_argument("input")
+    s.add_argument("output")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(fn=cmd_upgrade)
 
     s = sub.add_parser("generate", help="generate text from a prompt")
     _add_model(s, optional=True)

@@ -163,9 +163,11 @@ def source_fingerprint(path_or_repo: str) -> str:
 def cached_mxq_path(label: str, source_id: str, recipe_spec: dict) -> Path:
     spec = json.dumps(recipe_spec, sort_keys=True)
     # q3p's codes changed packing with .mxq version 2, and q4 / q6 / q3p matrices are stored
-    # row-interleaved (q4x / q6x / q3x) since version 4: a cache file from before is not reused
+    # row-interleaved (q4x / q6x / q3x) since version 4, and q3x's planes changed with version 5: a
+    # cache file from before is not reused
     key = source_fingerprint(source_id) + spec + ("|q3p-pack3c" if '"q3p"' in spec else "")
     key += "|x16" if any(f'"{f}"' in spec for f in ("q4", "q6", "q3p")) else ""
+    key += "|q3x-v5" if '"q3p"' in spec else ""      # q3x's code planes changed with .mxq version 5
     h = hashlib.sha256(key.encode())
     safe = re.sub(r"[^\w.\-]+", "_", label)
     return cache_dir() / f"{safe}-{recipe_spec['name']}-{h.hexdigest()[:12]}.mxq"

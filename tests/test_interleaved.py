@@ -89,8 +89,9 @@ def test_q6x_layout_by_hand():
 
 
 def test_q3x_layout_by_hand():
-    """Row r's code k = 16f + 4z + j: low 2 bits at byte 64 + 64z + 4r + j, bits 2f..2f+1; bit 2 at byte
-    320 + 64(i >> 3) + 4r + j, bit i & 7, i = 4f + z (mq_format.h)."""
+    """Row r's code k = 4i + j (step i) in the six planes of .mxq version 5 (mq_format.h): for i < 12
+    bits 3(i & 1) .. +2 of byte 64 + 64(i >> 1) + 4r + j; for i = 12 + w, bits 6-7 of plane w's byte
+    and bit 6 + (w & 1) of plane 4 + (w >> 1)'s byte."""
     rng = np.random.default_rng(1)
     q, qx = x_of("q3x", 32, 128, rng)
     p = layout.disassemble("q3p", q.shape, q.raw)
@@ -101,11 +102,59 @@ def test_q3x_layout_by_hand():
             assert g[gi, b, 2 * r:2 * r + 2].view("<f2")[0] == p.d[row, b]
             assert g[gi, b, 32 + 2 * r:34 + 2 * r].view("<f2")[0] == p.m[row, b]
             for k in range(64):
-                f, z, j = k // 16, (k // 4) % 4, k % 4
-                i = 4 * f + z
-                lo = (g[gi, b, 64 + 64 * z + 4 * r + j] >> (2 * f)) & 3
-                hi = (g[gi, b, 320 + 64 * (i >> 3) + 4 * r + j] >> (i & 7)) & 1
-                assert lo | (hi << 2) == p.codes[row, b, k]
+                i, j = divmod(k, 4)
+                byte = lambda w: int(g[gi, b, 64 + 64 * w + 4 * r + j])   # noqa: E731
+                if i < 12:
+                    code = (byte(i >> 1) >> (3 * (i & 1))) & 7
+                else:
+                    w = i - 12
+                    code = (byte(w) >> 6) | (((byte(4 + (w >> 1)) >> (6 + (w & 1))) & 1) << 2)
+                assert code == p.codes[row, b, k]
+
+
+def test_q3x_version4_files_upgrade_losslessly(tmp_path):
+    """A version 4 file's q3x tensor (a 2-bit and a 1-bit plane) raises a FormatError naming the
+    fix; mxq.upgrade rewrites it as version 5 with the same codes, scales and values."""
+    from mixqrt.errors import FormatError
+    from mixqrt.io import mxq
+    rng = np.random.default_rng(2)
+    q, qx = x_of("q3x", 32, 128, rng)
+    p = layout.disassemble("q3p", q.shape, q.raw)
+    n, nb = 32, 2
+    # version 4's bytes of the same block: the old planes, built by the inverse of q3x_v4_unparts
+    c = p.codes.reshape(2, 16, nb, 4, 4, 4).astype(np.uint8)        # [g, r, b, f, z, j]
+    lo2, hi = c & 3, (c >> 2) & 1
+    lo = (lo2[:, :, :, 0] | (lo2[:, :, :, 1] << 2) | (lo2[:, :, :, 2] << 4) | (lo2[:, :, :, 3] << 6)).transpose(0, 2, 3, 1, 4)
+    sh = np.arange(4, dtype=np.uint8)[:, None]
+    hy = [((hi[:, :, :, 2 * y] << sh) | (hi[:, :, :, 2 * y + 1] << (sh + 4))).astype(np.uint8).sum(axis=3, dtype=np.uint8)
+          for y in (0, 1)]
+    hib = np.stack(hy, axis=2).transpose(0, 3, 2, 1, 4)
+    g = qx.raw.reshape(2, nb, 448).copy()
+    g[..., 64:320] = lo.reshape(2, nb, 256)
+    g[..., 320:448] = hib.reshape(2, nb, 128)
+    codes, d, m = layout.q3x_v4_unparts(g.reshape(-1), n, nb)
+    assert np.array_equal(codes, p.codes) and np.array_equal(d, p.d) and np.array_equal(m, p.m)
+    old = tmp_path / "v4.mxq"
+    with mxq.MxqWriter(old, {"kind": "test"}) as w:
+        w.add("w", QTensor("q3x", (32, 128), g.reshape(-1)), None)
+    raw = bytearray(old.read_bytes())                                # relabel it version 4, CRC intact
+    hoff, hlen = mxq.PREFIX.unpack(bytes(raw[:64]))[2:4]
+    hdr = bytes(raw[hoff:hoff + hlen]).replace(b'"version":5', b'"version":4')
+    import zlib
+    raw[hoff:hoff + hlen] = hdr
+    raw[:64] = mxq.PREFIX.pack(mxq.MAGIC, 4, hoff, hlen, len(raw), zlib.crc32(hdr))
+    old.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="q3x tensor 'w'.*version 4.*upgrade"):
+        mxq.MxqFile(old)
+    new = tmp_path / "v5.mxq"
+    assert mxq.upgrade(old, new) == 1
+    with mxq.MxqFile(new) as f:
+        assert mxq._parse_prefix(f.arena)[0] == mxq.VERSION_Q3X
+        assert np.array_equal(np.asarray(f.tensors["w"].raw), qx.raw)
+    from mixqrt.cli import main                                      # the same through the CLI
+    assert main(["upgrade", "-q", str(old), str(tmp_path / "cli.mxq")]) == 0
+    assert (tmp_path / "cli.mxq").read_bytes() == new.read_bytes()
+    assert main(["upgrade", str(old), str(old)]) == 2                 # never in place
 
 
 def test_quantize_stores_q4_as_q4x_where_it_can():
@@ -260,7 +309,7 @@ def test_mxq_version_4_and_upgrade(tmp_path):
     with mxq.MxqFile(new) as f:
         assert f.info["a.weight"].fmt == "q4x" and f.info["b.weight"].fmt == "q4" and f.info["c.weight"].fmt == "q3x"
         np.testing.assert_array_equal(f.tensors["c.weight"].dequantize(), quantize(w, "q3p").dequantize())
-        assert mxq._parse_prefix(f.arena)[0] == mxq.VERSION_X
+        assert mxq._parse_prefix(f.arena)[0] == mxq.VERSION_Q3X      # it holds a q3x tensor
         np.testing.assert_array_equal(f.tensors["a.weight"].dequantize(), q4.dequantize())
 
 

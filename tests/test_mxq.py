@@ -225,7 +225,7 @@ def test_header_moved_away_from_spans(tmp_path):
 
 RAW_LIES = [
     ("magic", lambda d: b"GGUF" + d[4:], "not an .mxq file"),
-    ("version", lambda d: d[:4] + (5).to_bytes(4, "little") + d[8:], "unsupported .mxq version 5"),
+    ("version", lambda d: d[:4] + (6).to_bytes(4, "little") + d[8:], "unsupported .mxq version 6"),
     ("reserved", lambda d: d[:63] + b"\1" + d[64:], "reserved prefix bytes"),
     ("truncated", lambda d: d[:-1], "prefix says the file has"),
     ("padded", lambda d: d + b"\0", "prefix says the file has"),

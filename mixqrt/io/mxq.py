@@ -36,10 +36,14 @@ MAGIC = b"MXQ\0"
 # version 3 file by its version, never misreading its rotated rows.
 # 4: tensors may be stored q4x / q6x / q3x (q4's / q6's / q3p's blocks with rows interleaved by 16,
 # layout.py). Written only when a file holds one; a version 3 reader refuses the file by its version.
+# 5: q3x's codes are six planes of whole codes (mq_format.h), no longer version 4's 2-bit + 1-bit
+# planes. Written when a file holds a q3x tensor; a version 5 reader refuses a version 4 file's q3x
+# tensors with a FormatError that says to re-quantize or `upgrade`, which converts them losslessly.
 VERSION = 2
 VERSION_ROT = 3
 VERSION_X = 4
-READABLE = (1, 2, 3, 4)
+VERSION_Q3X = 5
+READABLE = (1, 2, 3, 4, 5)
 PREFIX = struct.Struct("<4sIQQQI28x")          # magic, version, hdr_off, hdr_len, file_size, hdr_crc32
 PREFIX_SIZE = PREFIX.size                      # 64
 MAX_HEADER = 64 << 20                          # bytes of JSON header; Qwen's tokenizer.json is ~7 MB
@@ -165,7 +169,7 @@ def _rot_record(rot, fmt, shape, where: str) -> dict:
 def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
     """Validate everything but tensor contents and blob contents (checked when read).
     Returns (meta, tensors, spans, header_bytes). old_q3p: let a version 1 file's q3p tensors
-    (planar codes) through, for `upgrade` only."""
+    (planar codes) and a version 4 file's q3x tensors (two bit planes) through, for `upgrade` only."""
     where = arena.path
     version, hoff, hlen, crc = _parse_prefix(arena)
     raw = arena.read(hoff, hlen)
@@ -196,7 +200,14 @@ def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", di
             raise FormatError(f"{where}: q3p tensor {old!r} is in the bit packing of .mxq version 1, which this "
                               f"mixqrt no longer reads (q3p is pack3c since version 2, docs/format.md): "
                               f"re-quantize the model (mixqrt quantize), or convert the file: "
-                              f"python -c \"from mixqrt.io.mxq import upgrade; upgrade('OLD.mxq', 'NEW.mxq')\"")
+                              f"mixqrt upgrade OLD.mxq NEW.mxq")
+    if h["version"] < VERSION_Q3X and not old_q3p:
+        old = next((t.name for t in tensors.values() if t.fmt == "q3x"), None)
+        if old is not None:
+            raise FormatError(f"{where}: q3x tensor {old!r} is in the bit layout of .mxq version {h['version']}, which "
+                              f"this mixqrt no longer reads (q3x holds whole codes per byte since version 5, "
+                              f"docs/format.md): re-quantize the model (mixqrt quantize), or convert the file "
+                              f"losslessly: mixqrt upgrade OLD.mxq NEW.mxq")
     groups: dict = {}
     for t in tensors.values():
         groups.setdefault(t.name if t.layer is None else t.layer, []).append(t)
@@ -490,7 +501,8 @@ class MxqWriter:
                 self._pos += len(b)
             self._pad_to(align_up(self._pos, self.page))
             hoff = self._pos
-            version = (VERSION_X if any(t["fmt"] in layout.INTERLEAVED for t in self._tensors.values())
+            version = (VERSION_Q3X if any(t["fmt"] == "q3x" for t in self._tensors.values())
+                       else VERSION_X if any(t["fmt"] in layout.INTERLEAVED for t in self._tensors.values())
                        else VERSION_ROT if any("rot" in t for t in self._tensors.values()) else VERSION)
             header = {"format": "mxq", "version": version, "alignment": ALIGN, "page": self.page,
                       "meta": self._meta, "blobs": blobs, "tensors": self._tensors, "spans": self._spans}
@@ -552,22 +564,29 @@ class MxqWriter:
 
 def upgrade(src, dst) -> int:
     """Rewrite an older .mxq in the current storage forms, losslessly: q3p tensors of a version 1 file
-    get their codes repacked from the planar packing (the one q3u keeps) to pack3c, and q4 matrices
-    with a multiple of 16 rows are stored q4x (version 4: the same blocks, rows interleaved for the
-    decode kernels, layout.py); everything else is copied unchanged. Returns the number of tensors
-    repacked. The output is written atomically like any .mxq."""
+    get their codes repacked from the planar packing (the one q3u keeps) to pack3c, q3x tensors of a
+    version 4 file get version 5's code planes, and q4 / q6 / q3p matrices with a multiple of 16 rows
+    are stored q4x / q6x / q3x (the same blocks, rows interleaved for the decode kernels, layout.py);
+    everything else is copied unchanged. Returns the number of tensors repacked. The output is
+    written atomically like any .mxq."""
     import numpy as np
     from mixqrt.quant.formats import to_storage
     from mixqrt.quant.qtensor import QTensor
     n = 0
     with MxqFile(src, _old_q3p=True) as f:
-        old = _parse_prefix(f.arena)[0] < 2
+        version = _parse_prefix(f.arena)[0]
         with MxqWriter(dst, {k: f.meta[k] for k in f.meta}) as w:
             for name, t in f.info.items():
                 qt = f.tensors[name]
-                if old and t.fmt == "q3p":
+                if version < 2 and t.fmt == "q3p":
                     parts = layout.disassemble("q3u", t.shape, qt.raw)   # same blocks, planar codes
                     qt = QTensor("q3p", t.shape, np.frombuffer(layout.assemble("q3p", t.shape, parts), np.uint8))
+                if version < VERSION_Q3X and t.fmt == "q3x":
+                    rows, nb = t.shape[0], layout.PACKED["q3p"].blocks_per_row(t.shape[1])
+                    codes, d, m = layout.q3x_v4_unparts(np.asarray(qt.raw, np.uint8), rows, nb)
+                    meta = f.tensors[name].meta
+                    qt = QTensor("q3x", t.shape, layout._q3x_parts(codes, d, m, rows, nb),
+                                 meta=dict(meta) if meta else None)
                 stored = to_storage(qt)
                 n += stored is not f.tensors[name]
                 w.add(name, stored, t.layer)

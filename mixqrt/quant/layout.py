@@ -34,8 +34,10 @@ size) with the rows interleaved in groups of XROWS = 16 for the decode kernels: 
 chunk c is 320 bytes at (g * nc + c) * 320: the 16 rows' d (fp16), their m (fp16), then for s < 4 and
 r < 16 the bytes 4s..4s+3 of row r's pack4 chunk. q6x is q6 the same way (d, then the pack4 words,
 then the pack2 words of the 16 rows: 416 bytes per chunk). q3x is q3p, per 64-weight block 448
-bytes: d, m of the 16 rows, then the codes' low 2 bits and their bit 2 in two bit planes laid out so
-that one shift, one bit select and one vpermb level lookup give 4 codes of each of the 16 rows.
+bytes: d, m of the 16 rows, then six code planes whose bytes hold two whole codes (bits 0-2 and
+3-5) and a part of a third (bits 6-7), so that 12 of a block's 16 steps (4 codes of each of the 16
+rows) are one vpermb level lookup on a plane as loaded and 4 are a shift, a bit select and a vpermb
+(.mxq version 5; version 4's q3x, a 2-bit and a 1-bit plane, is read only by ``mxq.upgrade``).
 Such a tensor is 2-D with a multiple of 16 rows; ``storage_format`` says which q4 / q6 / q3p tensors
 are stored so (.mxq version 4), ``to_interleaved`` / ``from_interleaved`` convert the bytes. They are
 not quantization formats of their own: recipes name q4, q6 and q3p.
@@ -180,27 +182,50 @@ def from_interleaved(fmt: str, data, shape) -> np.ndarray:
 
 
 def _q3x_parts(codes, d, m, n, nb):
-    """q3p parts (codes [N, nb, 64], d, m [N, nb] fp16) -> q3x bytes."""
+    """q3p parts (codes [N, nb, 64], d, m [N, nb] fp16) -> q3x bytes (mq_format.h, .mxq version 5:
+    six code planes; byte (w, r, j) holds code 8w + j in bits 0-2, 8w + 4 + j in bits 3-5, and in
+    bits 6-7 the low bits (w < 4) or the bit 2 (w = 4, 5) of codes 48 + 4i + j)."""
     G = n // XROWS
-    c = codes.reshape(G, XROWS, nb, 4, 4, 4).astype(np.uint8)            # [g, r, b, f, z, j]
-    lo2, hi = c & 3, (c >> 2) & 1
-    lo = (lo2[:, :, :, 0] | (lo2[:, :, :, 1] << 2) | (lo2[:, :, :, 2] << 4) | (lo2[:, :, :, 3] << 6))  # [g, r, b, z, j]
-    lo = lo.transpose(0, 2, 3, 1, 4).reshape(G, nb, 256)
-    sh = np.arange(4, dtype=np.uint8)[:, None]                           # bit 4 (f & 1) + z
-    hy = [((hi[:, :, :, 2 * y] << sh) | (hi[:, :, :, 2 * y + 1] << (sh + 4))).astype(np.uint8).sum(axis=3, dtype=np.uint8)
-          for y in (0, 1)]                                               # [g, r, b, j] each
-    hi_b = np.stack(hy, axis=2).transpose(0, 3, 2, 1, 4).reshape(G, nb, 128)   # [g, b, y, r, j]
+    c = codes.reshape(G, XROWS, nb, 16, 4).astype(np.uint8)              # [g, r, b, step, j]
+    planes = c[:, :, :, 0:12:2] | (c[:, :, :, 1:12:2] << 3)               # [g, r, b, w, j], w < 6
+    tail = c[:, :, :, 12:16]                                             # steps 12-15
+    planes[:, :, :, 0:4] |= (tail & 3) << 6
+    hi = (tail >> 2) & 1
+    planes[:, :, :, 4] |= (hi[:, :, :, 0] << 6) | (hi[:, :, :, 1] << 7)
+    planes[:, :, :, 5] |= (hi[:, :, :, 2] << 6) | (hi[:, :, :, 3] << 7)
+    codes_b = planes.transpose(0, 2, 3, 1, 4).reshape(G, nb, 384)         # [g, b, w, r, j]
     dd = np.ascontiguousarray(np.asarray(d, dtype="<f2").reshape(G, XROWS, nb).transpose(0, 2, 1)).view(np.uint8)
     mm = np.ascontiguousarray(np.asarray(m, dtype="<f2").reshape(G, XROWS, nb).transpose(0, 2, 1)).view(np.uint8)
-    return np.ascontiguousarray(np.concatenate([dd, mm, lo, hi_b], axis=-1)).reshape(-1)
+    return np.ascontiguousarray(np.concatenate([dd, mm, codes_b], axis=-1)).reshape(-1)
+
+
+def _q3x_header(g, n, nb):
+    G = n // XROWS
+    d = np.ascontiguousarray(g[..., 0:32]).view("<f2").reshape(G, nb, XROWS).transpose(0, 2, 1).reshape(n, nb)
+    m = np.ascontiguousarray(g[..., 32:64]).view("<f2").reshape(G, nb, XROWS).transpose(0, 2, 1).reshape(n, nb)
+    return d, m
 
 
 def _q3x_unparts(b, n, nb):
     """q3x bytes -> (codes [N, nb, 64], d, m [N, nb] fp16)."""
     G = n // XROWS
     g = b.reshape(G, nb, 448)
-    d = np.ascontiguousarray(g[..., 0:32]).view("<f2").reshape(G, nb, XROWS).transpose(0, 2, 1).reshape(n, nb)
-    m = np.ascontiguousarray(g[..., 32:64]).view("<f2").reshape(G, nb, XROWS).transpose(0, 2, 1).reshape(n, nb)
+    d, m = _q3x_header(g, n, nb)
+    p = g[..., 64:448].reshape(G, nb, 6, XROWS, 4).transpose(0, 3, 1, 2, 4)   # [g, r, b, w, j]
+    c = np.empty((G, XROWS, nb, 16, 4), np.uint8)
+    c[:, :, :, 0:12:2] = p & 7
+    c[:, :, :, 1:12:2] = (p >> 3) & 7
+    hi = np.stack([p[:, :, :, 4] >> 6, p[:, :, :, 4] >> 7, p[:, :, :, 5] >> 6, p[:, :, :, 5] >> 7], axis=3) & 1
+    c[:, :, :, 12:16] = (p[:, :, :, 0:4] >> 6) | (hi << 2)
+    return c.reshape(n, nb, 64), d, m
+
+
+def q3x_v4_unparts(b, n, nb):
+    """The q3x bytes of .mxq version 4 (a 2-bit plane and a 1-bit plane per block) -> (codes [N, nb,
+    64], d, m [N, nb] fp16); only `mxq.upgrade` reads them."""
+    G = n // XROWS
+    g = b.reshape(G, nb, 448)
+    d, m = _q3x_header(g, n, nb)
     lo = g[..., 64:320].reshape(G, nb, 4, XROWS, 4)                      # [g, b, z, r, j]
     hb = g[..., 320:448].reshape(G, nb, 2, XROWS, 4)                     # [g, b, y, r, j]
     f = np.arange(4, dtype=np.uint8)

@@ -127,15 +127,16 @@ static void xperm_row(int fmt, const uint8_t *b, int r, uint8_t *o) {   /* one b
     for (int w = 0; w < W; w++) memcpy(o + 2 * H + 4 * w, b + 32 * H + 64 * w + 4 * r, 4);
 }
 
-/* row r's 64 codes of a q3x block (mq_format.h) */
+/* row r's 64 codes of a q3x block (mq_format.h): the scalar reference of the kernels' steps */
 static void q3x_codes(const uint8_t *b, int r, uint8_t *c) {
-    for (int i = 0; i < 16; i++) {
-        const int f = i >> 2, z = i & 3;
-        for (int j = 0; j < 4; j++) {
-            int lo = (b[MQ_Q3X_LO + 64 * z + 4 * r + j] >> (2 * f)) & 3;
-            int hi = (b[MQ_Q3X_HI + 64 * (i >> 3) + 4 * r + j] >> (i & 7)) & 1;
-            c[16 * f + 4 * z + j] = (uint8_t)(lo | hi << 2);
+    const uint8_t *p = b + MQ_Q3X_CODES + 4 * r;
+    for (int j = 0; j < 4; j++) {
+        for (int w = 0; w < 6; w++) {
+            c[8 * w + j] = p[64 * w + j] & 7;
+            c[8 * w + 4 + j] = (p[64 * w + j] >> 3) & 7;
         }
+        for (int w = 0; w < 4; w++)
+            c[48 + 4 * w + j] = (uint8_t)((p[64 * w + j] >> 6) | (((p[64 * (4 + (w >> 1)) + j] >> (6 + (w & 1))) & 1) << 2));
     }
 }
 

@@ -63,13 +63,18 @@ enum mq_fmt {
  *
  * q3x holds q3p's blocks (64 weights, d, m, codes into the level table) the same way, for a
  * vpermb level lookup per 64 codes of 16 rows: block b of group g is MQ_Q3X_BLOCK bytes at
- * (g * nb + b) * MQ_Q3X_BLOCK:
+ * (g * nb + b) * MQ_Q3X_BLOCK. Step i (i < 16) is the codes k = 4i .. 4i + 3 of the 16 rows, and
+ * its level vector is one vpdpbusd operand (dword lane r = row r, byte j = code 4i + j):
  *     [0, 32) d, [32, 64) m of rows 0..15 (fp16)
- *     [64, 320)   low 2 bits: byte 64 + 64 z + 4 r + j, bits 2f..2f+1 = code k = 16 f + 4 z + j of row r
- *     [320, 448)  bit 2: byte 320 + 64 (i >> 3) + 4 r + j, bit (i & 7) = code k = 16 f + 4 z + j, i = 4 f + z
- * Step i (k = 16 f + 4 z .. +3 of the 16 rows, f = i >> 2, z = i & 3) is then one shift of each
- * plane, one bit select (low 2 bits from the first, bit 2 from the second) and a vpermb of a
- * 64-byte table that repeats the 8 levels. */
+ *     [64, 448)  six code planes P_w (w < 6) of 64 bytes; byte 64 + 64 w + 4 r + j of row r holds
+ *                bits 0-2: code 8w + j        (step 2w)
+ *                bits 3-5: code 8w + 4 + j    (step 2w + 1)
+ *                bits 6-7: for w < 4, bits 0-1 of code 48 + 4w + j (step 12 + w);
+ *                          for w = 4 / 5, bit 2 of the codes of steps 12, 13 / 14, 15 (bit 6, bit 7)
+ * vpermb reads index bits 0-5, so steps 0-11 are one vpermb each on a plane as loaded (a table of
+ * the level of bits 0-2, or of bits 3-5), with no shift and no merge; steps 12-15 take one shift,
+ * one bit select and one vpermb (.mxq version 5; version 4 stored a 2-bit and a 1-bit plane that
+ * every step had to merge, docs/format.md). */
 #define MQ_XROWS 16
 #define MQ_Q4X_CHUNK (MQ_XROWS * 20)
 #define MQ_Q4X_CODES 64
@@ -77,8 +82,7 @@ enum mq_fmt {
 #define MQ_Q6X_LO 32
 #define MQ_Q6X_HI 288
 #define MQ_Q3X_BLOCK (MQ_XROWS * 28)
-#define MQ_Q3X_LO 64
-#define MQ_Q3X_HI 320
+#define MQ_Q3X_CODES 64
 
 /* ---------------------------------------------------------------- block headers */
 #define MQ_HDR_D 0                               /* fp16 d */
@@ -129,7 +133,7 @@ _Static_assert(MQ_Q3_BLOCK == 28, "q3u/q3p block: 4 + 2 x 12 bytes (3.5 bpw)");
 _Static_assert(MQ_Q2C_BLOCK == 40, "q2c block: 8 + 4 x 8 bytes (2.5 bpw)");
 _Static_assert(MQ_Q5G_BLOCK == 20, "q5g block: 20 bytes, no header");
 _Static_assert(MQ_Q4X_CHUNK == MQ_XROWS * MQ_Q4_BLOCK, "q4x: 16 q4 blocks per chunk group");
-_Static_assert(MQ_Q3X_BLOCK == MQ_XROWS * MQ_Q3_BLOCK && MQ_Q3X_HI + 128 == MQ_Q3X_BLOCK, "q3x: 16 q3p blocks per block group");
+_Static_assert(MQ_Q3X_BLOCK == MQ_XROWS * MQ_Q3_BLOCK && MQ_Q3X_CODES + 6 * 64 == MQ_Q3X_BLOCK, "q3x: 16 q3p blocks per block group");
 _Static_assert(MQ_Q6X_CHUNK == MQ_XROWS * MQ_Q6_BLOCK && MQ_Q6X_HI + 128 == MQ_Q6X_CHUNK, "q6x: 16 q6 blocks per chunk group");
 _Static_assert(MQ_Q2C_LUT + 4 == MQ_Q2C_HEADER, "q2c header: d, m, lut[4]");
 _Static_assert(MQ_Q3P_NLEVELS == 1 << MQ_Q3_BITS, "one q3p level per 3-bit code");

@@ -75,7 +75,7 @@ void mq_quantize_act_avx2(const float *x, int K, int kp, int8_t *q, float *d, fl
 typedef struct {
     __m256i tab;      /* q3p levels in both 128-bit lanes */
     __m256i bsh, bsel; /* bit expansion: byte i <- byte i/8 of a dword, select bit i%8 */
-    __m256i t3x[4];   /* q3x: the levels for each index placement of mv_q3x (Q3X_PLACE) */
+    __m256i t3x[2];   /* q3x: the level tables of q3x_lv (Q3X_LO, Q3X_T013) */
     float q5_lo, q5_step;
 } ctx_t;
 
@@ -399,33 +399,46 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
-/* q3x (mq_format.h): step i takes the code's low 2 bits from bits 2f..2f+1 of low-plane word z
- * (f = i >> 2, z = i & 3) and bit 2 from bit p = i & 7 of high-plane word i >> 3. vpshufb reads index
- * bits 0-3 (bit 7 zeroes), so each index keeps the low field at bits 0-1 or 2-3 and the high bit in
- * one of the two other bits, each moved there by a shift shared by several steps (10 per block and
- * half instead of 26), masked and merged, and the level comes from the table made for that placement
- * (the AVX-512 tier's q3x_steps with 16-entry tables). */
-enum { Q3X_T02, Q3X_T03, Q3X_T20, Q3X_T21, Q3X_NT };
-static const uint8_t Q3X_PLACE[Q3X_NT][2] = {{0, 2}, {0, 3}, {2, 0}, {2, 1}};   /* low field, high bit */
+/* q3x (mq_format.h, .mxq version 5) on a block half (rows 8h .. 8h + 7: 32 bytes of each code plane).
+ * vpshufb reads index bits 0-3 and zeroes the lane on bit 7, so every index is masked: step 2w is
+ * plane w & 7, step 2w + 1 is (plane w >> 3) & 7, both through the table of the level of bits 0-2
+ * (Q3X_LO); step 12 + w is bits 6-7 of plane w at bits 0-1, or'ed with bit 6 / 7 of plane 4 + (w >> 1)
+ * moved to bit 2 / 3 (one shift shared by two steps), through Q3X_LO or the table of bits 0, 1, 3
+ * (Q3X_T013). 2, 3 or ~5 operations per step (version 4's planes: 7). */
+enum { Q3X_LO, Q3X_T013, Q3X_NT };
 _Static_assert(Q3X_NT == sizeof(((ctx_t *)0)->t3x) / sizeof(__m256i), "ctx_t.t3x holds every q3x table");
 
 static void q3x_tables(__m256i *t, const uint8_t *levels) {
-    uint8_t b[16];
-    for (int n = 0; n < Q3X_NT; n++) {
-        for (int e = 0; e < 16; e++) b[e] = levels[((e >> Q3X_PLACE[n][0]) & 3) | (((e >> Q3X_PLACE[n][1]) & 1) << 2)];
-        t[n] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b));
+    uint8_t b[Q3X_NT][16];
+    for (int e = 0; e < 16; e++) {
+        b[Q3X_LO][e] = levels[e & 7];
+        b[Q3X_T013][e] = levels[(e & 3) | (((e >> 3) & 1) << 2)];
     }
+    for (int n = 0; n < Q3X_NT; n++) t[n] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b[n]));
 }
 
-/* level vector of q3x step i = 8w + s of a block half: lo, the 4 low-plane words (w = 1: their fields
- * 2-3, shifted here); hs, high word w shifted as Q3X_PLACE expects (<< 2, as is, >> 4, >> 6) */
-static inline __attribute__((always_inline)) __m256i q3x_lv(const ctx_t *cx, const __m256i *lo, const __m256i *hs, int w, int s) {
-    const int z = s & 3, odd = s >> 2;
-    const __m256i src = w ? _mm256_srli_epi16(lo[z], 4) : lo[z];
-    const __m256i lf = _mm256_and_si256(src, _mm256_set1_epi8(odd ? 0x0c : 0x03));
-    const __m256i hf = _mm256_and_si256(hs[s >> 1], _mm256_set1_epi8((char)(odd ? (s & 1 ? 2 : 1) : (s & 1 ? 8 : 4))));
-    const __m256i tv = cx->t3x[odd ? (s & 1 ? Q3X_T21 : Q3X_T20) : (s & 1 ? Q3X_T03 : Q3X_T02)];
-    return _mm256_shuffle_epi8(tv, _mm256_or_si256(lf, hf));
+/* half h of a q3x block: its code planes start at q (plane w at q + 64 w), and h4 = planes 4, 5
+ * shifted right by 4 (the bit 2 of steps 12-15 at bits 2, 3) */
+static inline __attribute__((always_inline)) const uint8_t *q3x_half(const uint8_t *b, int h, __m256i h4[2]) {
+    const uint8_t *q = b + MQ_Q3X_CODES + 32 * h;
+    h4[0] = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(q + 256)), 4);
+    h4[1] = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(q + 320)), 4);
+    return q;
+}
+
+/* level vector of q3x step i (0..15) of the half at q: each step loads its plane (an L1 hit, shared
+ * by steps 2w and 2w + 1 once unrolled) rather than keeping six planes live in 16 ymm registers */
+static inline __attribute__((always_inline)) __m256i q3x_lv(const ctx_t *cx, const uint8_t *q, const __m256i *h4, int i) {
+    if (i < 12) {
+        const __m256i p = _mm256_loadu_si256((const __m256i *)(q + 64 * (i >> 1)));
+        const __m256i v = (i & 1) ? _mm256_srli_epi16(p, 3) : p;
+        return _mm256_shuffle_epi8(cx->t3x[Q3X_LO], _mm256_and_si256(v, _mm256_set1_epi8(7)));
+    }
+    const int w = i - 12;
+    const __m256i p = _mm256_loadu_si256((const __m256i *)(q + 64 * w));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(p, 6), _mm256_set1_epi8(3));
+    const __m256i hi = _mm256_and_si256(h4[w >> 1], _mm256_set1_epi8((char)((w & 1) ? 8 : 4)));
+    return _mm256_shuffle_epi8(cx->t3x[(w & 1) ? Q3X_T013 : Q3X_LO], _mm256_or_si256(lo, hi));
 }
 
 static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
@@ -433,23 +446,21 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const float *dx = j->a->d, *sx = j->a->s;
     const __m256i ones = _mm256_set1_epi16(1);
     const int nb = j->nc / 2;
+    const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+            if (b + 16384 + MQ_Q3X_BLOCK <= end)   /* as the AVX-512 mv_q3x: 16 KiB ahead into L2 */
+                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + 16384 + o, _MM_HINT_T1);
             const uint32_t *xc = x32 + 16 * bi;
             for (int h = 0; h < 2; h++) {
-                __m256i lo[4], ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
-                for (int z = 0; z < 4; z++) lo[z] = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
-                for (int w = 0; w < 2; w++) {   /* steps 8w .. 8w + 7: fields 2w, 2w + 1; high word w, p = 0..7 */
-                    const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * w + 32 * h));
-                    /* bits 0, 1 -> 2, 3; 4, 5 and 6, 7 -> 0, 1 (16-bit shifts keep each byte's bits that
-                     * matter in the byte) */
-                    const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
-                    for (int s = 0; s < 8; s++) {   /* step 8w + s: field 2w + (s >> 2) */
-                        const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(q3x_lv(cx, lo, hs, w, s), bc32(xc, 8 * w + s)), ones);
-                        if (w == 0) ia = _mm256_add_epi32(ia, pr); else ib = _mm256_add_epi32(ib, pr);
-                    }
+                __m256i h4[2], ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
+                const uint8_t *q = q3x_half(b, h, h4);
+                _Pragma("GCC unroll 16")   /* constant steps */
+                for (int i = 0; i < 16; i++) {   /* steps 0-7: chunk 2 bi, 8-15: chunk 2 bi + 1 */
+                    const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(q3x_lv(cx, q, h4, i), bc32(xc, i)), ones);
+                    if (i < 8) ia = _mm256_add_epi32(ia, pr); else ib = _mm256_add_epi32(ib, pr);
                 }
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * h)));
@@ -525,18 +536,15 @@ mx_unit(const ctx_t *cx, const int fmt, const uint8_t *b, int u, int h, const mx
             accm[t] = _mm256_fmadd_ps(d, _mm256_set1_ps(-32.0f * tk[t].sx[u]), accm[t]);
         }
     } else {   /* q3x block u: activation chunks 2u, 2u + 1 */
-        __m256i lo[4], ia[MX_T], ib[MX_T];
+        __m256i h4[2], ia[MX_T], ib[MX_T];
         for (int t = 0; t < nt; t++) ia[t] = ib[t] = _mm256_setzero_si256();
-        for (int z = 0; z < 4; z++) lo[z] = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_LO + 64 * z + 32 * h));
-        for (int w = 0; w < 2; w++) {
-            const __m256i hv = _mm256_loadu_si256((const __m256i *)(b + MQ_Q3X_HI + 64 * w + 32 * h));
-            const __m256i hs[4] = {_mm256_slli_epi16(hv, 2), hv, _mm256_srli_epi16(hv, 4), _mm256_srli_epi16(hv, 6)};
-            for (int s = 0; s < 8; s++) {
-                const __m256i lv = q3x_lv(cx, lo, hs, w, s);
-                for (int t = 0; t < nt; t++) {
-                    const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 16 * u, 8 * w + s)), ones);
-                    if (w == 0) ia[t] = _mm256_add_epi32(ia[t], pr); else ib[t] = _mm256_add_epi32(ib[t], pr);
-                }
+        const uint8_t *q = q3x_half(b, h, h4);
+        _Pragma("GCC unroll 16")
+        for (int i = 0; i < 16; i++) {
+            const __m256i lv = q3x_lv(cx, q, h4, i);
+            for (int t = 0; t < nt; t++) {
+                const __m256i pr = _mm256_madd_epi16(_mm256_maddubs_epi16(lv, bc32(tk[t].x32 + 16 * u, i)), ones);
+                if (i < 8) ia[t] = _mm256_add_epi32(ia[t], pr); else ib[t] = _mm256_add_epi32(ib[t], pr);
             }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * h)));

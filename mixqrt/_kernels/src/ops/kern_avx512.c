@@ -49,7 +49,7 @@ typedef struct {
     int fmt, nc;
     __m512i tab;     /* q3p levels in every 128-bit lane */
     __m512i tab64;   /* q3p levels at every index i (level of i & 7): a vpermb table */
-    const __m512i *t3x; /* q3x: the levels for each index placement of q3x_steps (Q3X_PLACE) */
+    const __m512i *t3x; /* q3x: the level tables of q3x_steps (Q3X_LO, Q3X_HI, Q3X_T013) */
     __m512i p3lo, p3hi, p6lo, p6hi, pw16, bitsel;
     const uint8_t *end;  /* one past the last byte of the tensor's rows */
     float q5_lo, q5_step;
@@ -695,15 +695,15 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
     }
 }
 
-/* q3x steps of a block (mq_format.h): step i holds the levels of codes k = 16 f + 4 z .. +3 of the
- * 16 rows, f = i >> 2, z = i & 3; their low 2 bits are bits 2f..2f+1 of low-plane word z, their bit 2
- * is bit p = i & 7 of high-plane word i >> 3. vpermb reads bits 0-5 of an index byte, so rather
- * than shifting both fields to bits 0-2 (26 shifts per block), each step's index keeps the two
- * fields where they lie, or where one shared shift puts them (7 shifts per block), merged by one bit
- * select, and looks the level up in a table made for that placement (cx->t3x, Q3X_PLACE). */
-enum { Q3X_T02, Q3X_T03, Q3X_T04, Q3X_T05, Q3X_T24, Q3X_T25, Q3X_T40, Q3X_T41, Q3X_T42, Q3X_T43, Q3X_NT };
-/* bit position of the low field and of the high bit in each table's index */
-static const uint8_t Q3X_PLACE[Q3X_NT][2] = {{0, 2}, {0, 3}, {0, 4}, {0, 5}, {2, 4}, {2, 5}, {4, 0}, {4, 1}, {4, 2}, {4, 3}};
+/* q3x steps of a block (mq_format.h, .mxq version 5): step i holds the levels of codes k = 4i .. 4i + 3
+ * of the 16 rows. Steps 2w and 2w + 1 (w < 6) are code plane w as loaded, looked up in a table of
+ * the level of index bits 0-2 (Q3X_LO) and of bits 3-5 (Q3X_HI): vpermb reads bits 0-5 and ignores
+ * 6-7, so no shift and no merge. Steps 12 + w take their low 2 bits from bits 6-7 of plane w (one
+ * 16-bit shift right by 6 puts them at bits 0-1 of each byte) and bit 2 from bit 6 or 7 of plane 4
+ * or 5 (one shift right by 4, shared by two steps, puts it at bit 2 or 3); one bit select merges
+ * them and the table of bits 0, 1, 2 (Q3X_LO) or 0, 1, 3 (Q3X_T013) gives the level. Per block: 6
+ * shifts, 4 selects, 16 vpermb (version 4's planes needed 7 shifts, 16 selects, 16 vpermb). */
+enum { Q3X_LO, Q3X_HI, Q3X_T013, Q3X_NT };
 
 /* the tables of a level table: kept per thread for the last level table seen (a product asks once
  * per chunk and thread); the pointer is valid on this thread until its next call */
@@ -714,11 +714,13 @@ static const __m512i *q3x_tables(const uint8_t *levels) {
     uint64_t k;
     memcpy(&k, levels, 8);
     if (!have || k != key) {
-        uint8_t b[64];
-        for (int n = 0; n < Q3X_NT; n++) {
-            for (int e = 0; e < 64; e++) b[e] = levels[((e >> Q3X_PLACE[n][0]) & 3) | (((e >> Q3X_PLACE[n][1]) & 1) << 2)];
-            last[n] = _mm512_loadu_si512(b);
+        uint8_t b[Q3X_NT][64];
+        for (int e = 0; e < 64; e++) {
+            b[Q3X_LO][e] = levels[e & 7];
+            b[Q3X_HI][e] = levels[(e >> 3) & 7];
+            b[Q3X_T013][e] = levels[(e & 3) | (((e >> 3) & 1) << 2)];
         }
+        for (int n = 0; n < Q3X_NT; n++) last[n] = _mm512_loadu_si512(b[n]);
         key = k;
         have = 1;
     }
@@ -726,24 +728,20 @@ static const __m512i *q3x_tables(const uint8_t *levels) {
 }
 
 static inline __attribute__((always_inline)) void q3x_steps(const uint8_t *b, const __m512i *t, __m512i lv[16]) {
-    const __m512i l0 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO)), l1 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 64));
-    const __m512i l2 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 128)), l3 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_LO + 192));
-    const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q3X_HI + 64));
-    /* bits 0, 1 of h0 -> 4, 5; bits 6, 7 of h0 and h1 -> 4, 5 (16-bit shifts: each byte's bits that
-     * matter stay in the byte) */
-    const __m512i h0s = _mm512_slli_epi16(h0, 4), h0r = _mm512_srli_epi16(h0, 2), h1r = _mm512_srli_epi16(h1, 2);
-    const __m512i c0 = _mm512_set1_epi8(0x03), c2 = _mm512_set1_epi8(0x0c), c4 = _mm512_set1_epi8(0x30);
-    /* C ? lo : hi per bit, then the placement's table */
-#define Q3X_SEL(lo, hi, c, T) _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(lo, hi, c, 0xE4), t[T])
-    lv[0] = Q3X_SEL(l0, h0s, c0, Q3X_T04);  lv[1] = Q3X_SEL(l1, h0s, c0, Q3X_T05);
-    lv[2] = Q3X_SEL(l2, h0, c0, Q3X_T02);   lv[3] = Q3X_SEL(l3, h0, c0, Q3X_T03);
-    lv[4] = Q3X_SEL(l0, h0, c2, Q3X_T24);   lv[5] = Q3X_SEL(l1, h0, c2, Q3X_T25);
-    lv[6] = Q3X_SEL(l2, h0r, c2, Q3X_T24);  lv[7] = Q3X_SEL(l3, h0r, c2, Q3X_T25);
-    lv[8] = Q3X_SEL(l0, h1, c4, Q3X_T40);   lv[9] = Q3X_SEL(l1, h1, c4, Q3X_T41);
-    lv[10] = Q3X_SEL(l2, h1, c4, Q3X_T42);  lv[11] = Q3X_SEL(l3, h1, c4, Q3X_T43);
-    /* field 3 (bits 6-7) to bits 0-1 */
-    lv[12] = Q3X_SEL(_mm512_srli_epi16(l0, 6), h1, c0, Q3X_T04);  lv[13] = Q3X_SEL(_mm512_srli_epi16(l1, 6), h1, c0, Q3X_T05);
-    lv[14] = Q3X_SEL(_mm512_srli_epi16(l2, 6), h1r, c0, Q3X_T04); lv[15] = Q3X_SEL(_mm512_srli_epi16(l3, 6), h1r, c0, Q3X_T05);
+    __m512i p[6];
+    for (int w = 0; w < 6; w++) {
+        p[w] = _mm512_loadu_si512((const void *)(b + MQ_Q3X_CODES + 64 * w));
+        lv[2 * w] = _mm512_permutexvar_epi8(p[w], t[Q3X_LO]);
+        lv[2 * w + 1] = _mm512_permutexvar_epi8(p[w], t[Q3X_HI]);
+    }
+    /* bits 6, 7 of planes 4, 5 -> bits 2, 3 (16-bit shifts: each byte's bits that matter stay in it) */
+    const __m512i h4 = _mm512_srli_epi16(p[4], 4), h5 = _mm512_srli_epi16(p[5], 4), c0 = _mm512_set1_epi8(0x03);
+    /* C ? low field : high bit, per bit, then the placement's table */
+#define Q3X_SEL(lo, hi, T) _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(lo, hi, c0, 0xE4), t[T])
+    lv[12] = Q3X_SEL(_mm512_srli_epi16(p[0], 6), h4, Q3X_LO);
+    lv[13] = Q3X_SEL(_mm512_srli_epi16(p[1], 6), h4, Q3X_T013);
+    lv[14] = Q3X_SEL(_mm512_srli_epi16(p[2], 6), h5, Q3X_LO);
+    lv[15] = Q3X_SEL(_mm512_srli_epi16(p[3], 6), h5, Q3X_T013);
 #undef Q3X_SEL
 }
 
