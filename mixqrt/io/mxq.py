@@ -59,6 +59,9 @@ _BLOB_KEYS = frozenset({"offset", "nbytes", "crc32"})
 _TENSOR_KEYS = frozenset({"fmt", "shape", "offset", "nbytes", "layer"})
 _TENSOR_OPT = frozenset({"rot"})               # version 3 on
 _SPAN_KEYS = frozenset({"key", "offset", "nbytes"})
+# (format, first version with its current layout, what changed): older files' tensors of that
+# format are refused unless read for `upgrade`
+_RELAYOUTS = (("q3p", 2, "q3p's codes are packed pack3c"), ("q3x", VERSION_Q3X, "q3x holds whole codes per byte"))
 
 
 @dataclass(frozen=True)
@@ -194,20 +197,13 @@ def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", di
         raise FormatError(f"{where}: tensors must be an object and spans a list")
 
     tensors = {name: _check_tensor(name, e, hoff, alignment, page, version) for name, e in ttab.items()}
-    if h["version"] < 2 and not old_q3p:
-        old = next((t.name for t in tensors.values() if t.fmt == "q3p"), None)
+    for fmt, since, why in _RELAYOUTS:     # storage forms an older version laid out otherwise
+        old = None if old_q3p or h["version"] >= since else next((t.name for t in tensors.values() if t.fmt == fmt), None)
         if old is not None:
-            raise FormatError(f"{where}: q3p tensor {old!r} is in the bit packing of .mxq version 1, which this "
-                              f"mixqrt no longer reads (q3p is pack3c since version 2, docs/format.md): "
-                              f"re-quantize the model (mixqrt quantize), or convert the file: "
+            raise FormatError(f"{where}: {fmt} tensor {old!r} is in the layout of .mxq version {h['version']}, which "
+                              f"this mixqrt no longer reads ({why} since version {since}, docs/format.md): "
+                              f"re-quantize the model (mixqrt quantize), or convert the file losslessly: "
                               f"mixqrt upgrade OLD.mxq NEW.mxq")
-    if h["version"] < VERSION_Q3X and not old_q3p:
-        old = next((t.name for t in tensors.values() if t.fmt == "q3x"), None)
-        if old is not None:
-            raise FormatError(f"{where}: q3x tensor {old!r} is in the bit layout of .mxq version {h['version']}, which "
-                              f"this mixqrt no longer reads (q3x holds whole codes per byte since version 5, "
-                              f"docs/format.md): re-quantize the model (mixqrt quantize), or convert the file "
-                              f"losslessly: mixqrt upgrade OLD.mxq NEW.mxq")
     groups: dict = {}
     for t in tensors.values():
         groups.setdefault(t.name if t.layer is None else t.layer, []).append(t)

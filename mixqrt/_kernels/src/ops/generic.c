@@ -1,6 +1,7 @@
 /* Portable C tier: activation quantization, unpack and the integer-dot product.
  * The numpy emulation in tests/test_ops_matmul.py follows this file line by line. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -192,6 +193,18 @@ void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
 #endif
     if (mq_x_base(j->fmt) >= 0) { mm_rows_x_via_rows(j, n0, n1, tier); return; }
     tier(j, n0, n1);
+}
+
+size_t mq_q3x_prefetch(void) {
+    static _Atomic long pf = -1;   /* threads that race here all store the same value */
+    long v = atomic_load_explicit(&pf, memory_order_relaxed);
+    if (v < 0) {
+        const char *e = getenv("MIXQRT_Q3X_PF");
+        v = e ? atol(e) : 16384;
+        if (v < 0) v = 0;
+        atomic_store_explicit(&pf, v, memory_order_relaxed);
+    }
+    return (size_t)v;
 }
 
 size_t mq_gemm_tile_stride(int nc) {

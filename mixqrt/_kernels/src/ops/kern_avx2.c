@@ -447,12 +447,13 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int nb = j->nc / 2;
     const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
+    const size_t pfd = mq_q3x_prefetch();   /* as the AVX-512 mv_q3x: into L2, 16 KiB ahead by default */
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, accm[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
-            if (b + 16384 + MQ_Q3X_BLOCK <= end)   /* as the AVX-512 mv_q3x: 16 KiB ahead into L2 */
-                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + 16384 + o, _MM_HINT_T1);
+            if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
+                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             const uint32_t *xc = x32 + 16 * bi;
             for (int h = 0; h < 2; h++) {
                 __m256i h4[2], ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();

@@ -754,9 +754,7 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const float *dx = j->a->d, *sx = j->a->s;
     const int nb = j->nc / 2;
     const __m512i *t3 = cx->t3x;
-    static long q3x_pf = -1;   /* software prefetch distance into L2 (bytes, 0 = none): MIXQRT_Q3X_PF */
-    if (q3x_pf < 0) { const char *e = getenv("MIXQRT_Q3X_PF"); q3x_pf = e ? atol(e) : 16384; }
-    const size_t pfd = (size_t)q3x_pf;
+    const size_t pfd = mq_q3x_prefetch();   /* software prefetch distance into L2 (MIXQRT_Q3X_PF) */
     const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;

@@ -66,6 +66,9 @@ int mq_set_float_mv(int on);   /* AVX-512 4-row prefetched float decode (default
  * mq_gemm_tiles_build fills the blocks of rows [n0, n1) (n0 a multiple of 16); returns 0, or -1
  * where this CPU has no AVX-512 tier (nothing written). */
 size_t mq_gemm_tile_stride(int nc);
+/* q3x decode's software prefetch distance into L2, bytes (MIXQRT_Q3X_PF, default 16384; 0: none),
+ * shared by the AVX-512 and AVX2 mv_q3x */
+size_t mq_q3x_prefetch(void);
 int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1);
 int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1);
 
