@@ -233,7 +233,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mixqrt", description="Pure-CPU LLM runtime with mixed-bit ('2356') quantization.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("doctor", help="CPU, ISA tier, usable cores, NUMA nodes, hugepages")
+    s = sub.add_parser("doctor", help="CPU, ISA tier, usable / physical cores, pinning order, LLC, NUMA nodes, hugepages")
     s.add_argument("--json", action="store_true")
     s.add_argument("--model", default=None, metavar="FILE",
                    help="also report how much of this .mxq's weights the kernel maps in 2 MiB pages")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import platform
 
+from mixqrt.runtime.topology import format_cpulist
+
 
 def report() -> dict:
     from mixqrt import isa
@@ -30,7 +32,16 @@ def report() -> dict:
         info["numa_nodes"] = [{"id": n.id, "cpus": list(n.cpus), "mem_bytes": n.mem_bytes,
                                "has_cpu": n.has_cpu} for n in topo.nodes]
     except Exception as e:  # topology is informative only here
+        topo = None
         info["numa_nodes"] = f"unavailable: {e}"
+    try:
+        from mixqrt.runtime import affinity, topology as tp
+        allowed = tp.allowed_cpus()
+        info["physical_cores"] = tp.physical_cores(allowed)
+        info["worker_cpus"] = affinity.worker_cpus(len(allowed), topo, allowed)
+        info["llc_bytes"] = tp.llc_bytes()
+    except Exception as e:  # informative only
+        info["physical_cores"] = f"unavailable: {e}"
     try:
         from mixqrt import ops
         info["threads"] = ops.get_num_threads()
@@ -89,12 +100,18 @@ def format_report(info: dict) -> str:
         f"tiers      {', '.join(info['isa_available'])} (force one with MIXQRT_ISA=generic|avx2|avx512)",
         f"cores      {info['usable_cpus']} usable under affinity/cgroup (of {info['logical_cpus']} logical)",
     ]
+    if isinstance(info.get("physical_cores"), int):
+        order = info["worker_cpus"]
+        lines.append(f"           {info['physical_cores']} physical cores among them; workers pinned in the order "
+                     f"{', '.join(map(str, order[:8]))}{', ...' if len(order) > 8 else ''} (one per core before SMT siblings)")
+    if info.get("llc_bytes"):
+        lines.append(f"LLC        {info['llc_bytes'] / 2**20:.0f} MiB last-level cache (the bandwidth probe reads >= 4x that)")
     if "threads" in info:
         lines.append(f"threads    {info['threads']} kernel threads (MIXQRT_NUM_THREADS overrides)")
     nodes = info["numa_nodes"]
     if isinstance(nodes, list):
         for n in nodes:
-            kind = "cpus " + _ranges(n["cpus"]) if n["has_cpu"] else "memory only (far/CXL tier)"
+            kind = "cpus " + format_cpulist(n["cpus"]) if n["has_cpu"] else "memory only (far/CXL tier)"
             lines.append(f"NUMA {n['id']:<5d} {kind}, {n['mem_bytes'] / 2**30:.1f} GiB")
     else:
         lines.append(f"NUMA       {nodes}")
@@ -106,13 +123,3 @@ def format_report(info: dict) -> str:
     return "\n".join(lines)
 
 
-def _ranges(cpus) -> str:
-    cpus = sorted(cpus)
-    out, start = [], None
-    for i, c in enumerate(cpus):
-        if start is None:
-            start = c
-        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
-            out.append(str(start) if start == c else f"{start}-{c}")
-            start = None
-    return ",".join(out)

@@ -136,3 +136,20 @@ def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
                                                                            "Speed-up", "q3p's KL"))]
     assert all(ln in after for ln in prose)                       # the hand-written text is untouched
     assert json.loads((tmp_path / "data" / "formats.json").read_text())["kl_mean"]["0/q3p"] == 0.3
+
+
+def test_thread_scaling_renders_a_saved_run(tmp_path):
+    """benchmarks/thread_scaling.py --from-json writes one machine's tables (named by --tag) into a page
+    from the raw rows a run on another machine saved (docs/data/thread-scaling-xeon16.json)."""
+    import thread_scaling
+    saved = Path(__file__).resolve().parent.parent / "docs" / "data" / "thread-scaling-xeon16.json"
+    run = json.loads(saved.read_text())
+    page = tmp_path / "p.md"
+    page.write_text("# P\n\nprose\n")
+    assert thread_scaling.main(["--from-json", str(saved), "--tag", "x", "--out", str(page)]) == 0
+    text = page.read_text()
+    assert "prose" in text and text.count("BEGIN mixqrt:thread-scaling-x-") == 4
+    decode = thread_scaling.scaling_table(run["rows"])
+    # one row per (model, threads); speed-up against the model's 1-thread row
+    assert decode.count("\n") == len(run["rows"]) + 1 and "| 1.00x |" in decode
+    assert "| 16 |" in thread_scaling.probe_table({int(k): v for k, v in run["probes"].items()})

@@ -1,5 +1,6 @@
 """The `mixqrt` command line on the tiny model (and the real one under the realmodel fixtures)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -27,6 +28,9 @@ def test_doctor(capsys):
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["isa"] in ("generic", "avx2", "avx512") and info["usable_cpus"] >= 1
+    # the pool's pinning order covers every usable CPU once; cores and LLC as sysfs says
+    assert sorted(info["worker_cpus"]) == sorted(os.sched_getaffinity(0))
+    assert 1 <= info["physical_cores"] <= len(info["worker_cpus"]) and info["llc_bytes"] >= 0
 
 
 def test_doctor_model_pages(tiny, tmp_path, capsys):
