@@ -131,3 +131,23 @@ def test_docs_results_page_has_every_block(tmp_path):
     for name in blocks:
         assert page.count(f"<!-- BEGIN mixqrt:{name} -->") == 1 and page.count(f"<!-- END mixqrt:{name} -->") == 1
     assert cl.json_path("docs/results.md") == Path("docs/data/results.json")
+
+
+def test_speed_mixqrt_runs_bench_without_its_probe(tmp_path):
+    """speed_mixqrt replaces mixqrt.bench's bandwidth probe (measured once per run) by a stub that
+    must take whatever bench() passes it: a stub of the wrong signature failed every mixqrt speed
+    task of a comparison run once."""
+    from tinymodel import make_tiny_hf_model
+
+    from mixqrt.convert import quantize_model
+    src = make_tiny_hf_model(tmp_path / "hf", arch="llama", tied=False, seed=3)
+    out = tmp_path / "m.mxq"
+    quantize_model(str(src), "q8", str(out), progress=False, offline=True)
+    import mixqrt.bench as mb
+    real = mb.measure_bandwidth
+    try:
+        r = cl.speed_mixqrt(cl.parse_system("mixqrt:q8"), {"path": str(out), "threads": 1, "n_prompt": 8,
+                                                            "n_gen": 4, "ttft_prompt": 4, "repeats": 1})
+    finally:
+        mb.measure_bandwidth = real
+    assert r["tg_tok_s"] > 0 and r["pp_tok_s"] > 0 and r["decode_bytes_per_token"] > 0
