@@ -129,8 +129,6 @@ def cmd_inspect(a):
 
 
 def cmd_upgrade(a):
-    import os
-
     from mixqrt.errors import MixqrtError
     from mixqrt.io.mxq import upgrade
     if os.path.abspath(a.input) == os.path.abspath(a.output):

@@ -169,9 +169,9 @@ def _rot_record(rot, fmt, shape, where: str) -> dict:
         raise FormatError(str(err)) from None
 
 
-def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
+def parse_header(arena: Arena, *, old_layouts: bool = False) -> tuple["MetaView", dict[str, TensorInfo], dict, int]:
     """Validate everything but tensor contents and blob contents (checked when read).
-    Returns (meta, tensors, spans, header_bytes). old_q3p: let a version 1 file's q3p tensors
+    Returns (meta, tensors, spans, header_bytes). old_layouts: let a version 1 file's q3p tensors
     (planar codes) and a version 4 file's q3x tensors (two bit planes) through, for `upgrade` only."""
     where = arena.path
     version, hoff, hlen, crc = _parse_prefix(arena)
@@ -198,7 +198,9 @@ def parse_header(arena: Arena, *, old_q3p: bool = False) -> tuple["MetaView", di
 
     tensors = {name: _check_tensor(name, e, hoff, alignment, page, version) for name, e in ttab.items()}
     for fmt, since, why in _RELAYOUTS:     # storage forms an older version laid out otherwise
-        old = None if old_q3p or h["version"] >= since else next((t.name for t in tensors.values() if t.fmt == fmt), None)
+        if old_layouts or h["version"] >= since:
+            continue
+        old = next((t.name for t in tensors.values() if t.fmt == fmt), None)
         if old is not None:
             raise FormatError(f"{where}: {fmt} tensor {old!r} is in the layout of .mxq version {h['version']}, which "
                               f"this mixqrt no longer reads ({why} since version {since}, docs/format.md): "
@@ -315,12 +317,12 @@ class MxqFile:
     arena:         the mixqrt.io.arena.Arena (arena.prefetch(*spans[i]) reads a layer ahead)
     """
 
-    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, _old_q3p: bool = False):
+    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, _old_layouts: bool = False):
         from mixqrt.quant.qtensor import QTensor
         self.path = os.fspath(path)
         self.arena = Arena(self.path, hugepages=hugepages, willneed=willneed)
         try:
-            self.meta, self.info, self.spans, self.header_bytes = parse_header(self.arena, old_q3p=_old_q3p)
+            self.meta, self.info, self.spans, self.header_bytes = parse_header(self.arena, old_layouts=_old_layouts)
             self.tensors = {}
             for name, t in self.info.items():
                 try:
@@ -569,7 +571,7 @@ def upgrade(src, dst) -> int:
     from mixqrt.quant.formats import to_storage
     from mixqrt.quant.qtensor import QTensor
     n = 0
-    with MxqFile(src, _old_q3p=True) as f:
+    with MxqFile(src, _old_layouts=True) as f:
         version = _parse_prefix(f.arena)[0]
         with MxqWriter(dst, {k: f.meta[k] for k in f.meta}) as w:
             for name, t in f.info.items():

@@ -284,7 +284,7 @@ def llc_bytes(root: str | os.PathLike | None = None) -> int:
     0 where sysfs does not say. A read-bandwidth probe over fewer bytes than this reads the cache,
     not memory (a 300 MB L3 on a 16-core Xeon VM read 250 GB/s over a 256 MB buffer)."""
     base = _sysfs_root(root) / "devices" / "system" / "cpu"
-    best_level, seen, total = 0, set(), 0
+    seen, total = set(), 0
     try:
         cpu_dirs = [p for p in base.iterdir() if re.fullmatch(r"cpu\d+", p.name)]
     except OSError:
