@@ -62,6 +62,9 @@ def extensions():
         exts.append(Extension(
             f"mixqrt._kernels.{name}",
             sources=[pyx] + csrc,
+            # headers too: an edit to a header alone (misc_impl.h, mq_format.h) rebuilds the extension
+            depends=sorted(glob.glob(os.path.join(KDIR, "src", sub, "*.h"))
+                           + glob.glob(os.path.join(KDIR, "src", "common", "*.h"))),
             include_dirs=[np.get_include(), os.path.join(KDIR, "src", "common"), os.path.join(KDIR, "src", sub)],
             extra_compile_args=BASE_FLAGS,
             extra_link_args=["-pthread"],
