@@ -110,7 +110,7 @@ def test_attention(tier, t, pos0, kv):
 
 
 @pytest.mark.parametrize("hq,hkv,dh", [(14, 2, 64), (9, 3, 64), (28, 4, 128), (8, 1, 256), (6, 2, 48), (4, 2, 8),
-                                        (16, 2, 192)])
+                                        (16, 2, 192), (12, 2, 64), (5, 1, 128), (4, 4, 64), (10, 2, 80), (16, 2, 112)])
 @pytest.mark.parametrize("kv", [np.float32, np.float16])
 def test_attention_bit_identical_across_tiers(hq, hkv, dh, kv):
     """The grouped decode attention (AVX-512: 16-key blocks, AVX2: 4-key blocks, head_dim a multiple of 16)

@@ -362,8 +362,8 @@ static inline float MQ_FN(dotf_)(const float *restrict a, const float *restrict 
 
 /* ---- grouped decode attention (AVX2 / AVX-512; att_grouped_ below). Per tier: MQ_ATT_KB keys per
  * score block, att_scores_ (the scaled scores of one head on one block: per key exactly dotf_'s
- * operations, then * scale) and att_pv_ (one head's value sum, o += p * v per key in order, the
- * sums in registers). */
+ * operations, then * scale) and att_pv_group_ (the value sums of a group's heads, o += p * v per key
+ * in order, the sums in registers: the generic tier's operations). */
 #if defined(__AVX512F__)
 #define MQ_ATT_KB 16
 static inline __attribute__((always_inline)) __m512 MQ_FN(att_ld_)(const void *base, int f16, size_t off) {
@@ -399,69 +399,51 @@ static inline __attribute__((always_inline)) void MQ_FN(att_scores_)(const float
     _mm512_storeu_ps(out, _mm512_mul_ps(MQ_FN(att_red16_)(acc), _mm512_set1_ps(scale)));
 }
 
-static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc, const void *v, int f16, size_t kb, int i0, int n, int Dh,
-                                                                float *out, const int acc) {
-    const int nc = Dh / 16;
-    __m512 o[16];
-    for (int c = 0; c < nc; c++) o[c] = acc ? _mm512_loadu_ps(out + 16 * c) : _mm512_setzero_ps();
-    for (int i = i0; i < n; i++) {
-        const __m512 p = _mm512_set1_ps(sc[i]);
-        for (int c = 0; c < nc; c++) o[c] = _mm512_add_ps(o[c], _mm512_mul_ps(p, MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c)));
-    }
-    for (int c = 0; c < nc; c++) _mm512_storeu_ps(out + 16 * c, o[c]);
-}
-
-/* Dh 128: two heads share each V row (2 x 8 sums); an odd last head alone (att_pv_) */
-static inline __attribute__((always_inline)) void MQ_FN(att_pv_pairs128_)(const float *scratch, int S, int G, const void *v, int f16,
-                                                                        size_t kb, int i0, int n, float *out, const int acc) {
-    int j = 0;
-    for (; j + 2 <= G; j += 2) {
-        const float *s0 = scratch + (size_t)j * (S + 16), *s1 = s0 + (S + 16);
-        __m512 o0[8], o1[8];
-        for (int c = 0; c < 8; c++) {
-            o0[c] = acc ? _mm512_loadu_ps(out + (size_t)j * 128 + 16 * c) : _mm512_setzero_ps();
-            o1[c] = acc ? _mm512_loadu_ps(out + (size_t)(j + 1) * 128 + 16 * c) : _mm512_setzero_ps();
-        }
-        for (int i = i0; i < n; i++) {
-            const __m512 p0 = _mm512_set1_ps(s0[i]), p1 = _mm512_set1_ps(s1[i]);
-            for (int c = 0; c < 8; c++) {
-                const __m512 vr = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * 128 + 16 * c);
-                o0[c] = _mm512_add_ps(o0[c], _mm512_mul_ps(p0, vr));
-                o1[c] = _mm512_add_ps(o1[c], _mm512_mul_ps(p1, vr));
-            }
-        }
-        for (int c = 0; c < 8; c++) {
-            _mm512_storeu_ps(out + (size_t)j * 128 + 16 * c, o0[c]);
-            _mm512_storeu_ps(out + (size_t)(j + 1) * 128 + 16 * c, o1[c]);
-        }
-    }
-    if (j < G) MQ_FN(att_pv_)(scratch + (size_t)j * (S + 16), v, f16, kb, i0, n, 128, out + (size_t)j * 128, acc);
-}
-
-/* Dh 64: the heads of a group share each V row; 4 x G independent sums. Dh 128: att_pv_pairs128_.
- * Keys [i0, n); acc: continue the sums in out (else start at zero). 1 if done. */
-static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb,
-                                                                    int i0, int n, int Dh, float *out, const int acc) {
-    if (Dh == 128) {
-        MQ_FN(att_pv_pairs128_)(scratch, S, G, v, f16, kb, i0, n, out, acc);
-        return 1;
-    }
-    if (Dh != 64) return 0;
+/* The value sums of the G heads of one KV group (G <= MQ_ATT_GB) over keys [i0, n), columns
+ * [16 c0, 16 (c0 + W)) of every head: W x G sums in registers, one pass over those columns of V. */
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_cols_)(const float *scratch, size_t rs, int G, const void *v, int f16,
+                                                                    size_t kb, int i0, int n, int Dh, float *out, const int acc,
+                                                                    int c0, const int W, const int HM) {
     __m512 o[MQ_ATT_GB][4];
-    for (int j = 0; j < MQ_ATT_GB; j++)
-        for (int c = 0; c < 4; c++) o[j][c] = acc && j < G ? _mm512_loadu_ps(out + (size_t)j * Dh + 16 * c) : _mm512_setzero_ps();
+    for (int j = 0; j < HM; j++)
+        for (int c = 0; c < W; c++)
+            o[j][c] = acc && j < G ? _mm512_loadu_ps(out + (size_t)j * Dh + 16 * (c0 + c)) : _mm512_setzero_ps();
     for (int i = i0; i < n; i++) {
         __m512 vr[4];
-        for (int c = 0; c < 4; c++) vr[c] = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * c);
-        for (int j = 0; j < MQ_ATT_GB; j++) {
+        for (int c = 0; c < W; c++) vr[c] = MQ_FN(att_ld_)(v, f16, kb + (size_t)i * Dh + 16 * (c0 + c));
+        for (int j = 0; j < HM; j++) {
             if (j >= G) break;
-            const __m512 p = _mm512_set1_ps(scratch[(size_t)j * (S + 16) + i]);
-            for (int c = 0; c < 4; c++) o[j][c] = _mm512_add_ps(o[j][c], _mm512_mul_ps(p, vr[c]));
+            const __m512 p = _mm512_set1_ps(scratch[(size_t)j * rs + i]);
+            for (int c = 0; c < W; c++) o[j][c] = _mm512_add_ps(o[j][c], _mm512_mul_ps(p, vr[c]));
         }
     }
-    for (int j = 0; j < G; j++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + (size_t)j * Dh + 16 * c, o[j][c]);
-    return 1;
+    for (int j = 0; j < HM; j++) {
+        if (j >= G) break;
+        for (int c = 0; c < W; c++) _mm512_storeu_ps(out + (size_t)j * Dh + 16 * (c0 + c), o[j][c]);
+    }
+}
+
+/* The value sums of a KV group's G heads over keys [i0, n) (acc: continued from out, else from zero):
+ * all G heads against each V row, its columns in passes of 4 zmm (G <= 6) or 3 (G <= 8), so that
+ * the sums stay in registers and V is read once per token whatever the group size (4 heads per
+ * pass read it twice for Qwen2's 7 query heads per KV head, and head pairs 4x at Dh 128). Every
+ * sum is the generic tier's: p x v, then +, in key order. */
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb,
+                                                                    int i0, int n, int Dh, float *out, const int acc) {
+    const size_t rs = (size_t)S + 16;
+    const int nc = Dh / 16;
+    int c0 = 0;
+    if (G <= 6) {
+        for (; c0 + 4 <= nc; c0 += 4) MQ_FN(att_pv_cols_)(scratch, rs, G, v, f16, kb, i0, n, Dh, out, acc, c0, 4, 6);
+    } else {
+        for (; c0 + 3 <= nc; c0 += 3) MQ_FN(att_pv_cols_)(scratch, rs, G, v, f16, kb, i0, n, Dh, out, acc, c0, 3, MQ_ATT_GB);
+    }
+    switch (nc - c0) {
+    case 3: MQ_FN(att_pv_cols_)(scratch, rs, G, v, f16, kb, i0, n, Dh, out, acc, c0, 3, MQ_ATT_GB); break;
+    case 2: MQ_FN(att_pv_cols_)(scratch, rs, G, v, f16, kb, i0, n, Dh, out, acc, c0, 2, MQ_ATT_GB); break;
+    case 1: MQ_FN(att_pv_cols_)(scratch, rs, G, v, f16, kb, i0, n, Dh, out, acc, c0, 1, MQ_ATT_GB); break;
+    default: break;
+    }
 }
 #elif defined(__AVX2__)
 #define MQ_ATT_KB 4
@@ -506,10 +488,13 @@ static inline __attribute__((always_inline)) void MQ_FN(att_pv_)(const float *sc
     for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + 8 * c, o[c]);
 }
 
-static inline __attribute__((always_inline)) int MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb,
-                                                                    int i0, int n, int Dh, float *out, const int acc) {
-    (void)scratch; (void)S; (void)G; (void)v; (void)f16; (void)kb; (void)i0; (void)n; (void)Dh; (void)out; (void)acc;
-    return 0;
+/* AVX2: head by head, each head's whole row of sums in registers (16 ymm). Sharing each V row
+ * among the heads in column passes of 2 ymm, as the AVX-512 tier does, measured 0.67-0.78x of this
+ * (a broadcast and a pass per column pair; docs/kernels.md "Where a 2-thread decode step goes"). */
+static inline __attribute__((always_inline)) void MQ_FN(att_pv_group_)(const float *scratch, int S, int G, const void *v, int f16, size_t kb,
+                                                                     int i0, int n, int Dh, float *out, const int acc) {
+    for (int j = 0; j < G; j++)
+        MQ_FN(att_pv_)(scratch + (size_t)j * ((size_t)S + 16), v, f16, kb, i0, n, Dh, out + (size_t)j * Dh, acc);
 }
 #endif
 
@@ -571,9 +556,7 @@ MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f1
             if (tn == 1) {                                               /* decode: one pass */
                 float *ot = out + ((size_t)t0 * Hq + hb) * Dh;
                 int n = nmax;
-                if (!MQ_FN(att_pv_group_)(scratch, S, G, v, f16, kb, 0, n, Dh, ot, 0))
-                    for (int j = 0; j < G; j++)
-                        MQ_FN(att_pv_)(scratch + (size_t)j * rs, v, f16, kb, 0, n, Dh, ot + (size_t)j * Dh, 0);
+                MQ_FN(att_pv_group_)(scratch, S, G, v, f16, kb, 0, n, Dh, ot, 0);
             } else {
                 for (int p = 0; p < tn; p++) memset(out + ((size_t)(t0 + p) * Hq + hb) * Dh, 0, sizeof(float) * G * Dh);
                 for (int c0 = 0; c0 < nmax; c0 += MQ_ATT_PVC)
@@ -584,9 +567,7 @@ MQ_FN(att_grouped_f_)(const float *q, const void *k, const void *v, const int f1
                         if (c1 <= c0) continue;
                         float *sp = scratch + (size_t)p * MQ_ATT_GB * rs;
                         float *ot = out + ((size_t)(t0 + p) * Hq + hb) * Dh;
-                        if (!MQ_FN(att_pv_group_)(sp, S, G, v, f16, kb, c0, c1, Dh, ot, 1))
-                            for (int j = 0; j < G; j++)
-                                MQ_FN(att_pv_)(sp + (size_t)j * rs, v, f16, kb, c0, c1, Dh, ot + (size_t)j * Dh, 1);
+                        MQ_FN(att_pv_group_)(sp, S, G, v, f16, kb, c0, c1, Dh, ot, 1);
                     }
             }
             hb = he;

@@ -137,10 +137,10 @@ void mq_softmax_rows(float *x, int rows, int n, int fast);
 void mq_softmax_causal(float *x, int n, int T, int pos0, int r0, int r1);
 float mq_expf_fast(float x);   /* valid on [-87, 88]; see misc.c */
 /* scratch: MQ_ATT_SCRATCH(S, Dh, T) floats (score rows for MQ_ATT_GB heads of one KV group at up to
- * MQ_ATT_TP query positions at once) */
+ * MQ_ATT_TP query positions at once; a group of more heads runs in passes of MQ_ATT_GB) */
 void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                   int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch);
-#define MQ_ATT_GB 4
+#define MQ_ATT_GB 8
 #define MQ_ATT_TP 8
 #define MQ_ATT_SCRATCH(S, Dh, T) ((size_t)((T) < 1 ? 1 : (T) < MQ_ATT_TP ? (T) : MQ_ATT_TP) * MQ_ATT_GB * ((size_t)(S) + 16) \
                                   + 2 * (size_t)(Dh) + 16)
