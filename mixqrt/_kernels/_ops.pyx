@@ -33,17 +33,23 @@ cdef struct _qa_arg:
     const float *x
     size_t ldx
     mq_act *a
-    float *xr           # rotated weight: rows i of x rotated into xr (K floats each) first; else NULL
-    const float *rs     # its signs [K]
+    const float *rs     # rotated weight: its signs [K] (each row of x is rotated first); else NULL
     int rb              # its block
     float rscale
     int K
 
 cdef void _qa_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
+    """Rows [i0, i1) of x quantized into a; for a rotated weight each row is rotated into this
+    thread's scratch row first and quantized from there (ldx 0), so a prompt's rotated rows are never
+    all written out (a packed product reads only the quantized rows)."""
     cdef _qa_arg *p = <_qa_arg*>arg
-    if p.xr != NULL:
-        mq_hadamard(p.x + <size_t>i0 * p.ldx, p.xr + <size_t>i0 * p.K, p.rs, <int>(i1 - i0), p.K, p.rb, p.rscale)
-        mq_quantize_act_rows(p.xr, <size_t>p.K, p.a, <int>i0, <int>i1)
+    cdef float *row
+    cdef int64_t t
+    if p.rs != NULL:
+        row = <float*>mq_scratch(<size_t>p.K * 4)
+        for t in range(i0, i1):
+            mq_hadamard(p.x + <size_t>t * p.ldx, row, p.rs, 1, p.K, p.rb, p.rscale)
+            mq_quantize_act_rows(row, 0, p.a, <int>t, <int>t + 1)
     else:
         mq_quantize_act_rows(p.x, p.ldx, p.a, <int>i0, <int>i1)
 
@@ -228,17 +234,14 @@ cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int thread
     cdef char *buf = NULL
     if j.fmt < MQ_NPACKED:
         abytes = (<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 63) // 64 * 64
-        buf = <char*>mq_call_buf(abytes + (<size_t>T * K * 4 if rb else 0) + 64)
+        buf = <char*>mq_call_buf(abytes + 64)
         if buf == NULL:
             return -1
         a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
         a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
         qa.x = j.x; qa.ldx = j.ldx; qa.a = &a; qa.K = K
-        qa.xr = NULL; qa.rs = rs; qa.rb = rb; qa.rscale = rscale
+        qa.rs = rs if rb else NULL; qa.rb = rb; qa.rscale = rscale
         j.a = &a
-        if rb:
-            qa.xr = <float*>(buf + abytes)
-            j.x = qa.xr
         if T > 1 and threads != 1:
             mq_pool_run_n(_qa_task, &qa, T, 1, threads)
         else:
