@@ -353,19 +353,30 @@ def prefetch_wait() -> None:
         _ops.prefetch_wait()
 
 
-def matmul(w, x, out=None, then=None):
+def matmul(w, x, out=None, then=None, silu: bool = False):
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] -> [N] or [T, N] float32.
     Runs on the pool (or this thread: local_threads). then: the weight the caller multiplies next; for
     a single row (decode) the pool's idle workers start reading it (GAP_PREFETCH_BYTES) once this
-    product is done."""
+    product is done. silu: x is a fused gate-up output [..., 2K] and the product takes
+    silu_mul(x[..., :K], x[..., K:]); for a packed weight made row by row inside the call (the same
+    bits, without the [T, K] activations in memory)."""
+    if silu:
+        k2 = np.shape(x)[-1] if np.ndim(x) else -1
+        if k2 % 2:
+            raise KernelError(f"matmul: silu wants [gate | up] rows of even length, got shape {np.shape(x)}")
+        if k2 // 2 != np.shape(w)[-1]:
+            raise KernelError(f"matmul: silu wants x [T, 2K] for a weight [N, K], got {np.shape(x)} for {tuple(np.shape(w))}")
+        if _ops is None or _weight_args(w)[0] >= _N_PACKED or np.ndim(x) not in (1, 2):
+            x = np.asarray(x, dtype=np.float32)
+            return matmul(w, silu_mul(x[..., :k2 // 2], x[..., k2 // 2:]), out, then)
     if _ops is None:
         return ops_ref.matmul(w, x)
     fid, raw, n, k, lv, lo, step = _weight_args(w)
     x = np.asarray(x, dtype=np.float32)
     vec = x.ndim == 1
     x2 = x.reshape(1, -1) if vec else x
-    if x2.ndim != 2 or x2.shape[1] != k:
-        raise KernelError(f"matmul: x has shape {x.shape}, weight is [{n}, {k}]")
+    if x2.ndim != 2 or x2.shape[1] != (2 * k if silu else k):
+        raise KernelError(f"matmul: x has shape {x.shape}, weight is [{n}, {k}]" + (" (silu: [T, 2K])" if silu else ""))
     if not x2.flags.c_contiguous:
         x2 = np.ascontiguousarray(x2)
     if out is None:
@@ -378,10 +389,11 @@ def matmul(w, x, out=None, then=None):
     if then is not None and x2.shape[0] == 1 and GAP_PREFETCH_BYTES:
         nxt = _weight_args(then)[1]
     if rot is None:
-        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, None, 0, 0.0, nxt, GAP_PREFETCH_BYTES)
+        _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, None, 0, 0.0, nxt, GAP_PREFETCH_BYTES,
+                    silu)
     else:                                    # a rotated weight stores W R: the C call feeds it R^T x
         _ops.matmul(fid, raw, n, k, x2, y, lv, lo, step, _parts(), tiles, rot[1], rot[0], rot[2], nxt,
-                    GAP_PREFETCH_BYTES)
+                    GAP_PREFETCH_BYTES, silu)
     return y.reshape(n) if vec else y
 
 

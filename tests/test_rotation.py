@@ -115,6 +115,30 @@ def test_rotation_inside_the_matmul_call_is_bit_identical(tier, fmt):
         np.testing.assert_array_equal(ops.matmul(qt, x), ops.matmul(plain, ops.hadamard(x, ROT["block"], sg)))
 
 
+@pytest.mark.parametrize("fmt,rot", [("q3p", ROT), ("q6", None), ("q8", ROT), ("q2c", None), ("q4x", None),
+                                     ("q3x", None), ("q6x", None), ("f32", None)])
+def test_matmul_silu_of_a_fused_gate_up_is_bit_identical(tier, fmt, rot):
+    """ops.matmul(w, gu, silu=True) makes silu(gate) * up row by row inside the call (then the rotation,
+    then the activation quantization) for packed weights, and falls back to silu_mul for float ones:
+    the same bits as silu_mul then matmul, on every tier, for 1 row (decode) and prompts, on the pool
+    and on one thread."""
+    rng = np.random.default_rng(13)
+    k = 256
+    w = (rng.standard_normal((48, k)) * 0.05).astype(np.float32)
+    qt = w if fmt == "f32" else quantize(w, fmt, rot=rot)
+    for t in (1, 2, 5, 9, 33):
+        gu = (rng.standard_normal((t, 2 * k)) * 3).astype(np.float32)
+        want = ops.matmul(qt, ops.silu_mul(gu[:, :k], gu[:, k:]))
+        np.testing.assert_array_equal(ops.matmul(qt, gu, silu=True), want)
+        with ops.local_threads(1):
+            np.testing.assert_array_equal(ops.matmul(qt, gu, silu=True), want)
+    np.testing.assert_array_equal(ops.matmul(qt, gu[0], silu=True), ops.matmul(qt, ops.silu_mul(gu[:1, :k], gu[:1, k:]))[0])
+    with pytest.raises(KernelError, match="silu"):
+        ops.matmul(qt, gu[:, :k], silu=True)
+    with pytest.raises(KernelError, match="even length"):
+        ops.matmul(qt, gu[:, 1:], silu=True)
+
+
 def test_matmul_refuses_bad_rotation_arguments():
     from mixqrt._kernels import _ops
     qt = quantize(np.ones((4, 64), np.float32), "q6")
@@ -130,9 +154,10 @@ def test_matmul_refuses_bad_rotation_arguments():
 
 
 def test_rotated_matmul_above_the_kept_buffer_size():
-    """An input too large for the per-thread kept buffer (mq_call_buf keeps <= 64 MiB) gets its own
-    block, freed after the call: the same bits as rotating first and multiplying the plain tensor
-    (whose buffer, without the rotated rows, is kept), and the call after it is unaffected."""
+    """An input whose quantized activations are too large for the per-thread kept buffer (mq_call_buf
+    keeps <= 64 MiB) gets its own block, freed after the call: the same bits as rotating first and
+    multiplying the plain tensor, and the call after it is unaffected. (The rotated rows themselves
+    are made one at a time in the thread's scratch row, never all at once.)"""
     import copy
     rng = np.random.default_rng(3)
     k = 4864
@@ -140,7 +165,7 @@ def test_rotated_matmul_above_the_kept_buffer_size():
     plain = copy.copy(qt)
     plain.meta = {key: v for key, v in qt.meta.items() if key != "rot"}
     sg = rotation.signs(ROT["seed"], k)
-    x = rng.standard_normal((3600, k)).astype(np.float32)       # 70 MB of rotated rows + activations
+    x = rng.standard_normal((11200, k)).astype(np.float32)      # 68 MB of quantized activations
     np.testing.assert_array_equal(ops.matmul(qt, x), ops.matmul(plain, ops.hadamard(x, ROT["block"], sg)))
     np.testing.assert_array_equal(ops.matmul(qt, x[:5]), ops.matmul(plain, ops.hadamard(x[:5], ROT["block"], sg)))
 

@@ -37,21 +37,29 @@ cdef struct _qa_arg:
     int rb              # its block
     float rscale
     int K
+    int silu            # x's rows are [gate | up] (2K floats): the product's row is silu(gate) * up
 
 cdef void _qa_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
-    """Rows [i0, i1) of x quantized into a; for a rotated weight each row is rotated into this
-    thread's scratch row first and quantized from there (ldx 0), so a prompt's rotated rows are never
-    all written out (a packed product reads only the quantized rows)."""
+    """Rows [i0, i1) of x quantized into a. A row that needs work first (silu(gate) * up of a fused
+    gate-up row, a rotation) is made in this thread's scratch row and quantized from there (ldx 0):
+    a prompt's activations or rotated rows are never all written out (a packed product reads only the
+    quantized rows)."""
     cdef _qa_arg *p = <_qa_arg*>arg
     cdef float *row
+    cdef const float *xt
     cdef int64_t t
-    if p.rs != NULL:
-        row = <float*>mq_scratch(<size_t>p.K * 4)
-        for t in range(i0, i1):
-            mq_hadamard(p.x + <size_t>t * p.ldx, row, p.rs, 1, p.K, p.rb, p.rscale)
-            mq_quantize_act_rows(row, 0, p.a, <int>t, <int>t + 1)
-    else:
+    if p.rs == NULL and not p.silu:
         mq_quantize_act_rows(p.x, p.ldx, p.a, <int>i0, <int>i1)
+        return
+    row = <float*>mq_scratch(<size_t>p.K * 4)
+    for t in range(i0, i1):
+        xt = p.x + <size_t>t * p.ldx
+        if p.silu:
+            mq_silu_mul(xt, xt + p.K, row, <size_t>p.K)
+            xt = row
+        if p.rs != NULL:
+            mq_hadamard(xt, row, p.rs, 1, p.K, p.rb, p.rscale)     # in place for a silu row
+        mq_quantize_act_rows(row, 0, p.a, <int>t, <int>t + 1)
 
 
 cdef int _padded(int K) noexcept nogil:
@@ -222,11 +230,12 @@ cdef int _check_tiles(cnp.ndarray t, int fmt, int N, int K, str who) except -1:
     return 0
 
 
-cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int threads) noexcept nogil:
+cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int threads, int silu=0) noexcept nogil:
     """The product of a filled-in job (weight, x, T, y): a packed weight's activations quantized into
     this thread's call buffer first (rotated first when rb > 0: rs signs, rscale), on the pool for
     T > 1; decode (T == 1) in chunks taken in turn, more rows in one static part per thread; threads
-    == 1 on the calling thread. matmul() and DecodeLayer's products. -1 when no buffer could be had."""
+    == 1 on the calling thread. matmul() and DecodeLayer's products. silu: a packed weight's x rows are
+    [gate | up] (ldx >= 2K), the product's rows silu(gate) * up. -1 when no buffer could be had."""
     cdef mq_act a
     cdef _qa_arg qa
     cdef int T = j.T, K = j.K, kp = _padded(K)
@@ -240,7 +249,7 @@ cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int thread
         a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
         a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
         qa.x = j.x; qa.ldx = j.ldx; qa.a = &a; qa.K = K
-        qa.rs = rs if rb else NULL; qa.rb = rb; qa.rscale = rscale
+        qa.rs = rs if rb else NULL; qa.rb = rb; qa.rscale = rscale; qa.silu = silu
         j.a = &a
         if T > 1 and threads != 1:
             mq_pool_run_n(_qa_task, &qa, T, 1, threads)
@@ -259,8 +268,13 @@ cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int thread
 
 def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
            q3p_levels=None, float q5_lo=0.0, float q5_step=0.0, int threads=0, cnp.ndarray tiles=None,
-           rot_signs=None, int rot_block=0, float rot_scale=0.0, cnp.ndarray then=None, size_t then_bytes=0):
+           rot_signs=None, int rot_block=0, float rot_scale=0.0, cnp.ndarray then=None, size_t then_bytes=0,
+           bint silu=False):
     """y[t, n] = sum_k W[n, k] x[t, k] for packed (or f32/f16/bf16) W [N, K] in `raw`.
+
+    silu (packed W only): x is [T, 2K], a fused gate-up output, and the product takes
+    silu(x[t, :K]) * x[t, K:] for row t, made row by row inside the call (the same bits as silu_mul
+    then matmul, without writing the [T, K] activations out).
 
     then: the raw bytes of the weight the caller multiplies next (decode): once this product is done,
     the pool's workers read its first then_bytes in the background (prefetch), while the caller
@@ -278,8 +292,11 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     cdef int T
     cdef size_t row_bytes
     cdef const uint8_t *lv
-    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != K or not x.flags.c_contiguous:
-        raise ValueError(f"matmul: x must be C-contiguous float32 [T, {K}], got {x.dtype} {np.shape(x)}")
+    cdef int kx = 2 * K if silu else K
+    if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != kx or not x.flags.c_contiguous:
+        raise ValueError(f"matmul: x must be C-contiguous float32 [T, {kx}], got {x.dtype} {np.shape(x)}")
+    if silu and fmt >= MQ_NPACKED:
+        raise ValueError("matmul: silu needs a packed weight")
     T = x.shape[0]
     if y.dtype != np.float32 or y.ndim != 2 or y.shape[0] != T or y.shape[1] != N or y.strides[1] != 4 \
             or not y.flags.writeable:
@@ -292,7 +309,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         raise ValueError(f"matmul: raw holds {raw.shape[0]} bytes, [{N}, {K}] needs {N * row_bytes}")
     lv = _levels(fmt, q3p_levels, "matmul")
     j.fmt = fmt; j.w = <const uint8_t*>_ptr(raw); j.row_bytes = row_bytes; j.N = N; j.K = K
-    j.x = <const float*>_ptr(x); j.T = T; j.ldx = K
+    j.x = <const float*>_ptr(x); j.T = T; j.ldx = kx
     j.y = <float*>_ptr(y); j.ldy = <size_t>(y.strides[0] // 4)
     j.q3p_levels = lv; j.q5_lo = q5_lo; j.q5_step = q5_step
     j.a = NULL; j.tiles = NULL
@@ -312,7 +329,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
         sa = rot_signs                        # a reference: the signs outlive the nogil section
         rs = _rot_args(K, rot_block, sa, "matmul")
     with nogil:
-        rc = _mm_run(&j, rs, rot_block, rot_scale, threads)
+        rc = _mm_run(&j, rs, rot_block, rot_scale, threads, silu)
     if rc:
         raise MemoryError()
     if then is not None and threads != 1:

@@ -423,16 +423,19 @@ class Model:
         """The FFN's input: post-attention norm of x."""
         return ops.rmsnorm(x, self.layers[li].post_norm, self.args.rms_norm_eps)
 
-    def ffn_out(self, li: int, x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> None:
-        """x += down(silu(gate) * up)."""
+    def ffn_out(self, li: int, x: np.ndarray, gate: np.ndarray, up: np.ndarray | None = None) -> None:
+        """x += down(silu(gate) * up); up None: gate is the fused gate-up output [T, 2I], whose SiLU
+        product the down projection makes row by row (ops.matmul silu: the same bits)."""
         nxt = self.layers[li + 1].qkv[0] if li + 1 < len(self.layers) else self.lm_head
-        x += ops.matmul(self.layers[li].down, ops.silu_mul(gate, up), then=nxt)
+        if up is None:
+            x += ops.matmul(self.layers[li].down, gate, then=nxt, silu=True)
+        else:
+            x += ops.matmul(self.layers[li].down, ops.silu_mul(gate, up), then=nxt)
 
     def ffn_stage(self, li: int, x: np.ndarray) -> None:
         """Stage B of layer li: norm, gate_up, silu, down, residual."""
-        i = self.args.intermediate_size
         gu = _proj(self.layers[li].gate_up, self.ffn_in(li, x), self.layers[li].down)   # [T, 2I]
-        self.ffn_out(li, x, gu[:, :i], gu[:, i:])
+        self.ffn_out(li, x, gu)
 
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final norm and lm_head: logits [T, V]."""

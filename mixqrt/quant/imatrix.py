@@ -88,7 +88,11 @@ class Collector:
         orig = ops.matmul
 
         def matmul(w, x, *a, **kw):
-            self.record(w, x)
+            if kw.get("silu"):                   # x is [gate | up]: the weight's input is their SiLU product
+                k = np.shape(x)[-1] // 2
+                self.record(w, ops.silu_mul(np.asarray(x)[..., :k], np.asarray(x)[..., k:]))
+            else:
+                self.record(w, x)
             return orig(w, x, *a, **kw)
 
         ops.matmul = matmul
