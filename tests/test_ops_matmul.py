@@ -323,6 +323,31 @@ def test_gemm_path_extreme_levels_and_threads(gemm_path, fmt):
     np.testing.assert_array_equal(ops.matmul(w, x), ye.astype(np.float32))
 
 
+@pytest.mark.parametrize("fmt", ["q8", "q6", "q3p", "q2c", "q4x", "q6x", "q3x"])
+def test_gemm_shared_activation_layout_is_bit_identical(fmt):
+    """On several threads a prompt's GEMM reads one interleaved copy of the activations made on the
+    pool (mq_gemm_interleave) instead of each thread making its own: the same bits as one thread
+    (which interleaves for itself), for token counts around the 8-token group and the q8 sums."""
+    if "avx512" not in isa.available():
+        pytest.skip("no AVX-512 tier on this CPU")
+    from mixqrt.quant import quantize
+    rng = np.random.default_rng(17)
+    w = quantize((rng.standard_normal((96, 320)) * 0.05).astype(np.float32), fmt)
+    n0 = ops.get_num_threads()
+    before = isa.current()
+    try:
+        isa.set_isa("avx512")
+        ops.set_num_threads(3)
+        for t in (8, 9, 15, 64, 130):
+            x = (rng.standard_normal((t, 320)) * 2).astype(np.float32)
+            with ops.local_threads(1):
+                want = ops.matmul(w, x)
+            np.testing.assert_array_equal(ops.matmul(w, x), want)
+    finally:
+        ops.set_num_threads(n0)
+        isa.set_isa(before)
+
+
 @pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6", "q6-fold", "q4"])
 @pytest.mark.parametrize("lean", [True, False])
 @settings(max_examples=10, deadline=None)

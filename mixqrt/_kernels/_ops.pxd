@@ -13,6 +13,8 @@ cdef extern from "mq_ops.h" nogil:
         float *d
         float *s
         int T, K, kp, ncp
+        const uint8_t *il
+        int il_gt
     ctypedef struct mq_mm_job:
         int fmt
         const uint8_t *w
@@ -30,6 +32,9 @@ cdef extern from "mq_ops.h" nogil:
     ctypedef void (*mq_task_fn)(void *arg, int64_t i0, int64_t i1) noexcept nogil
     void mq_quantize_act_rows(const float *x, size_t ldx, mq_act *a, int t0, int t1)
     void mq_mm_rows(const mq_mm_job *j, int n0, int n1)
+    int mq_gemm_shared_gt(const mq_mm_job *j)
+    size_t mq_gemm_act_bytes(const mq_act *a, int gt)
+    void mq_gemm_interleave(const mq_act *a, int fmt, int gt, int g0, int g1, uint8_t *out)
     void mq_set_gemm_min_t(int t)
     size_t mq_gemm_tile_stride(int nc)
     int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1)

@@ -62,6 +62,16 @@ cdef void _qa_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
         mq_quantize_act_rows(row, 0, p.a, <int>t, <int>t + 1)
 
 
+cdef struct _il_arg:
+    const mq_act *a
+    int fmt, gt
+    uint8_t *out
+
+cdef void _il_task(void *arg, int64_t g0, int64_t g1) noexcept nogil:
+    cdef _il_arg *p = <_il_arg*>arg
+    mq_gemm_interleave(p.a, p.fmt, p.gt, <int>g0, <int>g1, p.out)
+
+
 cdef int _padded(int K) noexcept nogil:
     return (K + 127) // 128 * 128
 
@@ -77,7 +87,7 @@ def quantize_act(cnp.ndarray x):
     s = np.empty((T, kp // 32), np.float32)
     cdef mq_act a
     a.q = <int8_t*>_ptr(q); a.d = <float*>_ptr(d); a.s = <float*>_ptr(s)
-    a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
+    a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32; a.il = NULL; a.il_gt = 0
     cdef const float *px = <const float*>_ptr(x)
     with nogil:
         mq_quantize_act_rows(px, K, &a, 0, T)
@@ -238,23 +248,33 @@ cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int thread
     [gate | up] (ldx >= 2K), the product's rows silu(gate) * up. -1 when no buffer could be had."""
     cdef mq_act a
     cdef _qa_arg qa
-    cdef int T = j.T, K = j.K, kp = _padded(K)
-    cdef size_t abytes
+    cdef _il_arg ia
+    cdef int T = j.T, K = j.K, kp = _padded(K), gt = 0
+    cdef size_t abytes, ilbytes = 0
     cdef char *buf = NULL
     if j.fmt < MQ_NPACKED:
         abytes = (<size_t>T * kp + <size_t>T * (kp // 32) * 8 + 63) // 64 * 64
-        buf = <char*>mq_call_buf(abytes + 64)
+        a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32; a.il = NULL; a.il_gt = 0
+        j.a = &a
+        if T > 1 and threads != 1:       # a GEMM on several threads: its activation layout made once
+            gt = mq_gemm_shared_gt(j)
+            if gt:
+                ilbytes = mq_gemm_act_bytes(&a, gt)
+        buf = <char*>mq_call_buf(abytes + ilbytes + 64)
         if buf == NULL:
+            j.a = NULL
             return -1
         a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
-        a.T = T; a.K = K; a.kp = kp; a.ncp = kp // 32
         qa.x = j.x; qa.ldx = j.ldx; qa.a = &a; qa.K = K
         qa.rs = rs if rb else NULL; qa.rb = rb; qa.rscale = rscale; qa.silu = silu
-        j.a = &a
         if T > 1 and threads != 1:
             mq_pool_run_n(_qa_task, &qa, T, 1, threads)
         else:
             _qa_task(&qa, 0, T)
+        if ilbytes:
+            ia.a = &a; ia.fmt = j.fmt; ia.gt = gt; ia.out = <uint8_t*>(buf + abytes)
+            mq_pool_run_n(_il_task, &ia, (T + gt - 1) // gt, 1, threads)
+            a.il = ia.out; a.il_gt = gt
     if threads == 1:
         mq_mm_rows(j, 0, j.N)
     elif T == 1:

@@ -89,7 +89,7 @@ void *mq_scratch(size_t n) {      /* per-thread scratch of the kernels, never fr
     return grow(&tl_buf, &tl_cap, n);
 }
 
-/* ops.matmul's activation buffer (quantized rows, and the rotated rows of a rotated weight): a second
+/* ops.matmul's activation buffer (quantized rows, and the GEMM's interleaved copy of them): a second
  * per-thread buffer, since the kernels take mq_scratch inside the same call. Kept between calls up to
  * MQ_CALL_BUF_KEEP bytes (a 512-token prefill chunk of K = 4864 needs ~12.5 MB); a malloc per call
  * made glibc give the pages back and fault them in again, 54k page faults per rotated 128-token
@@ -193,6 +193,33 @@ void mq_mm_rows(const mq_mm_job *j, int n0, int n1) {
 #endif
     if (mq_x_base(j->fmt) >= 0) { mm_rows_x_via_rows(j, n0, n1, tier); return; }
     tier(j, n0, n1);
+}
+
+int mq_gemm_shared_gt_avx512(const mq_mm_job *j);
+size_t mq_gemm_act_bytes_avx512(const mq_act *a, int gt);
+void mq_gemm_interleave_avx512(const mq_act *a, int fmt, int gt, int g0, int g1, uint8_t *out);
+
+int mq_gemm_shared_gt(const mq_mm_job *j) {
+#if defined(__x86_64__)
+    if (mq_isa_get() >= MQ_ISA_AVX512) return mq_gemm_shared_gt_avx512(j);
+#endif
+    (void)j;
+    return 0;
+}
+
+size_t mq_gemm_act_bytes(const mq_act *a, int gt) {
+#if defined(__x86_64__)
+    if (mq_isa_get() >= MQ_ISA_AVX512) return mq_gemm_act_bytes_avx512(a, gt);
+#endif
+    (void)a; (void)gt;
+    return 0;
+}
+
+void mq_gemm_interleave(const mq_act *a, int fmt, int gt, int g0, int g1, uint8_t *out) {
+#if defined(__x86_64__)
+    if (mq_isa_get() >= MQ_ISA_AVX512) mq_gemm_interleave_avx512(a, fmt, gt, g0, g1, out);
+#endif
+    (void)a; (void)fmt; (void)gt; (void)g0; (void)g1; (void)out;
 }
 
 size_t mq_q3x_prefetch(void) {

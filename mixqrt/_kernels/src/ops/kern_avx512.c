@@ -1173,21 +1173,25 @@ static inline __attribute__((always_inline)) void gemm_unpack_q3x(const ctx_t *c
     _mm512_store_ps((float *)(tb + CB) + 128, d); _mm512_store_ps((float *)(tb + CB) + 144, m);
 }
 
-static inline __attribute__((always_inline)) void
-gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, const int gt) {
-    const mq_act *a = j->a;
-    const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
-    /* dbytes (also the q8 sums) rounded to 64 B: the tile after them takes aligned zmm stores */
-    size_t qbytes = (size_t)ng * k4 * gt * 4, dbytes = ((size_t)ng * ncp * gt * 4 + 63) & ~(size_t)63;
-    size_t tile = (size_t)GKS * CB * 4, abytes = (size_t)ng * gt * 64;
-    uint8_t *buf = (uint8_t *)mq_scratch(qbytes + 3 * dbytes + tile + abytes + 256);
-    uint32_t *qp = (uint32_t *)buf;
-    float *dxp = (float *)(buf + qbytes), *sxp = (float *)(buf + qbytes + dbytes);
-    int32_t *qsp = (int32_t *)(buf + qbytes + 2 * dbytes);
-    uint32_t *tileb = (uint32_t *)(buf + qbytes + 3 * dbytes);
-    float *accb = (float *)(((uintptr_t)((uint8_t *)tileb + tile) + 63) & ~(uintptr_t)63);
-    /* interleave the activations: group g, k4 step kk, token i */
-    for (int g = 0; g < ng; g++) {
+/* The GEMM's activation layout for token groups of gt: the int8 codes as u32 [group][k4][token],
+ * then dx, the activation sums and (q8) 128 x the chunk sums, each [group][chunk][token] and rounded
+ * to 64 B (the tile after them takes aligned stores). Returns the bytes of the four parts. */
+static size_t gemm_act_layout(const mq_act *a, int gt, size_t *qbytes, size_t *dbytes) {
+    const size_t ng = (size_t)(a->T + gt - 1) / gt;
+    *qbytes = ng * (size_t)(a->kp / 4) * gt * 4;
+    *dbytes = (ng * (size_t)a->ncp * gt * 4 + 63) & ~(size_t)63;
+    return *qbytes + 3 * *dbytes;
+}
+
+/* groups [g0, g1) of that layout into out (zero tokens pad the last group) */
+static void gemm_interleave(const mq_act *a, int fmt, int gt, int g0, int g1, uint8_t *out) {
+    size_t qbytes, dbytes;
+    gemm_act_layout(a, gt, &qbytes, &dbytes);
+    const int T = a->T, k4 = a->kp / 4, ncp = a->ncp;
+    uint32_t *qp = (uint32_t *)out;
+    float *dxp = (float *)(out + qbytes), *sxp = (float *)(out + qbytes + dbytes);
+    int32_t *qsp = (int32_t *)(out + qbytes + 2 * dbytes);
+    for (int g = g0; g < g1; g++) {
         uint32_t *o = qp + (size_t)g * k4 * gt;
         float *od = dxp + (size_t)g * ncp * gt, *os = sxp + (size_t)g * ncp * gt;
         for (int i = 0; i < gt; i++) {
@@ -1210,6 +1214,23 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
             }
         }
     }
+}
+
+static inline __attribute__((always_inline)) void
+gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, const int gt) {
+    const mq_act *a = j->a;
+    const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
+    const int shared = a->il != NULL && a->il_gt == gt;   /* interleaved once for every thread */
+    size_t qbytes, dbytes, abytes = (size_t)ng * gt * 64, tile = (size_t)GKS * CB * 4;
+    const size_t ilbytes = gemm_act_layout(a, gt, &qbytes, &dbytes);
+    uint8_t *buf = (uint8_t *)mq_scratch((shared ? 0 : ilbytes) + tile + abytes + 256);
+    const uint8_t *il = shared ? a->il : buf;
+    const uint32_t *qp = (const uint32_t *)il;
+    const float *dxp = (const float *)(il + qbytes), *sxp = (const float *)(il + qbytes + dbytes);
+    const int32_t *qsp = (const int32_t *)(il + qbytes + 2 * dbytes);
+    uint32_t *tileb = (uint32_t *)(shared ? buf : buf + ilbytes);
+    float *accb = (float *)(((uintptr_t)((uint8_t *)tileb + tile) + 63) & ~(uintptr_t)63);
+    if (!shared) gemm_interleave(a, fmt, gt, 0, ng, buf);
     const int cached = j->tiles != NULL && n0 % GR == 0;
     const size_t tstride = mq_gemm_tile_stride(nc);
     for (int nt = n0; nt < n1; nt += GR) {
@@ -1432,6 +1453,25 @@ int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1)
     default: return -1;
     }
     return 0;
+}
+
+/* The token group size of the GEMM the dispatch below (FMT_CASE, the q4x / q6x / q3x cases) gives a
+ * whole product j when it is GTT, else 0: then _mm_run interleaves the activations once for every
+ * thread (mq_gemm_interleave on the pool) instead of once per thread and call. */
+int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
+    if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
+    if (j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X)
+        return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && few_t_on()) ? GTT : 0;
+    return (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || j->tiles ? GTT : 0;
+}
+
+size_t mq_gemm_act_bytes_avx512(const mq_act *a, int gt) {
+    size_t q, d;
+    return gemm_act_layout(a, gt, &q, &d);
+}
+
+void mq_gemm_interleave_avx512(const mq_act *a, int fmt, int gt, int g0, int g1, uint8_t *out) {
+    gemm_interleave(a, fmt, gt, g0, g1, out);
 }
 
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {

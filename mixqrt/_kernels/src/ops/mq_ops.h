@@ -22,6 +22,10 @@ typedef struct {
     float *d;
     float *s;
     int T, K, kp, ncp;
+    /* the AVX-512 GEMM's interleaved copy of these activations for token groups of il_gt, made once
+     * per product on the pool (mq_gemm_interleave); NULL: each GEMM call interleaves its own */
+    const uint8_t *il;
+    int il_gt;
 } mq_act;
 
 /* One product y[t, n] = sum_k W[n, k] x[t, k] over rows [n0, n1) of W. */
@@ -48,6 +52,11 @@ void mq_quantize_act_avx2(const float *x, int K, int kp, int8_t *q, float *d, fl
 void mq_quantize_act_avx512(const float *x, int K, int kp, int8_t *q, float *d, float *s);
 
 void mq_mm_rows(const mq_mm_job *j, int n0, int n1);            /* dispatch by mq_isa_get() */
+/* The AVX-512 GEMM's activation layout for token groups of gt: bytes, and groups [g0, g1) of it
+ * (the same bytes gemm_fmt builds for itself); 0 bytes where the tier has no GEMM. */
+int mq_gemm_shared_gt(const mq_mm_job *j);    /* the GEMM's group size for job j if shared, else 0 */
+size_t mq_gemm_act_bytes(const mq_act *a, int gt);
+void mq_gemm_interleave(const mq_act *a, int fmt, int gt, int g0, int g1, uint8_t *out);
 void mq_mm_rows_generic(const mq_mm_job *j, int n0, int n1);
 void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1);
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1);
