@@ -326,25 +326,37 @@ GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
 
 def set_decode_chunk(nbytes: int | None = None) -> int:
     """Decode products (one row of x) go to the pool in chunks of about nbytes of weight rows, taken by
-    the threads in turn (default 256 KiB, MIXQRT_DECODE_CHUNK); 0 = one static part per thread. The
+    the threads in turn (default 256 KiB, MIXQRT_DECODE_CHUNK); 0 = one static part per thread. Products
+    on at most set_decode_static_threads() threads (default 2) are split statically anyway. The
     results do not change. None only queries; returns the previous value."""
     return _ops.set_decode_chunk(nbytes) if _ops is not None else 0
 
 
-def _decode_chunk_env() -> None:
-    v = os.environ.get("MIXQRT_DECODE_CHUNK")
-    if v is None or _ops is None:
+def set_decode_static_threads(n: int | None = None) -> int:
+    """Decode products on at most n threads (default 2, MIXQRT_DECODE_STATIC_THREADS) take one static
+    part per thread; set_decode_chunk's chunks apply above it (0: at any thread count). The results do
+    not change. None only queries; returns the previous value."""
+    return _ops.set_decode_static_threads(n) if _ops is not None else 0
+
+
+def _decode_split_env() -> None:
+    if _ops is None:
         return
-    try:
-        n = int(v)
-        if n < 0:
-            raise ValueError
-    except ValueError:
-        raise KernelError(f"MIXQRT_DECODE_CHUNK={v!r} is not a byte count") from None
-    _ops.set_decode_chunk(n)
+    for name, setter, what in (("MIXQRT_DECODE_CHUNK", _ops.set_decode_chunk, "a byte count"),
+                               ("MIXQRT_DECODE_STATIC_THREADS", _ops.set_decode_static_threads, "a thread count")):
+        v = os.environ.get(name)
+        if v is None:
+            continue
+        try:
+            n = int(v)
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            raise KernelError(f"{name}={v!r} is not {what}") from None
+        setter(n)
 
 
-_decode_chunk_env()
+_decode_split_env()
 
 
 def prefetch_wait() -> None:

@@ -75,7 +75,7 @@ def test_fused_packed_layers_bit_identical(tier, fused_switch, fmts, rot):
     model = build_model(cfg, _quantized(tiny_weights(cfg, seed=11), fmts, rot))
     fmt = model.layers[0].gate_up[0].fmt
     assert fmt in ("q3x", "q4x") and (rot is None) == ("rot" not in (model.layers[0].down.meta or {}))
-    before, chunk = ops.GAP_PREFETCH_BYTES, ops.set_decode_chunk()
+    before, chunk, static = ops.GAP_PREFETCH_BYTES, ops.set_decode_chunk(), ops.set_decode_static_threads(0)
     try:
         want = None
         for pf, nbytes in ((0, 0), (4096, 1), (4096, 256 << 10)):    # gap prefetch, decode chunking
@@ -88,6 +88,7 @@ def test_fused_packed_layers_bit_identical(tier, fused_switch, fmts, rot):
     finally:
         ops.GAP_PREFETCH_BYTES = before
         ops.set_decode_chunk(chunk)
+        ops.set_decode_static_threads(static)
         ops.prefetch_wait()
 
 
@@ -155,20 +156,25 @@ def test_decode_chunking_changes_nothing(fmt):
     w = rng.standard_normal((16 * 37 + 16, 256)).astype(np.float32)
     W = w.astype(np.float16) if fmt == "f16" else w if fmt == "f32" else to_storage(quantize(w, fmt))
     x = rng.standard_normal((1, 256)).astype(np.float32)
-    before, n0 = ops.set_decode_chunk(), ops.get_num_threads()
+    before, n0, static = ops.set_decode_chunk(), ops.get_num_threads(), ops.set_decode_static_threads()
     try:
         with ops.local_threads(None):
             ops.set_decode_chunk(0)
             want = ops.matmul(W, x)
             for n in (2, 5):
                 ops.set_num_threads(n)
-                for nbytes in (1, 3 * 16 * 256, 256 << 10, W.nbytes // 3, 1 << 40):
-                    ops.set_decode_chunk(nbytes)
-                    np.testing.assert_array_equal(ops.matmul(W, x), want)
+                for upto in (0, 2):              # chunks at 2 threads too, or the static split there
+                    ops.set_decode_static_threads(upto)
+                    for nbytes in (1, 3 * 16 * 256, 256 << 10, W.nbytes // 3, 1 << 40):
+                        ops.set_decode_chunk(nbytes)
+                        np.testing.assert_array_equal(ops.matmul(W, x), want)
         with pytest.raises(ValueError):
             ops.set_decode_chunk(-1)
+        with pytest.raises(ValueError):
+            ops.set_decode_static_threads(-1)
     finally:
         ops.set_decode_chunk(before)
+        ops.set_decode_static_threads(static)
         ops.set_num_threads(n0)
 
 

@@ -147,9 +147,35 @@ def set_decode_chunk(nbytes=None):
     return old
 
 
-cdef inline int64_t _chunk_units(size_t row_bytes) noexcept nogil:
+cdef int _decode_static_upto = 2   # decode products on at most this many threads: one static part each
+
+
+def set_decode_static_threads(n=None):
+    """Decode products that run on at most n threads are split in one static part per thread (one
+    contiguous stream each) whatever set_decode_chunk says; the chunks taken in turn apply above it.
+    Default 2 (at 2 threads the static split decoded 1-7 % faster on the 2356t models, docs/kernels.md;
+    the chunks were measured where many threads share small products). 0: chunks at any thread
+    count. None only queries. Returns the previous value."""
+    global _decode_static_upto
+    old = _decode_static_upto
+    if n is not None:
+        if int(n) < 0:
+            raise ValueError(f"set_decode_static_threads: n must be >= 0, got {n}")
+        _decode_static_upto = int(n)
+    return old
+
+
+cdef inline int _decode_chunked(int threads) noexcept nogil:
+    """Whether a decode product on `threads` parts (0: the whole pool) is cut in chunks."""
+    cdef int p = mq_pool_size()
+    if threads > 0 and threads < p:
+        p = threads
+    return _decode_chunk != 0 and p > _decode_static_upto
+
+
+cdef inline int64_t _chunk_units(size_t row_bytes, int threads) noexcept nogil:
     """Chunk of a decode product, in units of 16 rows (0: static split)."""
-    if _decode_chunk == 0 or row_bytes == 0:
+    if not _decode_chunked(threads) or row_bytes == 0:
         return 0
     cdef size_t u = _decode_chunk // (16 * row_bytes)
     return <int64_t>(u if u > 0 else 1)
@@ -158,7 +184,7 @@ cdef inline int64_t _chunk_units(size_t row_bytes) noexcept nogil:
 cdef inline int _pf_parts() noexcept nogil:
     """Slices of the gap prefetch: the chunked split takes a product from its start, the static one
     from the start of each thread's part."""
-    return 1 if _decode_chunk else mq_pool_size()
+    return 1 if _decode_chunked(0) else mq_pool_size()
 
 
 def set_float_mv(on=None):
@@ -278,7 +304,7 @@ cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int thread
     if threads == 1:
         mq_mm_rows(j, 0, j.N)
     elif T == 1:
-        mq_pool_run_chunked(_mm_task, j, j.N, 16, threads, _chunk_units(j.row_bytes))
+        mq_pool_run_chunked(_mm_task, j, j.N, 16, threads, _chunk_units(j.row_bytes, threads))
     else:
         mq_pool_run_n(_mm_task, j, j.N, 64, threads)
     mq_call_buf_release(buf)
