@@ -141,10 +141,16 @@ def set_decode_chunk(nbytes=None):
     global _decode_chunk
     old = _decode_chunk
     if nbytes is not None:
-        if int(nbytes) < 0:
-            raise ValueError(f"set_decode_chunk: bytes must be >= 0, got {nbytes}")
-        _decode_chunk = int(nbytes)
+        _decode_chunk = _count(nbytes, "set_decode_chunk: bytes")
     return old
+
+
+def _count(v, str what):
+    """int(v), which must be >= 0 (what: the ValueError's subject)."""
+    n = int(v)
+    if n < 0:
+        raise ValueError(f"{what} must be >= 0, got {v}")
+    return n
 
 
 cdef int _decode_static_upto = 2   # decode products on at most this many threads: one static part each
@@ -159,9 +165,7 @@ def set_decode_static_threads(n=None):
     global _decode_static_upto
     old = _decode_static_upto
     if n is not None:
-        if int(n) < 0:
-            raise ValueError(f"set_decode_static_threads: n must be >= 0, got {n}")
-        _decode_static_upto = int(n)
+        _decode_static_upto = _count(n, "set_decode_static_threads: n")
     return old
 
 
