@@ -6,6 +6,7 @@ cimport numpy as cnp
 from libc.stdint cimport int8_t, uint8_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
+from libc.math cimport NAN
 from mixqrt._kernels.cpu cimport mq_isa_get, mq_isa_set
 from mixqrt._kernels.format cimport (MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P, MQ_Q3P_NLEVELS,
                                      MQ_Q3P_LEVEL_MAX, MQ_Q3X, MQ_XROWS, mq_row_bytes, mq_x_base)
@@ -33,7 +34,8 @@ cdef struct _qa_arg:
     const float *x
     size_t ldx
     mq_act *a
-    const float *rs     # rotated weight: its signs [K] (each row of x is rotated first); else NULL
+    int rot             # rotated weight: each row of x is rotated first (mq_hadamard)
+    const float *rs     # its signs [K] (NULL: none)
     int rb              # its block
     float rscale
     int K
@@ -48,16 +50,24 @@ cdef void _qa_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
     cdef float *row
     cdef const float *xt
     cdef int64_t t
-    if p.rs == NULL and not p.silu:
+    cdef int c
+    if not p.rot and not p.silu:
         mq_quantize_act_rows(p.x, p.ldx, p.a, <int>i0, <int>i1)
         return
     row = <float*>mq_scratch(<size_t>p.K * 4)
+    if row == NULL:        # no scratch row: NaN scales, so the product is NaN, never a silent wrong value
+        for t in range(i0, i1):
+            memset(p.a.q + <size_t>t * p.a.kp, 0, <size_t>p.a.kp)
+            for c in range(p.a.ncp):
+                p.a.d[<size_t>t * p.a.ncp + c] = NAN
+                p.a.s[<size_t>t * p.a.ncp + c] = NAN
+        return
     for t in range(i0, i1):
         xt = p.x + <size_t>t * p.ldx
         if p.silu:
             mq_silu_mul(xt, xt + p.K, row, <size_t>p.K)
             xt = row
-        if p.rs != NULL:
+        if p.rot:
             mq_hadamard(xt, row, p.rs, 1, p.K, p.rb, p.rscale)     # in place for a silu row
         mq_quantize_act_rows(row, 0, p.a, <int>t, <int>t + 1)
 
@@ -136,8 +146,9 @@ cdef size_t _decode_chunk = 256 << 10   # bytes per chunk of a decode product's 
 def set_decode_chunk(nbytes=None):
     """Decode products (one row of x) are cut in chunks of about `nbytes` of weight rows (whole groups
     of 16 rows, at least one) that the pool's threads take in turn (default 256 KiB); 0 splits them in
-    one static part per thread. Results do not depend on it. nbytes=None only queries. Returns the
-    previous value."""
+    one static part per thread, as are products on at most set_decode_static_threads() threads
+    whatever nbytes is. Results do not depend on it. nbytes=None only queries. Returns the previous
+    value."""
     global _decode_chunk
     old = _decode_chunk
     if nbytes is not None:
@@ -185,10 +196,13 @@ cdef inline int64_t _chunk_units(size_t row_bytes, int threads) noexcept nogil:
     return <int64_t>(u if u > 0 else 1)
 
 
-cdef inline int _pf_parts() noexcept nogil:
-    """Slices of the gap prefetch: the chunked split takes a product from its start, the static one
-    from the start of each thread's part."""
-    return 1 if _decode_chunked(0) else mq_pool_size()
+cdef inline int _pf_parts(int threads) noexcept nogil:
+    """Slices of the gap prefetch of a product on `threads` parts (0: the whole pool): the chunked
+    split takes it from its start, the static one from the start of each thread's part."""
+    cdef int p = mq_pool_size()
+    if threads > 0 and threads < p:
+        p = threads
+    return 1 if _decode_chunked(threads) else p
 
 
 def set_float_mv(on=None):
@@ -273,8 +287,8 @@ cdef int _check_tiles(cnp.ndarray t, int fmt, int N, int K, str who) except -1:
 cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int threads, int silu=0) noexcept nogil:
     """The product of a filled-in job (weight, x, T, y): a packed weight's activations quantized into
     this thread's call buffer first (rotated first when rb > 0: rs signs, rscale), on the pool for
-    T > 1; decode (T == 1) in chunks taken in turn, more rows in one static part per thread; threads
-    == 1 on the calling thread. matmul() and DecodeLayer's products. silu: a packed weight's x rows are
+    T > 1; decode (T == 1) in chunks taken in turn above set_decode_static_threads() parts, else (and
+    more rows) in one static part per thread; threads == 1 on the calling thread. matmul() and DecodeLayer's products. silu: a packed weight's x rows are
     [gate | up] (ldx >= 2K), the product's rows silu(gate) * up. -1 when no buffer could be had."""
     cdef mq_act a
     cdef _qa_arg qa
@@ -296,7 +310,7 @@ cdef int _mm_run(mq_mm_job *j, const float *rs, int rb, float rscale, int thread
             return -1
         a.q = <int8_t*>buf; a.d = <float*>(buf + <size_t>T * kp); a.s = a.d + <size_t>T * (kp // 32)
         qa.x = j.x; qa.ldx = j.ldx; qa.a = &a; qa.K = K
-        qa.rs = rs if rb else NULL; qa.rb = rb; qa.rscale = rscale; qa.silu = silu
+        qa.rot = rb > 0; qa.rs = rs; qa.rb = rb; qa.rscale = rscale; qa.silu = silu
         if T > 1 and threads != 1:
             mq_pool_run_n(_qa_task, &qa, T, 1, threads)
         else:
@@ -383,7 +397,7 @@ def matmul(int fmt, cnp.ndarray raw, int N, int K, cnp.ndarray x, cnp.ndarray y,
     if rc:
         raise MemoryError()
     if then is not None and threads != 1:
-        prefetch(then, then_bytes, _pf_parts())
+        prefetch(then, then_bytes, _pf_parts(threads))
     return y
 
 
@@ -855,7 +869,7 @@ cdef inline void _gap(_wt *nxt, size_t nbytes, int threads) noexcept nogil:
         return
     total = <size_t>nxt.j.N * nxt.j.row_bytes
     mq_pool_prefetch_wait()
-    mq_pool_prefetch(nxt.j.w, nbytes if nbytes < total else total, _pf_parts())
+    mq_pool_prefetch(nxt.j.w, nbytes if nbytes < total else total, _pf_parts(threads))
 
 
 cdef inline size_t _work_floats(int D, int nqkv, int nq, int inter) noexcept:

@@ -88,10 +88,11 @@ class Collector:
         orig = ops.matmul
 
         def matmul(w, x, *a, **kw):
-            if kw.get("silu"):                   # x is [gate | up]: the weight's input is their SiLU product
+            silu = kw.get("silu", a[2] if len(a) > 2 else False)    # matmul(w, x, out, then, silu)
+            if silu and id(w) in self.targets:   # x is [gate | up]: the weight's input is their SiLU product
                 k = np.shape(x)[-1] // 2
                 self.record(w, ops.silu_mul(np.asarray(x)[..., :k], np.asarray(x)[..., k:]))
-            else:
+            elif not silu:
                 self.record(w, x)
             return orig(w, x, *a, **kw)
 

@@ -91,9 +91,10 @@ void *mq_scratch(size_t n) {      /* per-thread scratch of the kernels, never fr
 
 /* ops.matmul's activation buffer (quantized rows, and the GEMM's interleaved copy of them): a second
  * per-thread buffer, since the kernels take mq_scratch inside the same call. Kept between calls up to
- * MQ_CALL_BUF_KEEP bytes (a 512-token prefill chunk of K = 4864 needs ~12.5 MB); a malloc per call
- * made glibc give the pages back and fault them in again, 54k page faults per rotated 128-token
- * prefill. Larger requests get their own block, which mq_call_buf_release frees. */
+ * MQ_CALL_BUF_KEEP bytes (a 512-token prefill chunk of K = 4864 needs ~3.1 MB, ~6.5 MB with the
+ * shared interleaved copy); a malloc per call made glibc give the pages back and fault them in
+ * again, 54k page faults per rotated 128-token prefill. Larger requests get their own block, which
+ * mq_call_buf_release frees. */
 #define MQ_CALL_BUF_KEEP ((size_t)64 << 20)
 static __thread uint8_t *tl_call = NULL;
 static __thread size_t tl_call_cap = 0;
