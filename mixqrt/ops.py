@@ -348,12 +348,9 @@ def _decode_split_env() -> None:
         if v is None:
             continue
         try:
-            n = int(v)
-            if n < 0:
-                raise ValueError
+            setter(int(v))                       # ValueError for a non-number or a negative one
         except ValueError:
             raise KernelError(f"{name}={v!r} is not {what}") from None
-        setter(n)
 
 
 _decode_split_env()

@@ -180,12 +180,15 @@ def set_decode_static_threads(n=None):
     return old
 
 
+cdef inline int _parts_of(int threads) noexcept nogil:
+    """Parts a pool job of `threads` (0: the whole pool) runs in."""
+    cdef int p = mq_pool_size()
+    return threads if 0 < threads < p else p
+
+
 cdef inline int _decode_chunked(int threads) noexcept nogil:
     """Whether a decode product on `threads` parts (0: the whole pool) is cut in chunks."""
-    cdef int p = mq_pool_size()
-    if threads > 0 and threads < p:
-        p = threads
-    return _decode_chunk != 0 and p > _decode_static_upto
+    return _decode_chunk != 0 and _parts_of(threads) > _decode_static_upto
 
 
 cdef inline int64_t _chunk_units(size_t row_bytes, int threads) noexcept nogil:
@@ -199,10 +202,7 @@ cdef inline int64_t _chunk_units(size_t row_bytes, int threads) noexcept nogil:
 cdef inline int _pf_parts(int threads) noexcept nogil:
     """Slices of the gap prefetch of a product on `threads` parts (0: the whole pool): the chunked
     split takes it from its start, the static one from the start of each thread's part."""
-    cdef int p = mq_pool_size()
-    if threads > 0 and threads < p:
-        p = threads
-    return 1 if _decode_chunked(threads) else p
+    return 1 if _decode_chunked(threads) else _parts_of(threads)
 
 
 def set_float_mv(on=None):
