@@ -132,23 +132,12 @@ BEGIN, END = "<!-- BEGIN mixqrt:{} -->", "<!-- END mixqrt:{} -->"
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write via a unique temporary in the same folder + rename: a reader (or a crash) never sees a
-    half-written page, and two writers never share a temporary."""
-    import tempfile
+    """Write via mixqrt's one atomic writer (a unique temp in the same folder + fsync + rename):
+    a reader (or a crash) never sees a half-written page, and two writers never share a temp."""
+    from mixqrt.io.atomic import atomic_write
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def write_json(path, obj) -> None:

@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mixqrt.convert import describe, quantize_model  # noqa: E402
+from mixqrt.quantize.convert import describe, quantize_model  # noqa: E402
 from mixqrt.io import open_source  # noqa: E402
-from mixqrt.quant.calibtext import Generated, GeneratedSource, TextSource, generate_source  # noqa: E402
+from mixqrt.quantize.calibtext import Generated, GeneratedSource, TextSource, generate_source  # noqa: E402
 
 
 def save(gen: Generated, path: str) -> None:

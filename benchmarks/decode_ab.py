@@ -49,7 +49,8 @@ def main(argv=None) -> int:
         ap.error(f"--variants must include {DEFAULT} (the default, the reference column)")
 
     import mixqrt
-    from mixqrt import isa, ops
+    from mixqrt import ops
+    from mixqrt.platform import isa
     from mixqrt._kernels import _ops
     from mixqrt.bench import decode_bytes_per_token, honest_bound, measure_bandwidth
     from mixqrt.models import qwen2

@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mixqrt.quant import formats, kmeans, layout  # noqa: E402
-from mixqrt.quant import dequantize, quantize  # noqa: E402
+from mixqrt.formats import codec as formats, kmeans, layout  # noqa: E402
+from mixqrt.formats import dequantize, quantize  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import update_doc, write_json  # noqa: E402
@@ -349,11 +349,11 @@ def write_doc(args, sec, tokdesc, kl, layers, rows, ntok, elapsed, speed_shape):
     """Only the tables (between the page's mixqrt:formats-* markers) and docs/data/formats.json are
     written; the text of docs/formats.md is hand-written around them."""
     from mixqrt._kernels import _cpu
-    import mixqrt.isa
+    import mixqrt.platform.isa
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "command": "python benchmarks/formats.py" + (" --quick" if args.quick else ""),
            "seconds": round(elapsed), "cpu": _cpu.brand() or platform.processor(), "logical_cpus": os.cpu_count(),
-           "isa": mixqrt.isa.current(), "python": platform.python_version(), "numpy": np.__version__,
+           "isa": mixqrt.platform.isa.current(), "python": platform.python_version(), "numpy": np.__version__,
            "loadavg_end": os.getloadavg()[0], "rows": rows, "layers": layers, "kl_tokens": ntok, "kl_text": tokdesc,
            "q3p_levels": layout.Q3P_LEVELS.tolist(), "speed_slice": list(speed_shape),
            "kl_mean": {f"{L}/{f}": v for (L, f), v in kl.items()}}

@@ -27,8 +27,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mixqrt import isa, ops  # noqa: E402
-from mixqrt.quant import layout  # noqa: E402
+from mixqrt import ops  # noqa: E402
+from mixqrt.platform import isa
+from mixqrt.formats import layout  # noqa: E402
 
 SHAPES_05B = [(896, 896), (128, 896), (4864, 896), (896, 4864), (151936, 896)]
 SHAPES_7B = [(3584, 3584), (512, 3584), (18944, 3584), (3584, 18944)]
@@ -36,7 +37,7 @@ MV_FMTS = ["q3x", "q6x", "q4x", "q3p", "q6", "q8", "q4", "q3u", "q2c", "f32", "f
 FLOAT_FMTS = {"f32": 4, "f16": 2, "bf16": 2}
 # weights at least this large miss the LLC (32 MiB here, 300 MB on a 16-core Xeon VM): only they
 # bound DRAM reads
-LLC_BYTES = max(64 << 20, 2 * __import__("mixqrt.runtime.topology", fromlist=["llc_bytes"]).llc_bytes())
+LLC_BYTES = max(64 << 20, 2 * __import__("mixqrt.platform.topology", fromlist=["llc_bytes"]).llc_bytes())
 # mixqrt format -> llama.cpp's closest type (same bits per weight class)
 LCPP_CLOSEST = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8": "Q8_0", "q6": "Q6_K", "q4": "Q4_0",
                 "q3p": "Q3_K_S", "q3u": "Q3_K_S", "q2c": "Q2_K", "q6x": "Q6_K", "q4x": "Q4_0", "q3x": "Q3_K_S"}

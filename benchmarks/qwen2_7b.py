@@ -198,7 +198,7 @@ def step_quantize(ck: Path, work: Path, recipe: str, res: dict, log) -> None:
 
 
 def step_dry_run(ck: Path, recipe: str, res: dict) -> None:
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     rep = quantize_model(str(ck), recipe, None, progress=False, dry_run=True)
     res.setdefault("dry_run", {})[recipe] = {"tensor_bytes": rep.total_bytes, "bits_per_weight": rep.bits_per_weight}
 

@@ -34,7 +34,7 @@ CONFIGS = [("plain mmap", False, False), ("prefetch thread", False, True),
 def load(path, hugepages, willneed):
     from mixqrt.io.mxq import MxqFile
     from mixqrt.models import get_model_class
-    from mixqrt.quant.layout import Q3P_LEVELS
+    from mixqrt.formats.layout import Q3P_LEVELS
     f = MxqFile(path, hugepages=hugepages, willneed=willneed)
     meta = f.meta
     tensors = dict(f.tensors)
@@ -310,7 +310,7 @@ def main():
     args.prefill = args.prefill or (128 if args.quick else 512)
     args.reps = args.reps or (1 if args.quick else 2)
     if not Path(args.model).exists():
-        from mixqrt.convert import quantize_model
+        from mixqrt.quantize.convert import quantize_model
         Path(args.model).parent.mkdir(parents=True, exist_ok=True)
         print(f"quantizing {GGUF} -> {args.model} (once)", flush=True)
         quantize_model(GGUF, "2356", args.model, progress=False)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mixqrt.quant import bind_range, dequantize, dequantize_rows, layout, quantize
+from mixqrt.formats import bind_range, dequantize, dequantize_rows, layout, quantize
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,7 @@ class CoreSlicingRunner:
     # ------------------------------------------------------------------ plumbing
     def _pin(self, cpus, who):
         try:
-            from mixqrt.runtime.affinity import pin_current_thread
+            from mixqrt.platform.affinity import pin_current_thread
             pin_current_thread(cpus)
         except Exception as e:  # noqa: BLE001 — reported by the constructor
             self._errors.append(KernelError(f"stage {who}: {e}"))

@@ -1,7 +1,7 @@
 /* The format spec: ids and byte layouts of every mixqrt tensor format, defined once.
  *
  * Every C file (quantizers, dequantizer, kernel tiers) and, through the extensions' format_table(),
- * every Python module (mixqrt.quant.layout, formats, ops) reads ids and sizes from here. The prose
+ * every Python module (mixqrt.formats.layout, formats, ops) reads ids and sizes from here. The prose
  * and the numpy reference packers are mixqrt/quant/layout.py; docs/format.md has the file format.
  *
  * A packed [N, K] tensor is N rows of ceil(K / G) blocks of G weights. A block is a header (fp16

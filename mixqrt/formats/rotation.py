@@ -41,7 +41,7 @@ _M64 = (1 << 64) - 1
 def rotatable(fmt: str, shape) -> bool:
     """Whether a tensor of this format and shape can be stored rotated: a packed matrix (the plain
     formats have no groups to protect, q5g holds vectors)."""
-    from mixqrt.quant import layout
+    from mixqrt.formats import layout
     return (fmt in layout.PACKED or fmt in layout.INTERLEAVED) and fmt != "q5g" and len(tuple(shape)) == 2
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from mixqrt.errors import QuantError
-from mixqrt.quant import layout
-from mixqrt.quant.formats import dequantize, quantize
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.formats import layout
+from mixqrt.formats.codec import dequantize, quantize
+from mixqrt.formats.qtensor import QTensor
 
 GPTQ_FORMATS = ("q3p", "q3u", "q4", "q6", "q8")
 F32 = np.float32
@@ -67,9 +67,9 @@ class Hessian:
         return out
 
     def rotated(self, rot) -> "Hessian":
-        """The Hessian of the inputs rotated by rot (mixqrt.quant.rotation): R^T H R per span, exact
+        """The Hessian of the inputs rotated by rot (mixqrt.formats.rotation): R^T H R per span, exact
         because a rotation block never straddles a span (spans are whole 64-column groups)."""
-        from mixqrt.quant import rotation
+        from mixqrt.formats import rotation
         b, seed = rotation.check(rot, self.k, "Hessian rotation")
         out = Hessian.__new__(Hessian)
         out.k, out.spans, out.tokens = self.k, list(self.spans), self.tokens

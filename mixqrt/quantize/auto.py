@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from mixqrt.errors import QuantError
-from mixqrt.quant import layout
+from mixqrt.formats import layout
 from mixqrt.models.spec import group_of
-from mixqrt.quant.recipes import Recipe, get_recipe, parse_overrides, role_of, tensor_plan
+from mixqrt.quantize.recipes import Recipe, get_recipe, parse_overrides, role_of, tensor_plan
 
 # ladder of matrix formats, cheapest first (q3u is dominated by q3p at the same size)
 LADDER = ("q2c", "q3p", "q4", "q6", "q8")

@@ -105,8 +105,8 @@ def memory_model(source, recipe: str = "q8", progress: bool = True):
     from tqdm.auto import tqdm
 
     from mixqrt.models import get_model_class
-    from mixqrt.quant import quantize
-    from mixqrt.quant.recipes import get_recipe, tensor_plan
+    from mixqrt.formats import quantize
+    from mixqrt.quantize.recipes import get_recipe, tensor_plan
 
     rec = get_recipe(recipe)
     names = set(source.tensor_names())
@@ -212,7 +212,7 @@ def calibration_set(source, sources, tokens: int, ctx: int, *, progress: bool = 
     """-> (chunks, record): the calibration chunks of `sources` (a str = a text, a TextSource, a
     GeneratedSource, a Generated, or a list of them) sharing `tokens` evenly, and their header
     record."""
-    from mixqrt.quant.calibrate import calibration_ids
+    from mixqrt.quantize.calibrate import calibration_ids
 
     if isinstance(sources, (str, TextSource, GeneratedSource, Generated)):
         sources = [sources]
@@ -241,14 +241,6 @@ def calibration_set(source, sources, tokens: int, ctx: int, *, progress: bool = 
 
 
 def _write_text(path, text: str) -> None:
-    import os
-
-    from mixqrt.io.atomic import mkstemp_for
-    fd, tmp = mkstemp_for(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from mixqrt.io.atomic import atomic_write
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(text)

@@ -68,7 +68,7 @@ RECIPE_OPTIONS["2356+"] = {"tie": True, "tied_table": {"ffn_gate": "q6", "ffn_up
 RECIPES["2356c"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q4")
 RECIPES["2356c"]["ffn_down"] = "q4"
 RECIPE_OPTIONS["2356c"] = {"layer_rules": [(("ffn_gate", "ffn_up"), "q4", tuple(i / 23 for i in range(1, 8)))]}
-# Randomized block Hadamard rotation (quant/rotation.py, docs/quality.md §0.5) of the FFN weights
+# Randomized block Hadamard rotation (formats/rotation.py, docs/quality.md §0.5) of the FFN weights
 # (blocks of 64 = one q3p group) and the embedding table (blocks of 32). Chosen on held-out Tiny
 # Shakespeare (never the evaluation text): FFN q3p RTN KL 0.158 -> 0.122, q2c embedding 0.048 -> 0.041;
 # attention q6 measured worse rotated (0.0011 -> 0.0015) and stays plain, the q6 output head the same
@@ -99,7 +99,7 @@ DEFAULT_RECIPE = "2356t"
 
 def parse_overrides(items) -> list[tuple[str, str]]:
     """['ffn_down=q6', 'layers\\.0\\..*=q8'] -> [(pattern, fmt)], validated."""
-    from mixqrt.quant.formats import FORMATS
+    from mixqrt.formats.codec import FORMATS
 
     out = []
     for item in items or ():
@@ -128,13 +128,13 @@ class Recipe:
     search: bool = True
     # per-tensor formats by exact HF name (recipe "auto"); checked before the role table
     per_tensor: dict[str, str] = field(default_factory=dict)
-    # calibrated quantization (GPTQ, quant/calibrate.py): method, text label, tokens, ctx, damp
+    # calibrated quantization (GPTQ, quantize/calibrate.py): method, text label, tokens, ctx, damp
     calibration: dict | None = None
     # depth rules: [(roles, fmt, positions)], positions are fractions of the depth (0 = first layer,
     # 1 = last); layer round(p * (n_layers - 1)) of those roles gets fmt. Relative, so one rule fits
     # models of any depth (how 2356c places its extra bits, docs/quality.md).
     layer_rules: list = field(default_factory=list)
-    # randomized block Hadamard rotation (mixqrt.quant.rotation) per role: role -> block size; applied
+    # randomized block Hadamard rotation (mixqrt.formats.rotation) per role: role -> block size; applied
     # to packed matrices whose input width the block divides. {} = none (files stay .mxq version 2).
     rotate: dict = field(default_factory=dict)
     # tie the embedding to the output projection where the model allows it (tie_source): the .mxq
@@ -153,7 +153,7 @@ class Recipe:
 
     def rotation_for(self, name: str, fmt: str, shape, role: str | None = None) -> dict | None:
         """The rotation record of one tensor ({"block", "seed"}) or None."""
-        from mixqrt.quant.rotation import DEFAULT_SEED, rotatable
+        from mixqrt.formats.rotation import DEFAULT_SEED, rotatable
         b = self.rotate.get(self._role(name, role))
         if not b or not rotatable(fmt, shape) or tuple(shape)[1] % b:
             return None

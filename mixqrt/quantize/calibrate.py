@@ -29,9 +29,9 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.errors import QuantError
-from mixqrt.quant import rotation
-from mixqrt.quant.formats import dequantize, dequantize_rows
-from mixqrt.quant.gptq import GPTQ_FORMATS, Hessian, gptq_quantize
+from mixqrt.formats import rotation
+from mixqrt.formats.codec import dequantize, dequantize_rows
+from mixqrt.quantize.gptq import GPTQ_FORMATS, Hessian, gptq_quantize
 
 _ATTN = ("q", "k", "v")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mixqrt.errors import ModelError, QuantError
-from mixqrt.perf import peak_rss_bytes
+from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.models import spec
-from mixqrt.quant.recipes import DEFAULT_RECIPE, Recipe, get_recipe, tensor_plan, tie_source  # noqa: F401  (tensor_plan re-exported)
+from mixqrt.quantize.recipes import DEFAULT_RECIPE, Recipe, get_recipe, tensor_plan, tie_source  # noqa: F401  (tensor_plan re-exported)
 
 MXQ_KIND = "mixqrt-llm"
 
@@ -86,15 +86,15 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
     dry_run=True plans and sizes every tensor without quantizing or writing anything.
     imatrix: a file from `mixqrt imatrix` (or its {name: [K] array} dict): per-column weights for the
     error-minimising quantizer of every linear weight it covers (q6/q4/q3u/q3p).
-    recipe="auto" needs budget_bytes: formats per tensor from the measured sensitivity (quant/auto.py).
-    calibrate: calibration text (str), or quant/calibtext.py's TextSource / GeneratedSource (the
+    recipe="auto" needs budget_bytes: formats per tensor from the measured sensitivity (quantize/auto.py).
+    calibrate: calibration text (str), or quantize/calibtext.py's TextSource / GeneratedSource (the
     model's own sampled text) or a list of them sharing calib_tokens evenly: every q3p/q3u/q4/q6/q8
     linear weight is quantized by GPTQ with the Hessian of its inputs over the first calib_tokens
     tokens, layer by layer through the already quantized layers, and quantized norms are folded into
-    the weights after them (quant/calibrate.py).
+    the weights after them (quantize/calibrate.py).
     refit: passes of the calibrated header refit after GPTQ (gptq.refit_headers; 0, the default: off,
     because it measured worse end to end, docs/quality.md §0).
-    rotate: None keeps the recipe's Hadamard rotations (quant/rotation.py); False turns them off; a
+    rotate: None keeps the recipe's Hadamard rotations (formats/rotation.py); False turns them off; a
     {role: block} dict replaces them.
     gptq_span: columns per diagonal block of the GPTQ Hessian (gptq.Hessian's hblock); a matrix with at
     most this many input columns gets the exact, full Hessian. Memory grows as span^2 x 8 bytes per
@@ -102,19 +102,19 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
     """
     from mixqrt.io import open_source
     from mixqrt.io.mxq import MxqWriter
-    from mixqrt.quant import layout, quantize
-    from mixqrt.quant.formats import bind_range, to_storage
-    from mixqrt.quant.qtensor import QTensor
+    from mixqrt.formats import layout, quantize
+    from mixqrt.formats.codec import bind_range, to_storage
+    from mixqrt.formats.qtensor import QTensor
 
-    from mixqrt.quant.formats import SEARCH_FORMATS
-    from mixqrt.quant.imatrix import importance_for, load_imatrix
+    from mixqrt.formats.codec import SEARCH_FORMATS
+    from mixqrt.quantize.imatrix import importance_for, load_imatrix
 
     t0 = time.perf_counter()
     source = src if hasattr(src, "tensor_names") else open_source(src, offline=offline, progress=progress)
     if (recipe == "auto") != (budget_bytes is not None) and not isinstance(recipe, Recipe):
         raise QuantError("recipe 'auto' and budget_bytes go together: pass both or neither")
     if recipe == "auto":
-        from mixqrt.quant.auto import auto_recipe
+        from mixqrt.quantize.auto import auto_recipe
         rec = auto_recipe(source, int(budget_bytes), overrides=overrides)
     else:
         rec = get_recipe(recipe, overrides)
@@ -131,7 +131,7 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
     if calibrate is not None:
         if isinstance(gptq_span, bool) or not isinstance(gptq_span, int) or not 64 <= gptq_span <= 65536:
             raise QuantError(f"gptq_span must be an integer in [64, 65536] (input columns), got {gptq_span!r}")
-        from mixqrt.quant.calibtext import TextSource, labels
+        from mixqrt.quantize.calibtext import TextSource, labels
         if isinstance(calibrate, str):
             calibrate = TextSource(calibrate, calib_label)
         rec.calibration = {"method": "gptq", "text": labels(calibrate), "tokens": int(calib_tokens), "ctx": int(calib_ctx),
@@ -176,8 +176,8 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
     cal = None
     if calibrate is not None:
         from mixqrt.models import get_model_class
-        from mixqrt.quant.calibrate import Calibrator
-        from mixqrt.quant.calibtext import calibration_set
+        from mixqrt.quantize.calibrate import Calibrator
+        from mixqrt.quantize.calibtext import calibration_set
 
         def load(n):
             a = source.get(src_name(n))
@@ -242,7 +242,7 @@ def build_meta(source, recipe: Recipe) -> dict:
 
 
 def _q3p_levels():
-    from mixqrt.quant.layout import Q3P_LEVELS
+    from mixqrt.formats.layout import Q3P_LEVELS
     return Q3P_LEVELS
 
 

@@ -132,10 +132,9 @@ def collect(m, text: str, *, chunks: int = 8, ctx: int = 512, progress: bool = T
 
 
 def save(doc: dict, path) -> None:
-    tmp = f"{path}.{os.getpid()}.part"
-    with open(tmp, "w", encoding="utf-8") as f:
+    from mixqrt.io.atomic import atomic_write
+    with atomic_write(path, "w", encoding="utf-8") as f:
         json.dump(doc, f)
-    os.replace(tmp, path)
 
 
 def load_imatrix(path_or_doc) -> dict[str, np.ndarray]:

@@ -244,7 +244,7 @@ def core_first(cpus, root: str | os.PathLike | None = None) -> tuple[int, ...]:
     third, ...), each round in CPU order. Lock-step kernels on two SMT siblings share one core's load
     and FMA ports, so n workers on a machine with SMT should get n cores, not n/2 (Linux numbers
     siblings either apart, 0 and n/2, or side by side, 0 and 1, depending on the machine; this order
-    is the same for both). The pool's order: runtime.affinity.worker_cpus."""
+    is the same for both). The pool's order: platform.affinity.worker_cpus."""
     cpus = tuple(sorted(int(c) for c in cpus))
     core = core_of_cpus(cpus, root)
     rank, seen = {}, {}

@@ -6,14 +6,14 @@ from types import MappingProxyType
 import numpy as np
 
 from mixqrt.errors import QuantError
-from mixqrt.quant import layout
+from mixqrt.formats import layout
 
 
 def _no_dequantizer(qt):
-    raise QuantError("no dequantizer registered (mixqrt.quant.formats registers it on import)")
+    raise QuantError("no dequantizer registered (mixqrt.formats.codec registers it on import)")
 
 
-# Set by mixqrt.quant.formats when it loads (always before a QTensor exists: mixqrt.quant's
+# Set by mixqrt.formats.codec when it loads (always before a QTensor exists: mixqrt.formats's
 # __init__ imports it), so that this module depends on layout only and formats on this module.
 _dequantizer = _no_dequantizer
 
@@ -27,7 +27,7 @@ class QTensor:
     """A tensor in one of mixqrt's formats.
 
     raw: 1-D uint8 array holding exactly ``layout.expected_nbytes(fmt, shape)`` bytes, laid out as
-    described in mixqrt.quant.layout. For plain formats (f32/f16/bf16) the bytes are the values.
+    described in mixqrt.formats.layout. For plain formats (f32/f16/bf16) the bytes are the values.
     """
 
     __slots__ = ("fmt", "shape", "raw", "_meta", "__weakref__")   # weakref: ops' GEMM tile cache

@@ -29,9 +29,9 @@ from typing import Callable
 import numpy as np
 
 from mixqrt.errors import QuantError
-from mixqrt.quant import kmeans, layout
-from mixqrt.quant.kmeans import F32, h_rne, h_rtz, snap
-from mixqrt.quant.qtensor import QTensor, register_dequantizer
+from mixqrt.formats import kmeans, layout
+from mixqrt.formats.kmeans import F32, h_rne, h_rtz, snap
+from mixqrt.formats.qtensor import QTensor, register_dequantizer
 
 FP16_MAX = 65504.0
 _BF16_INF_FROM = np.array([0x7F7F8000], dtype=np.uint32).view(np.float32)[0]  # rounds up to bf16 Inf
@@ -397,7 +397,7 @@ def quantize(w, fmt: str, *, impl: str = "fast", lo=None, hi=None, search: bool 
     q5g: lo/hi give the bound range (see bind_range); without them the tensor's own min/max is used.
     search / importance: error-minimising headers for q6/q4/q3u/q3p (module docstring); importance is
     [K] per-column weights (an imatrix row) and implies search. Ignored by the other formats.
-    rot: {"block": b, "seed": s} stores the rows rotated (mixqrt.quant.rotation; 2-D packed formats
+    rot: {"block": b, "seed": s} stores the rows rotated (mixqrt.formats.rotation; 2-D packed formats
     only, not with importance); dequantize undoes it and ops.matmul rotates the input to match.
     """
     if fmt in layout.INTERLEAVED:   # q4x / q3x: quantized as q4 / q3p, stored row-interleaved
@@ -453,7 +453,7 @@ def to_storage(qt: QTensor) -> QTensor:
 
 
 def _quantize_rotated(w, fmt: str, rot, **kw) -> QTensor:
-    from mixqrt.quant import rotation
+    from mixqrt.formats import rotation
     if kw.get("importance") is not None:
         raise QuantError("rotation and importance (imatrix) cannot be combined: the importance is per "
                          "input column, which the rotation mixes")
@@ -474,7 +474,7 @@ def _unrotated(qt: QTensor, w: np.ndarray) -> np.ndarray:
     rot = qt.meta.get("rot") if qt.meta else None
     if rot is None:
         return w
-    from mixqrt.quant import rotation
+    from mixqrt.formats import rotation
     return rotation.unrotate(w.reshape(-1, w.shape[-1]), rot).reshape(w.shape)
 
 

@@ -16,8 +16,8 @@ import platform
 import threading
 
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime.topology import allowed_cpus, usable_cpus  # noqa: F401  (re-exported for callers)
-from mixqrt.runtime.topology import core_first, cores_together
+from mixqrt.platform.topology import allowed_cpus, usable_cpus  # noqa: F401  (re-exported for callers)
+from mixqrt.platform.topology import core_first, cores_together
 
 PAGE_SIZE = mmap.PAGESIZE
 
