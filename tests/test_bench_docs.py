@@ -114,7 +114,7 @@ def test_qwen2_7b_tables_and_page_markers():
 
 
 def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
-    """benchmarks/formats.py rewrites only the marked tables of docs/formats.md (a copy here)."""
+    """benchmarks/formats.py rewrites only the marked tables of docs/quant-formats.md (a copy here)."""
     import argparse
     import importlib.util
     import shutil
@@ -122,8 +122,8 @@ def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("formats_bench", root / "benchmarks" / "formats.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    page = tmp_path / "formats.md"
-    shutil.copy(root / "docs" / "formats.md", page)
+    page = tmp_path / "quant-formats.md"
+    shutil.copy(root / "docs" / "quant-formats.md", page)
     before = page.read_text()
     sec = {k: ["| x | y |", "|---|---|", f"| {k} | 1 |"] for k in "aglbcd"}
     kl = {(0, "q3u"): 0.4, (0, "q3p"): 0.3, (12, "q3u"): 0.5, (12, "q3p"): 0.55}
