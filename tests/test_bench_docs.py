@@ -135,7 +135,7 @@ def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
     prose = [ln for ln in before.splitlines() if ln and not ln.startswith(("|", "- **", "<!--", "Slice:", "Lloyd",
                                                                            "Speed-up", "q3p's KL"))]
     assert all(ln in after for ln in prose)                       # the hand-written text is untouched
-    assert json.loads((tmp_path / "data" / "formats.json").read_text())["kl_mean"]["0/q3p"] == 0.3
+    assert json.loads((tmp_path / "data" / "quant-formats.json").read_text())["kl_mean"]["0/q3p"] == 0.3
 
 
 def test_thread_scaling_renders_a_saved_run(tmp_path):
