@@ -1,8 +1,8 @@
-"""Qwen2-7B at full size: synthetic checkpoint -> quantize (2356, q8, q4) -> bench -> docs/qwen2-7b.md's tables.
+"""Qwen2-7B at full size: synthetic checkpoint -> quantize (2356, q8, q4) -> bench -> docs/lab/qwen2-7b.md's tables.
 
     python benchmarks/qwen2_7b.py                       # everything; finished steps are reused
     python benchmarks/qwen2_7b.py --redo bench --n-gen 16
-    python benchmarks/qwen2_7b.py --doc-only            # redo docs/qwen2-7b.md's tables from results.json
+    python benchmarks/qwen2_7b.py --doc-only            # redo docs/lab/qwen2-7b.md's tables from results.json
     python benchmarks/qwen2_7b.py --delete-checkpoint   # remove the 15 GB folder at the end
 
 Work files live in --work (default /tmp/mixqrt-7b): the checkpoint folder, one .mxq per recipe, a
@@ -574,7 +574,7 @@ def _commands_block(res) -> list[str]:
 
 
 def doc_blocks(res: dict) -> dict[str, str]:
-    """The generated tables of docs/qwen2-7b.md, by marker name (the prose around them is hand-written)."""
+    """The generated tables of docs/lab/qwen2-7b.md, by marker name (the prose around them is hand-written)."""
     parts = {"qwen7b-run": _run_block, "qwen7b-article": _article_block, "qwen7b-bandwidth": _bandwidth_block,
              "qwen7b-quantize": _quantize_block, "qwen7b-by-role": _by_role_block, "qwen7b-pipeline": _pipeline_block,
              "qwen7b-llamacpp": _llamacpp_block, "qwen7b-dry-run": _dry_run_block, "qwen7b-commands": _commands_block}
@@ -595,7 +595,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pipe-tokens", type=int, default=8)
     ap.add_argument("--redo", default="", help="comma list of steps to rerun: quantize,bench,pipeline,dry_run")
     ap.add_argument("--skip", default="", help="comma list of steps to skip")
-    ap.add_argument("--doc", default=str(_ROOT / "docs" / "qwen2-7b.md"))
+    ap.add_argument("--doc", default=str(_ROOT / "docs" / "lab" / "qwen2-7b.md"))
     ap.add_argument("--doc-only", action="store_true")
     ap.add_argument("--delete-checkpoint", action="store_true", help="remove the 15 GB checkpoint at the end")
     ap.add_argument("--llamacpp", action="store_true",
@@ -659,7 +659,7 @@ def main(argv=None) -> int:
         if isinstance(e, dict) and ft != "base" and not e.get("decode_bytes"):
             e["decode_bytes"] = gguf_decode_bytes(work / f"qwen2-7b-synthetic-{ft}.gguf")
     save()
-    data = Path(a.doc).parent / "data" / (Path(a.doc).stem + ".json")
+    data = _ROOT / "docs" / "data" / (Path(a.doc).stem + ".json")
     write_json(data, res)
     update_doc(a.doc, doc_blocks(res), title="Qwen2-7B at full size on 2 cores")
     log(f"wrote the tables of {a.doc} and {data}")

@@ -1,4 +1,4 @@
-"""Row-split vs core-slicing on the same cores; writes docs/scheduler.md.
+"""Row-split vs core-slicing on the same cores; writes docs/lab/scheduler.md.
 
     python benchmarks/scheduler.py                 # full run (the lead's quiet-machine run), ~10 min on 2 cores
     python benchmarks/scheduler.py --quick         # smoke run: fewer tokens, base memory config only
@@ -299,7 +299,7 @@ packed tensor) into stage A: A = attention + gate, B = up + silu + down.
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/sched/q2356.mxq")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "scheduler.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "lab" / "scheduler.md"))
     ap.add_argument("--tokens", type=int, default=None, help="decode steps (default 32, quick 4)")
     ap.add_argument("--prefill", type=int, default=None, help="prompt tokens (default 512, quick 128)")
     ap.add_argument("--chunk", type=int, default=64)

@@ -108,7 +108,7 @@ def test_qwen2_7b_tables_and_page_markers():
         in blocks["qwen7b-llamacpp"]
     assert "| 0.65 | 36 | 1.93 | 1.89 | 8 | 2.89 | 7.34 | 3.79 | 0.15 |" in blocks["qwen7b-pipeline"]
     assert mod.doc_blocks({})                                   # nothing measured yet: still renders
-    page = (root / "docs" / "qwen2-7b.md").read_text()
+    page = (root / "docs" / "lab" / "qwen2-7b.md").read_text()
     for name in blocks:
         assert page.count(f"<!-- BEGIN mixqrt:{name} -->") == 1 and page.count(f"<!-- END mixqrt:{name} -->") == 1
 
