@@ -45,7 +45,7 @@ def main() -> None:
     largest = 151936 * 896 * 4
     lines = ["# Quantizing Qwen2.5-Coder-0.5B: memory, time, size", "",
              "Streaming quantizer (`mixqrt quantize`), one tensor at a time; each recipe in its own process,",
-             "peak RSS as the process's own `ru_maxrss`. The source is fetch.sh's Q4_K_M GGUF, dequantized",
+             "peak RSS as the process's own `ru_maxrss`. The source is the model's Q4_K_M GGUF, dequantized",
              f"tensor by tensor; its largest tensor in float32 (the 151936x896 embedding) is {largest / 2**20:.0f} MiB.", "",
              provenance("python benchmarks/quantize_memory.py --recipes " + a.recipes), "",
              "| recipe | tensor bytes | file bytes | bits/weight | seconds | peak RSS MiB |",

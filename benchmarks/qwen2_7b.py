@@ -562,10 +562,11 @@ def _dry_run_block(res) -> list[str]:
 
 def _commands_block(res) -> list[str]:
     q, st = res.get("quantize", {}), res.get("settings", {})
-    L = ["```", "python benchmarks/synthetic_checkpoint.py --out /tmp/mixqrt-7b/qwen2-7b-synthetic"]
-    L += [f"python -m mixqrt quantize /tmp/mixqrt-7b/qwen2-7b-synthetic --recipe {rec} -o /tmp/mixqrt-7b/qwen2-7b-{rec}.mxq"
+    # WORK: the --work folder (a scratch path a reader cannot follow, so the page names it by role)
+    L = ["```", "python benchmarks/synthetic_checkpoint.py --out WORK/qwen2-7b-synthetic"]
+    L += [f"python -m mixqrt quantize WORK/qwen2-7b-synthetic --recipe {rec} -o WORK/qwen2-7b-{rec}.mxq"
           for rec in q]
-    L += [f"python -m mixqrt bench /tmp/mixqrt-7b/qwen2-7b-{rec}.mxq -t 1 -p {st.get('n_prompt')} -n {st.get('n_gen')} "
+    L += [f"python -m mixqrt bench WORK/qwen2-7b-{rec}.mxq -t 1 -p {st.get('n_prompt')} -n {st.get('n_gen')} "
           f"-r {st.get('reps')}   # and -t 2" for rec in q]
     L.append("python benchmarks/qwen2_7b.py      # all of the above + this page's tables")
     if res.get("llamacpp"):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _common import replace_blocks, update_doc, write_json  # noqa: E402
+from _common import ROOT, replace_blocks, shown, update_doc, write_json  # noqa: E402
 
 PAGE = """# Page
 
@@ -153,3 +153,15 @@ def test_thread_scaling_renders_a_saved_run(tmp_path):
     # one row per (model, threads); speed-up against the model's 1-thread row
     assert decode.count("\n") == len(run["rows"]) + 1 and "| 1.00x |" in decode
     assert "| 16 |" in thread_scaling.probe_table({int(k): v for k, v in run["probes"].items()})
+
+
+def test_generated_blocks_name_no_path_outside_the_repository(tmp_path):
+    """A benchmark's command line (a scratch model, ../shared texts) lands on a docs/ page as file names;
+    paths inside the repository become relative to its root; endpoints and ratios are left alone."""
+    cmd = (f"python benchmarks/x.py /tmp/m/q.mxq --gguf /root/l/Q3.gguf --text ../shared/data/w.txt "
+           f"--calibrate self+/work/shared/data/t.txt --out {ROOT}/docs/lab/x.md")
+    assert shown(cmd) == "python benchmarks/x.py q.mxq --gguf Q3.gguf --text w.txt --calibrate self+t.txt --out docs/lab/x.md"
+    assert shown("GET /v1/chat/completions at 1/2 tok/s") == "GET /v1/chat/completions at 1/2 tok/s"
+    page = tmp_path / "p.md"
+    update_doc(page, {"run": "Command: `python benchmarks/y.py --model /tmp/a/b.mxq`"})
+    assert "/tmp" not in page.read_text() and "`python benchmarks/y.py --model b.mxq`" in page.read_text()
