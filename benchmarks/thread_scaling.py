@@ -3,7 +3,7 @@
 before any SMT sibling (platform.affinity.worker_cpus).
 
     python benchmarks/thread_scaling.py                       # 1, 2, 4, ... up to every usable CPU
-    python benchmarks/thread_scaling.py --threads 1,2,4,8,16 --work /tmp/scaling --out docs/thread-scaling.md
+    python benchmarks/thread_scaling.py --threads 1,2,4,8,16 --work /tmp/scaling --out docs/lab/thread-scaling.md
 
 The models are synthetic (benchmarks/synthetic_mxq.py: the recipe's formats and sizes, exactly the
 bytes a decode step of a real file reads, meaningless values), so the run needs no checkpoint and
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-bytes", type=int, default=1 << 30,
                     help="probe buffer (at least 4x the last-level cache in any case)")
     ap.add_argument("--tag", default="local", help="names this machine's tables in --out (one page, several machines)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "thread-scaling.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "lab" / "thread-scaling.md"))
     ap.add_argument("--json", default=None, help="raw rows (default docs/data/thread-scaling-TAG.json)")
     ap.add_argument("--from-json", default=None, help="only write --out's TAG tables from this saved run")
     ap.add_argument("--kernel-threads", default="1,2", help="thread counts of the matvec rate table ('' skips it)")

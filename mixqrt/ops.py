@@ -33,7 +33,7 @@ _Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
 # attention runs in C for any number of query rows when head_dim is a multiple of 16 (up to 256):
 # prefill rows split over the pool by query position, each row computed exactly as the single-token
 # decode at its position, so the result does not depend on the thread count or the tier. Other
-# head sizes take BLAS products (numpy) above this many query rows (docs/kernels.md, "Prefill on the pool")
+# head sizes take BLAS products (numpy) above this many query rows (docs/lab/kernels-prefill.md, "Prefill on the pool")
 ATTN_C_MAX_T = 8
 
 
@@ -321,7 +321,7 @@ def _gap_prefetch_bytes() -> int:
 
 
 # matmul(..., then=W2) on a single row (decode): the pool's workers read the first this-many bytes of
-# W2 while the caller does the work between the two products (docs/kernels.md, "Gap prefetch").
+# W2 while the caller does the work between the two products (docs/lab/kernels-interleaved.md, "Gap prefetch").
 # 0 turns it off; MIXQRT_GAP_PF sets it for a process.
 GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
 

@@ -34,7 +34,7 @@ class LoadedModel:
         t0 = time.perf_counter()
         self.path = str(path)
         # MADV_HUGEPAGE + MADV_WILLNEED on the mapping: measured 1.08x median over plain mmap in
-        # docs/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
+        # docs/lab/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
         self.file = MxqFile(path, hugepages=hugepages, willneed=willneed)
         meta = self.file.meta
         if meta.get("kind") != "mixqrt-llm":

@@ -457,7 +457,7 @@ print(int(f.tensors[last.name].raw.sum()))  # touching a vanished page: SIGBUS
 
 
 def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_path, tiny_mxq):
-    """Documented limit (docs/format.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
+    """Documented limit (docs/mxq-file.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
     own writers never do that: they replace by rename, and a map of the old file stays valid."""
     import shutil
     import signal

@@ -63,11 +63,11 @@ except ImportError as e:  # pragma: no cover - a source tree that was never buil
 
 CHUNK = _format.CHUNK
 
-# Unsigned integer levels of q3p: fine steps near the centre, coarse on the tails (see docs/formats.md
+# Unsigned integer levels of q3p: fine steps near the centre, coarse on the tails (see docs/quant-formats.md
 # for how they were chosen). Kernels receive this table as an argument, so it can change freely.
 # Measured (benchmarks/formats.py): Lloyd-Max levels of the per-group normalised FFN weights of
 # Qwen2.5-Coder-0.5B, endpoints pinned to 0 and 63; the article's fine-centre table
-# [0,8,13,16,19,22,27,35] was worse than uniform (docs/formats.md, section l). Top 63 keeps u8*s8 pair sums (vpmaddubsw) far from int16 saturation.
+# [0,8,13,16,19,22,27,35] was worse than uniform (docs/quant-formats.md, section l). Top 63 keeps u8*s8 pair sums (vpmaddubsw) far from int16 saturation.
 Q3P_LEVELS = np.array([0, 12, 20, 28, 35, 43, 51, 63], dtype=np.uint8)
 Q3P_LEVEL_MAX = _format.Q3P_LEVEL_MAX     # kernels' bound on any q3p level table (int16-safe pairs)
 if Q3P_LEVELS.size != _format.Q3P_NLEVELS or Q3P_LEVELS.max() > Q3P_LEVEL_MAX:

@@ -1,6 +1,6 @@
 """The .mxq model file: a strict reader over a read-only mmap and an atomic, streaming writer.
 
-Layout (spec and rationale: docs/format.md):
+Layout (spec and rationale: docs/mxq-file.md):
 
     [0, 64)            prefix: magic b"MXQ\\0", version, header offset/length, file size, header CRC-32
     [page, ...)        spans, each starting on a page boundary: one per transformer layer holding
@@ -203,7 +203,7 @@ def parse_header(arena: Arena, *, old_layouts: bool = False) -> tuple["MetaView"
         old = next((t.name for t in tensors.values() if t.fmt == fmt), None)
         if old is not None:
             raise FormatError(f"{where}: {fmt} tensor {old!r} is in the layout of .mxq version {h['version']}, which "
-                              f"this mixqrt no longer reads ({why} since version {since}, docs/format.md): "
+                              f"this mixqrt no longer reads ({why} since version {since}, docs/mxq-file.md): "
                               f"re-quantize the model (mixqrt quantize), or convert the file losslessly: "
                               f"mixqrt upgrade OLD.mxq NEW.mxq")
     groups: dict = {}

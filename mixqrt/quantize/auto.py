@@ -23,7 +23,7 @@ LADDER = ("q2c", "q3p", "q4", "q6", "q8")
 # KL (nats/token) vs the all-q8 model with only that role quantized (benchmarks/sensitivity.py: 1 chunk of
 # 512 tokens of wikitext-2 test from character 100000, i.e. not the headline-PPL text; search
 # quantizer, no imatrix). Measured entries are marked m; the others are extrapolated from a measured
-# neighbour by KL ~ MSE (ratios of the weight RMSEs in docs/formats.md): q2c = 3.3 x q3p, q6 = 0.06 x q4.
+# neighbour by KL ~ MSE (ratios of the weight RMSEs in docs/quant-formats.md): q2c = 3.3 x q3p, q6 = 0.06 x q4.
 # q8 is the reference, so 0. attn_q/k/v share the "attn_qkv" measurement. See docs/quality.md.
 SENSITIVITY: dict[str, dict[str, float]] = {
     "embed":    {"q2c": 0.0243, "q3p": 0.00522, "q4": 0.00197, "q6": 0.00012, "q8": 0.0},    # m: q2c, q3p, q4
