@@ -7,6 +7,7 @@ import os
 import sys
 
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
+from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
 
 
 def _add_model(p, optional=False):
@@ -32,6 +33,7 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    add_speculative_arguments(p)
 
 
 def _sampling_kwargs(a) -> dict:
@@ -46,7 +48,9 @@ def _sampling_kwargs(a) -> dict:
 def _pipeline(a):
     from mixqrt.pipeline import Pipeline
     return Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
-                    offline=True if a.offline else None, max_context=getattr(a, "ctx", None))
+                    offline=True if a.offline else None, max_context=getattr(a, "ctx", None),
+                    **speculative_kwargs(a))
+
 
 
 def cmd_doctor(a):
@@ -152,7 +156,9 @@ def cmd_generate(a):
     if last is not None and not a.quiet:
         print(f"[prompt {last.prompt_tokens} tok, {last.prompt_tps:.1f} tok/s | "
               f"generated {last.generation_tokens} tok, {last.generation_tps:.1f} tok/s | "
-              f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}]", file=sys.stderr)
+              f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}"
+              + (f" | drafts {last.accepted_draft_tokens}/{last.draft_tokens} accepted" if last.draft_tokens else "")
+              + "]", file=sys.stderr)
 
 
 def cmd_chat(a):

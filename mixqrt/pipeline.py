@@ -136,18 +136,29 @@ def load(path_or_name, recipe: str | None = None, *, threads=None, offline=None,
 
 
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-             "do_sample", "return_full_text", "stop_strings", "max_tokens"}
+             "do_sample", "return_full_text", "stop_strings", "max_tokens", "draft_k"}
 
 
 class Pipeline:
     """Text generation, shaped like transformers' pipeline("text-generation")."""
 
     def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
-                 offline: bool | None = None, progress: bool = True, max_context: int | None = None):
+                 offline: bool | None = None, progress: bool = True, max_context: int | None = None,
+                 draft=None, draft_recipe: str | None = None, draft_k: int = 4, lookup: int | None = None):
+        """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
+        loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
+        draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
+        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
         self.loaded = LoadedModel(self.path, threads=threads)
         self.model = self.loaded.model
         self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
+        self.drafter = None
+        if draft is not None or lookup is not None:
+            from mixqrt.speculative import make_drafter
+            if draft is not None and not hasattr(draft, "model"):
+                draft = LoadedModel(prepare(draft, draft_recipe, offline=offline, progress=progress))
+            self.drafter = make_drafter(lookup, draft, draft_k, target=self.model, target_tokenizer=self.tokenizer)
         self._engine = None
         self._engine_lock = threading.Lock()
         self._finalizer = None
@@ -173,6 +184,7 @@ class Pipeline:
 
     def _set_engine(self, kw):
         from mixqrt.engine import Engine
+        kw.setdefault("speculative", self.drafter)
         self._engine = Engine(self, **kw)
         # the engine thread must not outlive an abandoned Pipeline
         self._finalizer = weakref.finalize(self, self._engine.close)

@@ -7,6 +7,7 @@ import sys
 
 from mixqrt.errors import MixqrtError
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
+from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE = 64
@@ -71,6 +72,8 @@ def cmd_serve(a):
         print(f"mixqrt serve: warning: listening on {a.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr)
     if a.ray:
+        if speculative_kwargs(a):
+            raise MixqrtError("--lookup / --draft are not supported with --ray yet: serve without --ray")
         _require("ray", "ray.serve")
         from mixqrt.pipeline import prepare
         from mixqrt.serve.ray import serve_ray
@@ -84,7 +87,7 @@ def cmd_serve(a):
     from mixqrt.pipeline import Pipeline
     from mixqrt.serve.app import create_app
     pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
-                    offline=True if a.offline else None, max_context=a.ctx)
+                    offline=True if a.offline else None, max_context=a.ctx, **speculative_kwargs(a))
     if not a.quiet:
         logging.basicConfig(level=logging.INFO, format="mixqrt serve: %(message)s")
     app = create_app(pipe, model=a.model_alias or _model_id(a.model), limits=limits_from_args(a),
@@ -133,6 +136,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")
     s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
     s.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    add_speculative_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("MIXQRT_API_KEY") or None,
