@@ -47,13 +47,12 @@ class LoadedModel:
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
         if levels is not None:
-            from mixqrt.quant.layout import Q3P_LEVEL_MAX, Q3P_LEVELS
-            if not isinstance(levels, list) or len(levels) != Q3P_LEVELS.size or not all(
-                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q3P_LEVEL_MAX for v in levels):
-                raise ModelError(f"{path}: bad q3p_levels {str(levels)[:80]} in the header (want "
-                                 f"{Q3P_LEVELS.size} ints in [0, {Q3P_LEVEL_MAX}])")
-            if list(levels) != [int(v) for v in Q3P_LEVELS]:   # written with another table: decode with it
-                table = np.asarray(levels, dtype=np.uint8)
+            from mixqrt.quant.layout import Q3P_LEVELS, q3p_table
+
+            def bad(msg):
+                return ModelError(f"{path}: bad q3p_levels in the header: {msg}")
+            table = q3p_table(levels, bad)
+            if not np.array_equal(table, Q3P_LEVELS):   # written with another table: decode with it
                 for qt in tensors.values():
                     if qt.fmt in ("q3p", "q3x"):
                         qt.meta = {**qt.meta, "q3p_levels": table}   # meta is read-only: a new mapping

@@ -241,7 +241,12 @@ class Tokenizer:
 
         template = cfg.get("chat_template")
         if isinstance(template, list):              # [{"name": "default", "template": ...}, ...]
-            template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+            for i, t in enumerate(template):
+                if not isinstance(t, dict) or not isinstance(t.get("name"), str) \
+                        or not isinstance(t.get("template"), str):
+                    raise FormatError(f"{cfg_path}: chat_template[{i}] must be an object with string "
+                                      "'name' and 'template'")
+            template = {t["name"]: t["template"] for t in template}
         if template is not None and not (isinstance(template, str) or (isinstance(template, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
             raise FormatError(f"{cfg_path}: chat_template must be a string or a list of named templates")

@@ -482,3 +482,38 @@ def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_pat
     assert live.stat().st_size == 0
     assert {n: int(t.raw.sum()) for n, t in f.tensors.items()} == before
     f.close()
+
+
+# ------------------------------------------------------------------ typed errors, not Python's own
+@pytest.mark.parametrize("template", [[{"name": "default"}], [{"template": "x"}], ["x"], [{"name": 1, "template": "x"}]])
+def test_chat_template_list_entries_are_checked(tmp_path, template):
+    from mixqrt.tokenizer import Tokenizer
+    d = make_tiny_hf_model(tmp_path / "hf", dtype="f32")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    with pytest.raises(FormatError, match=r"chat_template\[0\]"):
+        Tokenizer.from_folder(d)
+
+
+def test_attention_with_no_kv_heads_is_a_kernel_error():
+    from mixqrt import ops
+    from mixqrt.errors import KernelError
+    q = np.zeros((1, 2, 16), np.float32)
+    k = np.zeros((0, 4, 16), np.float32)
+    with pytest.raises(KernelError):
+        ops.attention(q, k, k, 0)
+    with pytest.raises(KernelError):            # was a SIGFPE (integer division by zero in C)
+        ops.attention_batch(q, [k], [k], [0])
+
+
+@pytest.mark.parametrize("levels", [[0, 12, 20], [0, 12, 20, 28, 35, 43, 51, 300], [-1] * 8, [0.5] * 8,
+                                    [[1], [2, 3]], "abcdefgh"])
+def test_bad_q3p_table_is_a_quant_error(levels):
+    from mixqrt.errors import QuantError
+    from mixqrt.quant import formats
+    from mixqrt.quant.qtensor import QTensor
+    qt = formats.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32), "q3p")
+    bad = QTensor(qt.fmt, qt.shape, qt.raw, {**(qt.meta or {}), "q3p_levels": levels})
+    for impl in ("ref", "fast"):
+        with pytest.raises(QuantError, match="q3p level table"):
+            formats.dequantize(bad, impl=impl)
