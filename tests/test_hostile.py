@@ -517,3 +517,28 @@ def test_bad_q3p_table_is_a_quant_error(levels):
     for impl in ("ref", "fast"):
         with pytest.raises(QuantError, match="q3p level table"):
             formats.dequantize(bad, impl=impl)
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "config.json",
+                                  "generation_config.json", "model.safetensors.index.json"])
+def test_every_folder_file_is_confined_to_the_folder(tmp_path, name):
+    """Each file mixqrt reads from a model folder, moved outside it and linked back: refused with a
+    FormatError naming it, its text never read (it would end up in the saved .mxq)."""
+    from mixqrt.convert import quantize_model
+    d = make_tiny_hf_model(tmp_path / "m", dtype="f32", sharded=name.endswith("index.json"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if name == "chat_template.jinja":                  # read when tokenizer_config.json has no template
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / name).write_text(cfg.pop("chat_template") + "{# TOPSECRET #}")
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if name == "generation_config.json" and not (d / name).exists():
+        (d / name).write_text('{"temperature": 0.5}')
+    os.replace(d / name, outside / name)
+    (d / name).symlink_to(outside / name)
+    with pytest.raises(FormatError, match=name.replace(".", r"\.") + ".*outside the model folder"):
+        quantize_model(d, "2356", tmp_path / "out.mxq", progress=False)
+    assert not (tmp_path / "out.mxq").exists()
+    os.unlink(d / name)                                 # a plain copy inside the folder is fine
+    os.replace(outside / name, d / name)
+    quantize_model(d, "2356", tmp_path / "out.mxq", progress=False)
