@@ -119,10 +119,9 @@ def prepare(name_or_path, recipe: str | None = None, *, offline=None, progress=T
     src = _source_for(res, offline, progress)
     out = cached_mxq_path(res.label, src, rec.spec())
     if not out.exists():
-        from mixqrt.io.atomic import clean_stale_temps, file_lock
+        from mixqrt.io.atomic import output_lock
         # one quantization per cache entry: a second process waits here and reuses the result
-        with file_lock(out):
-            clean_stale_temps(out.parent)
+        with output_lock(out):
             if not out.exists():
                 quantize_model(src, rec, out, progress=progress, offline=offline)
     return out
@@ -243,11 +242,11 @@ class Pipeline:
     def save(self, path) -> Path:
         """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
         from mixqrt.io.arena import drop_cached
-        from mixqrt.io.atomic import file_lock, mkstemp_for
+        from mixqrt.io.atomic import mkstemp_for, output_lock
         path = Path(path)
         if path.resolve() == Path(self.path).resolve():
             return path
-        with file_lock(path):                        # concurrent saves to one path take turns
+        with output_lock(path):                      # concurrent saves to one path take turns
             fd, tmp = mkstemp_for(path)
             try:
                 with os.fdopen(fd, "wb") as f, open(self.path, "rb") as src:

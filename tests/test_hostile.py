@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 import zlib
 from pathlib import Path
@@ -542,3 +543,73 @@ def test_every_folder_file_is_confined_to_the_folder(tmp_path, name):
     os.unlink(d / name)                                 # a plain copy inside the folder is fine
     os.replace(outside / name, d / name)
     quantize_model(d, "2356", tmp_path / "out.mxq", progress=False)
+
+
+# ------------------------------------------------------------------ killed quantizations leave nothing behind
+def _slow_model(d, layers=24) -> Path:
+    """The tiny model with `layers` copies of its first layer: a quantize of a second or two."""
+    import tinymodel as tm
+    d = make_tiny_hf_model(d, dtype="f32")
+    cfg = json.loads((d / "config.json").read_text())
+    w = tm.tiny_weights("qwen2")
+    for i in range(tm.LAYERS, layers):
+        w.update({k.replace("layers.0.", f"layers.{i}."): v for k, v in w.items() if k.startswith("model.layers.0.")})
+    cfg["num_hidden_layers"] = layers
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(d / "model.safetensors", w, "F32")
+    return d
+
+
+_MAIN = "import sys; sys.path[:0] = [sys.argv[1]]; from mixqrt.cli import main; sys.exit(main(sys.argv[2:]))"
+
+
+def _temps(folder):
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".tmp")) if folder.exists() else []
+
+
+def _start(args, env):
+    return subprocess.Popen([sys.executable, "-c", _MAIN, str(PKG_PARENT), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("where", ["quantize -o", "serve cache"])
+def test_a_killed_quantize_leaves_no_temp_after_the_next_run(tmp_path, sig, where):
+    import signal
+    src = _slow_model(tmp_path / "src")
+    env = dict(os.environ, MIXQRT_CACHE=str(tmp_path / "cache"))
+    if where == "quantize -o":
+        folder = tmp_path / "out"
+        folder.mkdir()
+        args = ["quantize", str(src), "--recipe", "2356", "-o", str(folder / "m.mxq"), "-q"]
+    else:
+        folder = tmp_path / "cache"
+        args = ["serve", str(src), "--recipe", "2356", "--port", "0", "-q"]
+    p = _start(args, env)
+    try:
+        deadline = time.monotonic() + 120
+        while not [t for t in _temps(folder) if t.stat().st_size] and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _temps(folder), f"no temp file seen; exit {p.poll()}"
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    if sig == "SIGTERM":                               # unwinds like Ctrl-C: the writer removed its temp
+        assert p.returncode == 143, err.decode()[-2000:]
+        assert _temps(folder) == []
+    else:
+        assert p.returncode == -signal.SIGKILL and len(_temps(folder)) == 1
+    p = _start(args, env)                              # the same command again
+    try:
+        deadline = time.monotonic() + 120
+        while not [f for f in folder.iterdir() if f.suffix == ".mxq"] and p.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if where == "serve cache":
+            p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode in (0, 143), err.decode()[-2000:]
+    assert [f for f in folder.iterdir() if f.suffix == ".mxq"] and _temps(folder) == []
