@@ -395,3 +395,64 @@ def test_a_stream_nobody_reads_is_cancelled(pipe):  # noqa: F811
         assert srv.engine.stats()["running"] == 0
     finally:
         app.state.server.engine.close()
+
+
+# ============================================================================ the served file changes
+_CHANGE_UNDER_SERVER = r"""
+import http.client, json, logging, os, shutil, sys
+sys.path[:0] = sys.argv[1:3]
+from mixqrt.pipeline import Pipeline
+from mixqrt.serve.guard import Limits
+from serve_helpers import running
+from tinymodel import make_tiny_hf_model
+logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
+tmp = sys.argv[3]
+os.environ["MIXQRT_CACHE"] = os.path.join(tmp, "cache")
+served = os.path.join(tmp, "served.mxq")
+other = os.path.join(tmp, "other.mxq")
+Pipeline(make_tiny_hf_model(os.path.join(tmp, "hf")), recipe="f32", progress=False, offline=True).save(served)
+shutil.copyfile(served, served + ".orig")
+data = bytearray(open(served, "rb").read())
+data[len(data) // 4: len(data) // 2] = bytes(b ^ 0x55 for b in data[len(data) // 4: len(data) // 2])
+open(other, "wb").write(data)                      # same size, other weights
+def ask(port, path="/v1/completions"):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, "temperature": 0})
+    c.request("POST" if path != "/health" else "GET", path, body=body if path != "/health" else None,
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+for how in ("cp", "truncate"):
+    pipe = Pipeline(served, progress=False, max_context=64)
+    with running(pipe, Limits()) as s:
+        print(how, "before", ask(s.port)[0], flush=True)
+        if how == "cp":
+            shutil.copyfile(other, served)          # what `cp other.mxq served.mxq` does: same inode, rewritten
+        else:
+            os.truncate(served, 4096)
+        status, body = ask(s.port)
+        print(how, "after", status, body["error"]["code"], flush=True)
+        print(how, "health", ask(s.port, "/health")[0], flush=True)
+    pipe.close()
+    shutil.copyfile(served + ".orig", served + ".new")
+    os.replace(served + ".new", served)
+print("DONE")
+"""
+
+
+def test_a_served_file_changed_in_place_gets_503_not_garbage_or_sigbus(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mixqrt
+    tests = Path(__file__).resolve().parent
+    r = subprocess.run([sys.executable, "-c", _CHANGE_UNDER_SERVER, str(Path(mixqrt.__file__).parent.parent),
+                        str(tests), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = r.stdout.split("\n")
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    for how in ("cp", "truncate"):
+        assert f"{how} before 200" in out
+        assert f"{how} after 503 model_file_changed" in out, r.stdout
+        assert f"{how} health 503" in out
+    assert r.stderr.count("no longer answering from it") == 2, r.stderr[-3000:]
