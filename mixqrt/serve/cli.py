@@ -81,6 +81,8 @@ def cmd_serve(a):
         print(f"mixqrt serve: warning: listening on {a.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr)
     if a.ray:
+        from mixqrt.serve.ray import keep_ray_local
+        keep_ray_local(a.host, a.ray_address)      # before Ray is imported
         _require("ray", "ray.serve")
         from mixqrt.pipeline import prepare
         from mixqrt.serve.ray import serve_ray
