@@ -164,6 +164,7 @@ def test_ray_on_loopback_listens_on_loopback_and_sigterm_leaves_no_ray_process(p
     p = subprocess.Popen([sys.executable, "-c", code, "serve", str(pipe.path), "--ray", "--replicas", "1", "-t", "1",
                           "--host", "127.0.0.1", "--port", str(port), "-q"], cwd=parent, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ours: set[int] = set()
     try:
         deadline, up = time.monotonic() + 240, False
         while time.monotonic() < deadline and p.poll() is None and not up:
@@ -184,5 +185,9 @@ def test_ray_on_loopback_listens_on_loopback_and_sigterm_leaves_no_ray_process(p
         assert not left, [open(f"/proc/{q}/cmdline").read().replace("\0", " ")[:200] for q in left if _alive(q)]
         assert p.returncode == 143
     finally:
-        if p.poll() is None:
-            p.kill()
+        for q in (ours | _tree(p.pid)) if p.poll() is None else ours:   # a failed run cleans up after itself
+            if _alive(q):
+                try:
+                    os.kill(q, signal.SIGKILL)
+                except OSError:
+                    pass
