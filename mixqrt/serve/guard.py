@@ -309,6 +309,7 @@ def protocol_class(limits: Limits):
     late = _canned(408, "Request Timeout", f"request headers not received within {header_timeout:g} s",
                    "header_timeout")
     open_from: dict[str, int] = {}              # peer address -> open connections (one event loop: no lock)
+    refused = {"at": -1e9, "quiet": 0}          # the refusal log: one line a second at most
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):
         _peer = None            # counted in open_from while set
@@ -322,8 +323,14 @@ def protocol_class(limits: Limits):
             n = open_from.get(peer, 0)
             if per_client and n >= per_client:
                 self._refused = True
-                log.warning("%s: connection refused, %d already open from this address (--max-client-connections)",
-                            escape(peer), n)
+                now = self.loop.time()
+                if now - refused["at"] >= 1.0:
+                    more = f" (and {refused['quiet']} more refusals in the last second)" if refused["quiet"] else ""
+                    log.warning("%s: connection refused, %d already open from this address "
+                                "(--max-client-connections)%s", escape(peer), n, more)
+                    refused["at"], refused["quiet"] = now, 0
+                else:
+                    refused["quiet"] += 1
                 transport.write(busy)
                 transport.close()
                 return
