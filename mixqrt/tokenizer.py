@@ -213,7 +213,7 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder, *, extra_eos_ids=()) -> "Tokenizer":
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of an HF model folder."""
-        from mixqrt.io.folder import folder_file, read_text
+        from mixqrt.platform.files import folder_file, read_text
         folder = Path(folder)
         path = folder_file(folder, "tokenizer.json", what="tokenizer file")
         if path is None:

@@ -291,7 +291,7 @@ def test_tokenizer_panic_is_a_typed_error(tmp_path):
 # ------------------------------------------------------------------ concurrent / interrupted writes
 @pytest.fixture(scope="module")
 def tiny_mxq(tmp_path_factory):
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     t = tmp_path_factory.mktemp("mxq")
     d = make_tiny_hf_model(t / "hf", dtype="f32")
     out = t / "tiny.mxq"
@@ -341,7 +341,7 @@ _KILLED_WRITER = r"""
 import os, signal, sys
 sys.path[:0] = [sys.argv[1]]
 from mixqrt.io.mxq import MxqWriter
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.formats.qtensor import QTensor
 import numpy as np
 w = MxqWriter(sys.argv[2], {})
 w.add("w", QTensor("f32", (4,), np.zeros(4, np.float32).view(np.uint8)))
@@ -380,7 +380,7 @@ def test_stale_temp_of_a_locked_target_is_kept(tmp_path):
 _PREPARE = r"""
 import os, sys, time
 sys.path[:0] = [sys.argv[1]]
-import mixqrt.convert as convert
+import mixqrt.quantize.convert as convert
 calls = []
 real = convert.quantize_model
 def counting(*a, **k):
@@ -458,7 +458,7 @@ print(int(f.tensors[last.name].raw.sum()))  # touching a vanished page: SIGBUS
 
 
 def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_path, tiny_mxq):
-    """Documented limit (docs/format.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
+    """Documented limit (docs/mxq-file.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
     own writers never do that: they replace by rename, and a map of the old file stays valid."""
     import shutil
     import signal
@@ -511,8 +511,8 @@ def test_attention_with_no_kv_heads_is_a_kernel_error():
                                     [[1], [2, 3]], "abcdefgh"])
 def test_bad_q3p_table_is_a_quant_error(levels):
     from mixqrt.errors import QuantError
-    from mixqrt.quant import formats
-    from mixqrt.quant.qtensor import QTensor
+    from mixqrt.formats import codec as formats
+    from mixqrt.formats.qtensor import QTensor
     qt = formats.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32), "q3p")
     bad = QTensor(qt.fmt, qt.shape, qt.raw, {**(qt.meta or {}), "q3p_levels": levels})
     for impl in ("ref", "fast"):
@@ -525,7 +525,7 @@ def test_bad_q3p_table_is_a_quant_error(levels):
 def test_every_folder_file_is_confined_to_the_folder(tmp_path, name):
     """Each file mixqrt reads from a model folder, moved outside it and linked back: refused with a
     FormatError naming it, its text never read (it would end up in the saved .mxq)."""
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     d = make_tiny_hf_model(tmp_path / "m", dtype="f32", sharded=name.endswith("index.json"))
     outside = tmp_path / "outside"
     outside.mkdir()

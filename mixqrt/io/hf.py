@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
-from mixqrt.io.folder import folder_file, read_text
+from mixqrt.platform.files import folder_file, read_text
 from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
                               refuse_pickle)
 
@@ -206,7 +206,7 @@ class HFSource(Source):
 
     def _shard(self, index, name) -> Path:
         """The folder's file `name`, refusing anything that leads out of the model folder
-        (io.folder.folder_file): an absolute path, "..", a subfolder, a symlink whose target is
+        (platform.files.folder_file): an absolute path, "..", a subfolder, a symlink whose target is
         elsewhere (except into the hub cache's blobs/) or a non-regular file."""
         try:
             return folder_file(self.path, name, required=True, what="shard", where=index)

@@ -6,7 +6,7 @@ import os
 import sys
 
 from mixqrt.errors import MixqrtError
-from mixqrt.quant.recipes import DEFAULT_RECIPE
+from mixqrt.quantize.recipes import DEFAULT_RECIPE
 from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS
 
 DEFAULT_SLOTS = 8
