@@ -268,7 +268,11 @@ def test_one_client_address_cannot_take_every_connection(pipe):  # noqa: F811
     limits = Limits(header_timeout=60, body_timeout=60, max_client_connections=16)
     with running(pipe, limits) as s:
         hoard = [_hold_half_a_body(s.port, source="127.0.0.2") for _ in range(16)]
-        assert raw_status(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.2") in (0, 503)
+        try:                                          # refused: a 503, or a reset if it closed first
+            status = raw_status(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.2")
+        except (ConnectionResetError, BrokenPipeError):
+            status = 0
+        assert status in (0, 503)
         assert _until_200(s.port, 15)[0] == 200       # another address: the first try
         for c in hoard:
             c.close()
