@@ -84,11 +84,16 @@ def parse_rotate(items):
 
 
 def cmd_quantize(a):
+    import contextlib
+
     from mixqrt.quantize.convert import describe, dumps_report, quantize_model
-    rep = quantize_model(a.src, a.recipe or DEFAULT_RECIPE, a.output, overrides=a.tensor_type,
-                         progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
-                         imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
-                         **_calibration(a))
+    from mixqrt.io.atomic import output_lock
+    # one writer of OUTPUT at a time, and the temps of killed runs removed first
+    with contextlib.nullcontext() if a.dry_run else output_lock(a.output):
+        rep = quantize_model(a.src, a.recipe or DEFAULT_RECIPE, a.output, overrides=a.tensor_type,
+                             progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
+                             imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
+                             **_calibration(a))
     if a.json:
         print(dumps_report(rep))
         return
@@ -376,11 +381,15 @@ def main(argv=None) -> int:
         build_parser().error("--recipe auto needs --budget-bytes N (and --budget-bytes needs --recipe auto)")
     if args.cmd == "doctor" and args.recache and not args.model:
         build_parser().error("doctor --recache needs --model FILE")
+    from mixqrt.io.atomic import Terminated, terminate_as_interrupt
+    terminate_as_interrupt()             # SIGTERM unwinds like Ctrl-C: temp files are removed
     try:
         args.fn(args)
     except MixqrtError as e:
         print(f"mixqrt: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
     return 0

@@ -48,13 +48,12 @@ class LoadedModel:
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
         if levels is not None:
-            from mixqrt.formats.layout import Q3P_LEVEL_MAX, Q3P_LEVELS
-            if not isinstance(levels, list) or len(levels) != Q3P_LEVELS.size or not all(
-                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q3P_LEVEL_MAX for v in levels):
-                raise ModelError(f"{path}: bad q3p_levels {str(levels)[:80]} in the header (want "
-                                 f"{Q3P_LEVELS.size} ints in [0, {Q3P_LEVEL_MAX}])")
-            if list(levels) != [int(v) for v in Q3P_LEVELS]:   # written with another table: decode with it
-                table = np.asarray(levels, dtype=np.uint8)
+            from mixqrt.formats.layout import Q3P_LEVELS, q3p_table
+
+            def bad(msg):
+                return ModelError(f"{path}: bad q3p_levels in the header: {msg}")
+            table = q3p_table(levels, bad)
+            if not np.array_equal(table, Q3P_LEVELS):   # written with another table: decode with it
                 for qt in tensors.values():
                     if qt.fmt in ("q3p", "q3x"):
                         qt.meta = {**qt.meta, "q3p_levels": table}   # meta is read-only: a new mapping
@@ -121,10 +120,9 @@ def prepare(name_or_path, recipe: str | None = None, *, offline=None, progress=T
     src = _source_for(res, offline, progress)
     out = cached_mxq_path(res.label, src, rec.spec())
     if not out.exists():
-        from mixqrt.io.atomic import clean_stale_temps, file_lock
+        from mixqrt.io.atomic import output_lock
         # one quantization per cache entry: a second process waits here and reuses the result
-        with file_lock(out):
-            clean_stale_temps(out.parent)
+        with output_lock(out):
             if not out.exists():
                 quantize_model(src, rec, out, progress=progress, offline=offline)
     return out
@@ -257,11 +255,11 @@ class Pipeline:
     def save(self, path) -> Path:
         """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
         from mixqrt.io.arena import drop_cached
-        from mixqrt.io.atomic import atomic_write, file_lock
+        from mixqrt.io.atomic import atomic_write, output_lock
         path = Path(path)
         if path.resolve() == Path(self.path).resolve():
             return path
-        with file_lock(path):                        # concurrent saves to one path take turns
+        with output_lock(path):                      # concurrent saves to one path take turns
             with atomic_write(path) as f, open(self.path, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 22)
                 f.flush()
