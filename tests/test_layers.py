@@ -36,7 +36,7 @@ LAYERS = [
                   "mixqrt.quant.calibtext",                 # samples the model's own text
                   "mixqrt.engine", "mixqrt.engine_cache"]),
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
-    ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
+    ("app", ["mixqrt.oai", "mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
              "mixqrt.__init__"]),
 ]
 
