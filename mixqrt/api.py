@@ -76,34 +76,30 @@ def _run(pipe, req: oai.Request, model, stats):
     """One parsed request on `pipe` -> the reply dict, or an iterator of chunk dicts."""
     prompt = req.messages if req.kind == "chat" else req.prompt
     kw = req.gen_kwargs(_context(pipe))
-    reply = oai.Reply(req, model if model is not None else model_name(pipe))
+    out = oai.Assembler(req, oai.Reply(req, model if model is not None else model_name(pipe)),
+                        getattr(pipe, "tokenizer", None))
 
     if not req.stream:
-        pieces, last = [], None
         for r in _responses(pipe, prompt, kw):
-            pieces.append(r.text)
-            last = r
+            out.feed(r)
         if stats is not None:
-            stats.last = last
-        return reply.whole([oai.Choice("".join(pieces), oai.finish_reason(last))], oai.usage_of(last))
+            stats.last = out.lasts[0]
+        return out.whole()
 
     def chunks():
         responses = _responses(pipe, prompt, kw)
-        last = None
         try:
-            last = next(responses, None)   # prefill first: a too-long prompt fails before any chunk
-            yield from reply.start()
-            if last is not None:
-                yield from reply.piece(last.text)
+            first = next(responses, None)   # prefill first: a too-long prompt fails before any chunk
+            yield from out.start()
+            if first is not None:
+                yield from out.feed(first)
                 for r in responses:
-                    last = r
-                    yield from reply.piece(r.text)
+                    yield from out.feed(r)
         finally:
             responses.close()
         if stats is not None:
-            stats.last = last
-        yield from reply.end(last)
-        yield from reply.usage_chunk(oai.usage_of(last))
+            stats.last = out.lasts[0]
+        yield from out.finish()
 
     return chunks()
 
@@ -117,6 +113,9 @@ def create_completion(pipe, prompt, *, suffix=None, max_tokens: int | None = 16,
                       best_of: int | None = None, logit_bias=None, model: str | None = None,
                       stream_options=None, stats: Stats | None = None):
     """A "text_completion" dict, or with stream=True an iterator of chunk dicts of the same shape.
+
+    n (<= 8) choices share one prefill; logprobs=k (<= 20) adds OpenAI's legacy logprobs object
+    (tokens, token_logprobs, top_logprobs, text_offset) from the model's raw distribution.
 
     Arguments are checked here (mixqrt.oai.parse), before anything runs; errors from the model
     (prompt longer than the context) come from the first next() of the stream. Closing the
@@ -144,6 +143,8 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
     delta {"role": "assistant"}, then {"content": piece}..., then {} with finish_reason.
 
     The prompt is the model's own chat template with the generation prompt appended.
+    logprobs=True (top_logprobs <= 20) adds choices[].logprobs.content[] ({token, logprob, bytes,
+    top_logprobs}) from the model's raw distribution; n (<= 8) choices share one prefill.
     stream_options={"include_usage": True} adds OpenAI's last chunk (empty choices, usage).
     """
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,

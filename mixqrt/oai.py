@@ -414,7 +414,10 @@ class Request:
         """-> keyword arguments of Engine.submit / Pipeline.stream (None ones left out: model defaults)."""
         mt = self.max_tokens if self.max_tokens is not None and self.max_tokens > 0 else int(context)
         kw = {"max_new_tokens": mt, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-              "min_p": self.min_p, "repetition_penalty": self.repeat_penalty, "stop": self.stop, "seed": self.seed}
+              "min_p": self.min_p, "repetition_penalty": self.repeat_penalty, "stop": self.stop, "seed": self.seed,
+              "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
+              "logit_bias": self.logit_bias, "n": self.n if self.n != 1 else None,
+              "logprobs": True if self.logprobs else None, "top_logprobs": self.top_logprobs or None}
         return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -501,6 +504,8 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
         if b.get("suffix") not in (None, ""):
             raise RequestError("suffix", "suffix (fill-in-the-middle) is not supported")
         r.echo = _bool("echo", b.get("echo"), False)
+        if r.echo and r.logprobs:
+            raise RequestError("logprobs", "logprobs with echo (the prompt's logprobs) is not supported")
         best_of = _integer("best_of", b.get("best_of"), lo=1)
         if best_of not in (None, r.n):
             raise RequestError("best_of", "best_of must equal n (no server-side ranking)")
@@ -517,16 +522,6 @@ def _not_yet(r: Request) -> None:
         raise RequestError("tools", "tools (function calling) is not supported yet")
     if r.tool_choice not in (None, "none", "auto"):
         raise RequestError("tool_choice", f"tool_choice={_show(r.tool_choice)} is not supported (no tools yet)")
-    if r.n != 1:
-        raise RequestError("n", f"n={r.n} is not supported: one choice per request")
-    if r.logprobs:
-        raise RequestError("logprobs", "logprobs is not supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(r, name):
-            raise RequestError(name, f"{name} is not supported (OpenAI's additive penalty); use repeat_penalty, "
-                                     "the multiplicative one of llama.cpp and transformers")
-    if r.logit_bias:
-        raise RequestError("logit_bias", "logit_bias is not supported")
 
 
 # ============================================================================ replies
@@ -613,3 +608,96 @@ class Reply:
 def safe_message(e) -> str:
     """An exception's message as valid text (a lone surrogate becomes a \\uXXXX escape)."""
     return str(e).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# ============================================================================ assembling a run
+def token_text(tokenizer):
+    """-> f(token id) -> (its text, its UTF-8 bytes as a list of ints), memoized: the `token` and
+    `bytes` of OpenAI's logprobs (a token may hold part of a character: its text then has U+FFFD,
+    its bytes are exact)."""
+    memo: dict = {}
+
+    def f(i: int):
+        out = memo.get(i)
+        if out is None:
+            b = tokenizer.token_bytes(i) if hasattr(tokenizer, "token_bytes") else None
+            if b is None:
+                b = tokenizer.decode([i]).encode("utf-8", "replace")
+            out = memo[i] = (b.decode("utf-8", "replace"), list(b))
+        return out
+
+    return f
+
+
+class Assembler:
+    """Turns a run's GenerationResponse pieces (with ``index`` for n choices and ``logprobs``)
+    into reply chunks as they come, and into the whole reply at the end. api (sync) and the server
+    (async) drive one each: the same pieces give the same objects."""
+
+    def __init__(self, req: Request, reply: Reply, tokenizer=None):
+        self.reply, self.kind, self.n = reply, req.kind, req.n
+        self.want_lp = req.logprobs
+        self.text_of = token_text(tokenizer) if req.logprobs else None
+        self.texts = [[] for _ in range(self.n)]
+        self.lasts = [None] * self.n
+        self.lps = [[] for _ in range(self.n)]              # chat entries, or (text, lp, top) for completions
+        self.offset = [len(reply.echo or "")] * self.n
+        self.ended = set()
+
+    def start(self) -> list:
+        return [c for i in range(self.n) for c in self.reply.start(i)]
+
+    def _entry(self, lp):
+        tok, b = self.text_of(lp.token)
+        if self.kind == "chat":
+            top = []
+            for tid, v in lp.top:
+                t, tb = self.text_of(tid)
+                top.append({"token": t, "logprob": v, "bytes": tb})
+            return {"token": tok, "logprob": lp.logprob, "bytes": b, "top_logprobs": top}
+        return tok, lp.logprob, {self.text_of(i)[0]: v for i, v in lp.top}
+
+    def _legacy(self, entries, index) -> dict:
+        """Completions' logprobs object (tokens, token_logprobs, top_logprobs, text_offset)."""
+        offsets = []
+        for tok, _, _ in entries:
+            offsets.append(self.offset[index])
+            self.offset[index] += len(tok)
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": offsets}
+
+    def feed(self, r) -> list:
+        """One piece -> the chunks to stream for it."""
+        i = int(getattr(r, "index", 0) or 0)
+        self.texts[i].append(r.text)
+        self.lasts[i] = r
+        piece_lp = None
+        lp = getattr(r, "logprobs", None)
+        if self.want_lp and lp is not None:
+            e = self._entry(lp)
+            self.lps[i].append(e)
+            piece_lp = {"content": [e]} if self.kind == "chat" else self._legacy([e], i)
+        out = self.reply.piece(r.text, i, piece_lp)
+        if getattr(r, "finish_reason", None) is not None and i not in self.ended:
+            self.ended.add(i)
+            out += self.reply.end(r.finish_reason, i)
+        return out
+
+    def finish(self) -> list:
+        """After the last piece: the end chunks not sent yet, then the usage chunk (when asked)."""
+        out = [c for i in range(self.n) if i not in self.ended for c in self.reply.end(self.lasts[i], i)]
+        self.ended.update(range(self.n))
+        return out + self.reply.usage_chunk(usage_of(self.lasts))
+
+    def whole(self) -> dict:
+        choices = []
+        for i in range(self.n):
+            lps = None
+            if self.want_lp:
+                if self.kind == "chat":
+                    lps = {"content": self.lps[i], "refusal": None}
+                else:
+                    self.offset[i] = len(self.reply.echo or "")
+                    lps = self._legacy(self.lps[i], i)
+            choices.append(Choice("".join(self.texts[i]), finish_reason(self.lasts[i]), lps))
+        return self.reply.whole(choices, usage_of(self.lasts))

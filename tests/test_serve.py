@@ -95,8 +95,8 @@ def test_tiny_temperature_is_greedy(srv):
 
 def test_unsupported_arguments_are_400(srv):
     c = srv.client()
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        c.chat.completions.create(model="x", messages=MSGS, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be <= 8"):
+        c.chat.completions.create(model="x", messages=MSGS, n=9)
     with pytest.raises(openai.BadRequestError, match="tools"):
         c.chat.completions.create(model="x", messages=MSGS, tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="context"):

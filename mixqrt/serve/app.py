@@ -99,7 +99,8 @@ class Server:
         except HTTPError as e:
             self.metrics.request(route, e.status)
             return error_response(e)
-        return _Run(self, req, oai.Reply(parsed, self.model), parsed.stream, route)
+        return _Run(self, req, oai.Assembler(parsed, oai.Reply(parsed, self.model), self.tokenizer), parsed.stream,
+                    route)
 
     # ------------------------------------------------------------------ routes
     async def chat(self, request):
@@ -136,8 +137,8 @@ class _Run(Response):
     """One admitted request: a JSON reply or an SSE stream, cancelled when the client leaves or
     stops reading."""
 
-    def __init__(self, srv: Server, req, reply: oai.Reply, stream: bool, route: str):
-        self.srv, self.req, self.reply, self.stream, self.route = srv, req, reply, stream, route
+    def __init__(self, srv: Server, req, out: oai.Assembler, stream: bool, route: str):
+        self.srv, self.req, self.out, self.stream, self.route = srv, req, out, stream, route
         self.background = None
         self.first, self.last, self.t0 = True, None, time.perf_counter()
 
@@ -171,16 +172,14 @@ class _Run(Response):
     _ttft = None
 
     async def _json(self, send) -> int:
-        pieces = []
         try:
             async for r in self.req:
                 self._seen(r)
-                pieces.append(r.text)
+                self.out.feed(r)
         except GenerationError as e:
             await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
             return 400
-        reply = self.reply.whole([oai.Choice("".join(pieces), oai.finish_reason(self.last))], oai.usage_of(self.last))
-        await SafeJSONResponse(reply)(self.scope, None, send)
+        await SafeJSONResponse(self.out.whole())(self.scope, None, send)
         return 200
 
     async def _sse(self, send) -> int:
@@ -203,16 +202,14 @@ class _Run(Response):
                                        timeout)
 
         try:
-            reply = self.reply
-            await out(reply.start())
+            await out(self.out.start())
             if first is not None:
                 self._seen(first)
-                await out(reply.piece(first.text))
+                await out(self.out.feed(first))
                 async for r in it:
                     self._seen(r)
-                    await out(reply.piece(r.text))
-            await out(reply.end(self.last))
-            await out(reply.usage_chunk(oai.usage_of(self.last)))
+                    await out(self.out.feed(r))
+            await out(self.out.finish())
             await asyncio.wait_for(send({"type": "http.response.body", "body": b"data: [DONE]\n\n"}), timeout)
         except (asyncio.TimeoutError, OSError):
             self.req.cancel()                          # the client stopped reading: free the slot
