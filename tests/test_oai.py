@@ -90,26 +90,27 @@ def test_fields_of_later_layers_are_shape_checked_then_refused_in_one_place():
 
 
 # ============================================================================ hostile JSON over HTTP
+HI = b'{"messages": [{"role": "user", "content": "hi"}], '
 HOSTILE = [
     (COMP, b'{"prompt": "a\\ud800b"}', "prompt"),
     (COMP, b'{"prompt": ["\\udfff"]}', "prompt"),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages"),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "messages"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', "\\ud800"),
+    (CHAT, HI + b'"\\ud800": 1}', "\\ud800"),
     (CHAT, b'{"messages": [{"role": "user", "content": "hi", "\\udead": 2}]}', "messages"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}", "seed"),
+    (CHAT, HI + b'"seed": ' + b"9" * 5000 + b"}", "seed"),
     (COMP, b'{"prompt": "x", "max_tokens": -' + b"1" * 5000 + b"}", "max_tokens"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -Infinity}', "top_p"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}', "temperature"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": NaN}}', "logit_bias"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + b'{"a": ' * 40 + b"1" + b"}" * 40
+    (CHAT, HI + b'"temperature": NaN}', "temperature"),
+    (CHAT, HI + b'"top_p": Infinity}', "top_p"),
+    (CHAT, HI + b'"top_p": -Infinity}', "top_p"),
+    (CHAT, HI + b'"temperature": 1e999}', "temperature"),
+    (CHAT, HI + b'"logit_bias": {"1": NaN}}', "logit_bias"),
+    (CHAT, HI + b'"metadata": ' + b'{"a": ' * 40 + b"1" + b"}" * 40
      + b"}", "metadata"),
     (CHAT, b'{"messages": [{"role": "user", "content": {"text": "hi"}}]}', "messages"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stream": "true"}', "stream"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": [1]}', "stop"),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stream_options": []}', "stream_options"),
+    (CHAT, HI + b'"stream": "true"}', "stream"),
+    (CHAT, HI + b'"stop": [1]}', "stop"),
+    (CHAT, HI + b'"stream_options": []}', "stream_options"),
     (COMP, b'{"prompt": 5}', "prompt"),
     (COMP, b'{"prompt": "x", "echo": "no"}', "echo"),
     (COMP, b'{"prompt": "x", "n": 1.5}', "n"),
@@ -166,7 +167,11 @@ CASES = [("chat", {"max_tokens": 6, "temperature": 0}),
          ("chat", {"max_tokens": 3, "temperature": 0.9, "seed": 3}),
          ("completion", {"prompt": "def f(x):", "max_tokens": 5, "temperature": 0}),
          ("completion", {"prompt": "def f(x):", "max_tokens": 9, "temperature": 0, "stop": "\n", "echo": True}),
-         ("completion", {"prompt": "Once", "max_tokens": 4, "temperature": 0.8, "seed": 11})]
+         ("completion", {"prompt": "Once", "max_tokens": 4, "temperature": 0.8, "seed": 11}),
+         ("chat", {"max_tokens": 4, "temperature": 0.9, "seed": 5, "n": 3, "logprobs": True, "top_logprobs": 2,
+                   "presence_penalty": 0.5, "logit_bias": {"5": -3}}),
+         ("completion", {"prompt": "x = ", "max_tokens": 5, "temperature": 0, "n": 2, "logprobs": 3,
+                         "frequency_penalty": 1.0})]
 
 
 @pytest.mark.parametrize("kind, kw", CASES)
@@ -189,4 +194,41 @@ def test_api_and_server_give_the_same_object(app, pipe, kind, kw):  # noqa: F811
     assert (ta, ra) == (tb, rb) and len(ua) == len(ub) == 1
     assert ua[0]["completion_tokens"] == ub[0]["completion_tokens"] == a["usage"]["completion_tokens"]
     assert ca[:-1] == cb[:-1]
-    assert ta == ((a["choices"][0]["message"]["content"]) if kind == "chat" else a["choices"][0]["text"])
+    n = kw.get("n", 1)
+    assert [c["index"] for c in a["choices"]] == list(range(n))
+    for c in a["choices"]:          # each choice streamed = the whole reply's choice
+        i = c["index"]
+        text = "".join((k["choices"][0]["delta"].get("content") or "") if kind == "chat" else k["choices"][0]["text"]
+                       for k in ca if k["choices"] and k["choices"][0]["index"] == i)
+        assert text == (c["message"]["content"] if kind == "chat" else c["text"])
+        if kw.get("logprobs"):
+            parts = [k["choices"][0]["logprobs"] for k in ca if k["choices"] and k["choices"][0]["index"] == i
+                     and k["choices"][0]["logprobs"]]
+            if kind == "chat":
+                assert [e for p in parts for e in p["content"]] == c["logprobs"]["content"]
+            else:
+                assert [t for p in parts for t in p["tokens"]] == c["logprobs"]["tokens"]
+                assert [t for p in parts for t in p["text_offset"]] == c["logprobs"]["text_offset"]
+
+
+def test_logprobs_and_n_through_the_openai_client(pipe):  # noqa: F811
+    openai = pytest.importorskip("openai")
+    from serve_helpers import running
+    with running(pipe) as srv:
+        c = srv.client()
+        out = c.chat.completions.create(model="x", messages=MSGS, max_tokens=5, temperature=0, logprobs=True,
+                                        top_logprobs=3, n=2)
+        assert [ch.index for ch in out.choices] == [0, 1]
+        assert out.choices[0].message.content == out.choices[1].message.content           # greedy
+        content = out.choices[0].logprobs.content
+        assert len(content) == out.usage.completion_tokens // 2
+        for e in content:
+            assert e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+            assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+            assert e.top_logprobs[0].token == e.token                                      # greedy: the top one
+        cmp = c.completions.create(model="x", prompt="def f(x):", max_tokens=4, temperature=0, logprobs=2)
+        lp = cmp.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+        assert lp.text_offset[0] == 0 and all(len(d) <= 2 for d in lp.top_logprobs)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+            c.chat.completions.create(model="x", messages=MSGS, logprobs=True, top_logprobs=21)

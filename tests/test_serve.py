@@ -6,8 +6,7 @@ import json
 import urllib.request
 
 import pytest
-from serve_helpers import running
-from tinymodel import make_tiny_hf_model
+from serve_helpers import running, tiny_pipeline
 
 pytest.importorskip("starlette")
 openai = pytest.importorskip("openai")
@@ -17,19 +16,7 @@ MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
-    import os
-
-    from mixqrt.pipeline import Pipeline
-    d = tmp_path_factory.mktemp("serve")
-    old = os.environ.get("MIXQRT_CACHE")
-    os.environ["MIXQRT_CACHE"] = str(d / "cache")
-    try:
-        return Pipeline(make_tiny_hf_model(d / "hf"), recipe="f32", progress=False, offline=True, max_context=256)
-    finally:
-        if old is None:
-            os.environ.pop("MIXQRT_CACHE")
-        else:
-            os.environ["MIXQRT_CACHE"] = old
+    return tiny_pipeline(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")

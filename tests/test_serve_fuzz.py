@@ -98,21 +98,11 @@ def requests(draw):
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from tinymodel import make_tiny_hf_model
+    from serve_helpers import tiny_pipeline
 
-    from mixqrt.pipeline import Pipeline
     from mixqrt.serve.app import create_app
     from mixqrt.serve.guard import Limits
-    d = tmp_path_factory.mktemp("fuzz")
-    old = os.environ.get("MIXQRT_CACHE")
-    os.environ["MIXQRT_CACHE"] = str(d / "cache")
-    try:
-        pipe = Pipeline(make_tiny_hf_model(d / "hf"), recipe="f32", progress=False, offline=True, max_context=24)
-    finally:
-        if old is None:
-            os.environ.pop("MIXQRT_CACHE")
-        else:
-            os.environ["MIXQRT_CACHE"] = old
+    pipe = tiny_pipeline(tmp_path_factory.mktemp("fuzz"), max_context=24)
     a = create_app(pipe, model="tiny", limits=Limits(max_tokens=8))
     yield a
     a.state.server.engine.close()
