@@ -23,12 +23,12 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mixqrt.errors import GenerationError, RequestError
 
-__all__ = ["RequestError", "Request", "Reply", "Choice", "parse", "loads", "usage", "finish_reason",
-           "error_body", "check_messages", "MAX_JSON_DEPTH"]
+__all__ = ["RequestError", "Request", "Reply", "Choice", "Assembler", "parse", "loads", "usage", "usage_of",
+           "finish_reason", "error_body", "model_card", "model_list", "check_messages", "MAX_JSON_DEPTH"]
 
 # ---------------------------------------------------------------------------- bounds
 MAX_JSON_DEPTH = 32                 # OpenAI bodies nest 5 deep (messages -> content parts); schemas more
@@ -152,6 +152,16 @@ def _top(where) -> str | None:
 def error_body(message: str, param=None, code=None, type_: str = "invalid_request_error") -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def model_card(model_id: str, created: int) -> dict:
+    """GET /v1/models/{id}: OpenAI's model object."""
+    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "mixqrt"}
+
+
+def model_list(cards: list) -> dict:
+    """GET /v1/models."""
+    return {"object": "list", "data": list(cards)}
 
 
 # ============================================================================ field checks
@@ -408,7 +418,6 @@ class Request:
     cache_salt: str | None = None
     cache_prompt: bool = True
     user: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def gen_kwargs(self, context: int) -> dict:
         """-> keyword arguments of Engine.submit / Pipeline.stream (None ones left out: model defaults)."""

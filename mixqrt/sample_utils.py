@@ -184,16 +184,25 @@ def make_logits_processors(repetition_penalty: float | None = None, repetition_c
     return procs
 
 
+LOGPROB_FLOOR = -9999.0     # OpenAI's value for "impossible": a masked (-inf) logit reports this
+
+
 def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> tuple[float, list]:
     """The model's log-probability of `token` under `logits` (a log-softmax in float64, before any
-    processor or the temperature) and the `top` most likely (token, logprob) pairs, best first."""
+    processor or the temperature) and the `top` most likely (token, logprob) pairs, best first.
+    Never below LOGPROB_FLOOR (JSON has no -inf)."""
     x = np.asarray(logits, dtype=np.float64).reshape(-1)
     m = x.max()
     lse = m + np.log(np.exp(x - m).sum())
+
+    def lp(i) -> float:
+        v = float(x[i] - lse)
+        return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR      # also NaN -> the floor
+
     pairs = []
     if top > 0:
         k = min(int(top), x.size)
         ids = np.argpartition(-x, k - 1)[:k]
         ids = ids[np.lexsort((ids, -x[ids]))]          # most likely first, ties by id
-        pairs = [(int(i), float(x[i] - lse)) for i in ids]
-    return float(x[int(token)] - lse), pairs
+        pairs = [(int(i), lp(i)) for i in ids]
+    return lp(int(token)), pairs

@@ -81,6 +81,11 @@ def test_token_logprobs_property(row, k, data):
     assert vals == sorted(vals, reverse=True) and all(abs(v - ref[i]) < 1e-9 for i, v in top)
 
 
+def test_masked_logits_report_openais_floor_not_minus_infinity():
+    lp, top = token_logprobs(np.asarray([0.0, -np.inf, 1.0], np.float32), 1, 3)
+    assert lp == -9999.0 and [t for t, _ in top] == [2, 0, 1] and top[-1][1] == -9999.0
+
+
 # ============================================================================ n
 def test_n_choices_share_one_prefill_and_decode_as_a_batch(lm, eng):
     ids = lm.tokenizer.encode("The quick brown fox jumps")

@@ -110,10 +110,10 @@ class Server:
         return await self.generate(request, "completion")
 
     def card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "mixqrt"}
+        return oai.model_card(self.model, self.created)
 
     async def models(self, request):
-        return JSONResponse({"object": "list", "data": [self.card()]})
+        return JSONResponse(oai.model_list([self.card()]))
 
     async def model_card(self, request):
         name = request.path_params["name"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from mixqrt.errors import RequestError
-from mixqrt.oai import MAX_JSON_DEPTH, loads
+from mixqrt.oai import MAX_JSON_DEPTH, error_body, loads
 
 log = logging.getLogger("mixqrt.serve")
 
@@ -28,7 +28,7 @@ class HTTPError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.param, self.code, self.type)
 
 
 @dataclass
