@@ -85,6 +85,9 @@ def _parse_constant(s: str):
     return _Bad(f"{s} (JSON has no non-finite numbers)")
 
 
+_LONG_NUMBER = re.compile(r"\d{%d,}|[eE][+-]?0*\d{3,}" % (MAX_INT_DIGITS + 1))
+
+
 def loads(raw, max_depth: int = MAX_JSON_DEPTH) -> dict:
     """A request body (bytes or str) -> a dict, checked by ``check_values``; RequestError otherwise."""
     if isinstance(raw, (bytes, bytearray, memoryview)):
@@ -92,8 +95,10 @@ def loads(raw, max_depth: int = MAX_JSON_DEPTH) -> dict:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:
             raise RequestError(None, f"request body is not UTF-8 (byte {e.start})") from None
+    # per-number hooks are slow (a Python call per number): only when a number could be out of range
+    hooks = {"parse_int": _parse_int, "parse_float": _parse_float} if _LONG_NUMBER.search(raw) else {}
     try:
-        body = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        body = json.loads(raw, parse_constant=_parse_constant, **hooks)
     except json.JSONDecodeError as e:
         raise RequestError(None, f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") \
             from None
@@ -122,27 +127,30 @@ def check_values(body: dict, max_depth: int = MAX_JSON_DEPTH) -> None:
     stack = [(body, ())]
     while stack:
         o, where = stack.pop()
-        if len(where) >= max_depth and isinstance(o, (dict, list, tuple)):
+        if len(where) >= max_depth:
             raise RequestError(_top(where), f"request body nests deeper than {max_depth} levels "
                                             f"(at {_path(where[:8])}...)")
-        if isinstance(o, dict):
-            for k, v in o.items():
-                if not isinstance(k, str) or _SURROGATE.search(k):
-                    raise RequestError(_top(where + (k,)), f"{_path(where + (k,))}: a key holds a lone UTF-16 "
-                                                           "surrogate (not valid text)")
+        is_dict = isinstance(o, dict)
+        for k, v in (o.items() if is_dict else enumerate(o)):
+            if is_dict and (not isinstance(k, str) or (not k.isascii() and _SURROGATE.search(k))):
+                raise RequestError(_top(where + (k,)), f"{_path(where + (k,))}: a key holds a lone UTF-16 "
+                                                       "surrogate (not valid text)")
+            t = type(v)
+            if t is str:
+                if not v.isascii() and _SURROGATE.search(v):
+                    raise RequestError(_top(where + (k,)), f"{_path(where + (k,))}: the text holds a lone UTF-16 "
+                                                           "surrogate (not valid Unicode)")
+            elif t is int or t is bool or v is None:
+                if t is int and v.bit_length() > 4 * MAX_INT_DIGITS:
+                    raise RequestError(_top(where + (k,)), f"{_path(where + (k,))}: the integer is too large")
+            elif isinstance(v, (dict, list, tuple)):
                 stack.append((v, where + (k,)))
-        elif isinstance(o, (list, tuple)):
-            stack.extend((v, where + (i,)) for i, v in enumerate(o))
-        elif isinstance(o, str):
-            if _SURROGATE.search(o):
-                raise RequestError(_top(where), f"{_path(where)}: the text holds a lone UTF-16 surrogate "
-                                                "(not valid Unicode)")
-        elif isinstance(o, _Bad):
-            raise RequestError(_top(where), f"{_path(where)}: {o.why}")
-        elif isinstance(o, float) and not math.isfinite(o):
-            raise RequestError(_top(where), f"{_path(where)}: {o} is not a finite number")
-        elif isinstance(o, int) and not isinstance(o, bool) and o.bit_length() > 4 * MAX_INT_DIGITS:
-            raise RequestError(_top(where), f"{_path(where)}: the integer is too large")
+            elif isinstance(v, _Bad):
+                raise RequestError(_top(where + (k,)), f"{_path(where + (k,))}: {v.why}")
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise RequestError(_top(where + (k,)), f"{_path(where + (k,))}: {v} is not a finite number")
+            elif isinstance(v, str):                 # a str subclass
+                check_values({"": str(v)}, 2)
 
 
 def _top(where) -> str | None:

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from starlette.concurrency import run_in_threadpool
+
 from mixqrt.errors import RequestError
 from mixqrt.oai import MAX_JSON_DEPTH, error_body, loads
 
@@ -80,8 +82,8 @@ async def read_json(request, limits: Limits) -> dict:
         if n > limits.max_body_bytes:
             raise HTTPError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
         chunks.append(chunk)
-    try:
-        return loads(b"".join(chunks), limits.max_json_depth)
+    try:       # off the event loop: a 1 MiB body of small values takes a while to parse and check
+        return await run_in_threadpool(loads, b"".join(chunks), limits.max_json_depth)
     except RequestError as e:
         raise HTTPError(400, str(e), param=e.field) from None
 
