@@ -454,7 +454,7 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
     dropped); max_tokens_cap (a server's --max-tokens) bounds max_tokens.
     """
     if kind not in FIELDS:
-        raise ValueError(f"unknown request kind {kind!r}")
+        raise RequestError(None, f"unknown request kind {kind!r}")
     if not isinstance(body, dict):
         raise RequestError(None, "request body must be a JSON object")
     check_values(body, max_depth)
@@ -478,6 +478,8 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
             r.max_tokens = mt                 # max_completion_tokens (OpenAI's newer name) wins
     if kind == "completion" and "max_tokens" not in b:
         r.max_tokens = 16                     # OpenAI's and llama-cpp-python's default for completions
+    if max_tokens_cap is not None and (r.max_tokens is None or r.max_tokens <= 0 or r.max_tokens > max_tokens_cap):
+        r.max_tokens = max_tokens_cap         # "until the context is full" stops at the server's cap too
     r.temperature = _number("temperature", b.get("temperature"), lo=0.0)
     r.top_p = _number("top_p", b.get("top_p"), lo=0.0, hi=1.0, lo_open=True)
     r.top_k = _integer("top_k", b.get("top_k"))

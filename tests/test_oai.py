@@ -47,6 +47,10 @@ def test_parse_plain_values_and_defaults():
     c = oai.parse("completion", {"prompt": "x"})
     assert c.max_tokens == 16 and c.gen_kwargs(100) == {"max_new_tokens": 16}
     assert oai.parse("completion", {"prompt": "x", "max_tokens": 0}).gen_kwargs(100)["max_new_tokens"] == 100
+    # a server's --max-tokens-cap also bounds "until the context is full" and the completions default
+    assert oai.parse("chat", {"messages": MSGS}, max_tokens_cap=5).max_tokens == 5
+    assert oai.parse("completion", {"prompt": "x", "max_tokens": -1}, max_tokens_cap=5).max_tokens == 5
+    assert oai.parse("completion", {"prompt": "x"}, max_tokens_cap=8).max_tokens == 8
 
 
 @pytest.mark.parametrize("body, field", [
