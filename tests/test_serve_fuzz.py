@@ -127,7 +127,7 @@ def test_no_route_answers_5xx(app):
 
     one()
     dt = time.perf_counter() - t0
-    print(f"\nHTTP fuzz: {sum(seen.values())} cases in {dt:.1f} s, statuses {dict(sorted(seen.items(), key=str))}")
     cases = sum(v for k, v in seen.items() if isinstance(k, int))
+    print(f"\nHTTP fuzz: {cases} cases in {dt:.1f} s, statuses {dict(sorted(seen.items(), key=str))}")
     assert not worst and cases >= min(CASES, 50)
     assert seen[200] > 0 and seen[400] > 0          # the fuzz reaches the engine and the checks
