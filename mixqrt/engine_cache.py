@@ -73,15 +73,29 @@ class PromptCache:
                 del self.idle[id(best)]
                 entry = best
             else:                                 # diverges inside: copy the shared rows, keep the original
-                entry = self._new()
-                for src, dst in zip(best.kv.keys + best.kv.values, entry.kv.keys + entry.kv.values):
-                    dst[:, :n] = src[:, :n]
-                entry.hwm = n
+                entry = self._copy(best, n)
                 self.idle.move_to_end(id(best))
             entry.kv.offset = n
         entry.tokens = p[:n]
         self.busy[id(entry)] = entry
         return entry, n
+
+    def _copy(self, src: CacheEntry, n: int) -> CacheEntry:
+        """A new cache holding src's first n rows."""
+        entry = self._new()
+        for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):
+            b[:, :n] = a[:, :n]
+        entry.hwm = n
+        entry.kv.offset = n
+        return entry
+
+    def fork(self, src: CacheEntry, n: int) -> CacheEntry:
+        """A busy copy of a busy cache's first n rows: the n choices of one request share its
+        prompt's prefill this way."""
+        entry = self._copy(src, n)
+        entry.tokens = src.tokens[:n]
+        self.busy[id(entry)] = entry
+        return entry
 
     def release(self, entry: CacheEntry, tokens: np.ndarray) -> None:
         """A request is done with `entry`; tokens [kv.offset] are what its rows hold."""

@@ -31,6 +31,9 @@ class _EngineCollector:
                                ("cached_tokens", "c", "prompt tokens taken from the prompt cache"),
                                ("steps", "c", "engine steps (one forward each)"),
                                ("decode_tokens", "c", "tokens decoded by engine steps (decode batch = this / steps)"),
+                               ("draft_tokens", "c", "tokens drafted by speculative decoding"),
+                               ("accepted_draft_tokens", "c", "drafted tokens the model accepted"),
+                               ("verify_steps", "c", "speculative verification forwards"),
                                ("gemm_cache_bytes_used", "b", "memory held by unpacked weight tiles (gemm cache)")):
             if key not in s:
                 continue
