@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from mixqrt.errors import GenerationError, RequestError
+from mixqrt import sample_utils
 
 __all__ = ["RequestError", "Request", "Reply", "Choice", "Assembler", "parse", "loads", "usage", "usage_of",
            "finish_reason", "error_body", "model_card", "model_list", "check_messages", "MAX_JSON_DEPTH"]
@@ -51,11 +52,7 @@ FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")   # th
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 
 
-def _show(v, limit: int = 60) -> str:
-    """A value for an error message: repr, ASCII only (no surrogate or control character reaches a
-    reply or a log), cut to `limit` characters."""
-    r = ascii(v)
-    return r if len(r) <= limit else r[:limit] + "..."
+_show = sample_utils._show
 
 
 def _safe(s) -> str:
@@ -174,29 +171,11 @@ def model_list(cards: list) -> dict:
 
 # ============================================================================ field checks
 def _number(name, v, lo=None, hi=None, lo_open=False):
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(name, f"{name} must be a finite number, got {_show(v)}")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise RequestError(name, f"{name} must be {'>' if lo_open else '>='} {lo}, got {_show(v)}")
-    if hi is not None and v > hi:
-        raise RequestError(name, f"{name} must be <= {hi}, got {_show(v)}")
-    return float(v)
+    return None if v is None else sample_utils._number(name, v, lo, hi, lo_open)
 
 
 def _integer(name, v, lo=None, hi=None):
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)          # JSON clients sometimes send 64.0
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(name, f"{name} must be an integer, got {_show(v)}")
-    if lo is not None and v < lo:
-        raise RequestError(name, f"{name} must be >= {lo}, got {_show(v)}")
-    if hi is not None and v > hi:
-        raise RequestError(name, f"{name} must be <= {hi}, got {_show(v)}")
-    return int(v)
+    return None if v is None else sample_utils._int(name, v, lo=lo, hi=hi)
 
 
 def _bool(name, v, default=None):

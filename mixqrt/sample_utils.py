@@ -5,25 +5,37 @@ import math
 
 import numpy as np
 
-from mixqrt.errors import GenerationError
+from mixqrt.errors import GenerationError, RequestError
 
 
-def _number(name, v, lo=None, hi=None, lo_open=False, hi_open=False):
+def _show(v, limit: int = 60) -> str:
+    """A value for an error message: repr, ASCII only (no surrogate or control character reaches a
+    reply or a log), cut to `limit` characters."""
+    r = ascii(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+# The one numeric argument checker of the Python API and the HTTP API (mixqrt.oai wraps these):
+# a RequestError (a GenerationError) that names the argument.
+def _number(name, v, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-        raise GenerationError(f"{name} must be a finite number, got {v!r}")
-    v = float(v)
+        raise RequestError(name, f"{name} must be a finite number, got {_show(v)}")
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise GenerationError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+        raise RequestError(name, f"{name} must be {'>' if lo_open else '>='} {lo}, got {_show(v)}")
     if hi is not None and (v >= hi if hi_open else v > hi):
-        raise GenerationError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {v}")
-    return v
+        raise RequestError(name, f"{name} must be {'<' if hi_open else '<='} {hi}, got {_show(v)}")
+    return float(v)
 
 
-def _int(name, v, lo=0):
+def _int(name, v, lo=0, hi=None) -> int:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)          # JSON clients sometimes send 64.0
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise GenerationError(f"{name} must be an int, got {v!r}")
-    if v < lo:
-        raise GenerationError(f"{name} must be >= {lo}, got {v}")
+        raise RequestError(name, f"{name} must be an integer, got {_show(v)}")
+    if lo is not None and v < lo:
+        raise RequestError(name, f"{name} must be >= {lo}, got {_show(v)}")
+    if hi is not None and v > hi:
+        raise RequestError(name, f"{name} must be <= {hi}, got {_show(v)}")
     return int(v)
 
 
