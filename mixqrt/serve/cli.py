@@ -173,7 +173,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--gemm-cache-bytes", type=_non_negative, default=None,
                    help="bytes of unpacked weight tiles that batched steps of more than 8 rows read "
                         "instead of unpacking (default 0: off; docs/engine.md)")
-    s.add_argument("--max-tokens-cap", type=_positive, default=None, help="largest max_tokens accepted")
+    s.add_argument("--max-tokens-cap", type=_positive, default=None,
+                   help="largest max_tokens accepted (400 above); also the budget of a request that sends none")
     s.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
     s.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds a stream may go unread before it is cancelled")
