@@ -43,6 +43,7 @@ from mixqrt.sample_utils import _int, _number
 __all__ = ["Engine", "EngineBusy", "Request"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_CACHE_SALT = 1024                   # characters (the server's own field allows 256, plus its key's salt)
 DEFAULT_MAX_CONTEXT = 4096
 _ids = itertools.count(1)
 
@@ -66,6 +67,7 @@ class Request:
         self.t_submit = time.perf_counter()
         self.prompt_tokens = len(seq.prompt)
         self.cached_tokens = 0
+        self.cache_salt, self.cache_prompt = None, True
         self.finish_reason: str | None = None
         self._engine = engine
         self._cond = threading.Condition()
@@ -152,6 +154,16 @@ class Request:
         return f"Request(id={self.id}, prompt_tokens={self.prompt_tokens}, finish_reason={self.finish_reason!r})"
 
 
+def _cache_salt(salt):
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise GenerationError(f"cache_salt must be a string or None, got {type(salt).__name__}")
+    if len(salt) > MAX_CACHE_SALT:
+        raise GenerationError(f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT}")
+    return salt
+
+
 def _wake_future(fut) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -225,14 +237,21 @@ class Engine:
     # ------------------------------------------------------------------ public
     def submit(self, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None, top_p=None,
                min_p=None, repetition_penalty=None, seed=None, stop=None, eos_token_ids=None,
-               buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None) -> Request:
+               buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None,
+               cache_salt: str | None = None, cache_prompt: bool = True) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
         Bad arguments raise GenerationError here; EngineBusy when max_queue requests already wait.
         Sampling arguments left at None come from the model's generation_config
         (generate.resolve_sampling: greedy unless do_sample or the config asks for sampling).
+        cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
+        a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
+        K/V nor leaves this request's behind.
         """
         buffer = _int("buffer", buffer, lo=1)
+        salt = _cache_salt(cache_salt)
+        if not isinstance(cache_prompt, (bool, np.bool_)):
+            raise GenerationError(f"cache_prompt must be true or false, got {cache_prompt!r}")
         seq = Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
@@ -247,6 +266,7 @@ class Engine:
                 raise EngineBusy(f"the engine is busy: {len(self._queue)} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seq, buffer)
+            req.cache_salt, req.cache_prompt = salt, bool(cache_prompt)
             self._queue.append(req)
             self._n["requests"] += 1
             self._cond.notify_all()
@@ -259,8 +279,9 @@ class Engine:
                     "tokens_generated": self._n["tokens_generated"], "prompt_tokens": self._n["prompt_tokens"],
                     "prefill_tokens": self._n["prefill_tokens"], "cached_tokens": c.cached_tokens,
                     "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
-                    "idle_caches": len(c.idle), "kv_cache_bytes_used": c.used_bytes(),
-                    "kv_cache_bytes": c.capacity, "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
+                    "idle_caches": c.tree.leaves, "cache_nodes": len(c.tree), "cache_salts": len(c.tree.roots),
+                    "kv_cache_bytes_used": c.used_bytes(), "kv_cache_bytes": c.capacity,
+                    "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
                     "steps": self._n["steps"],
                     "decode_tokens": self._n["decode_tokens"], "max_batch": self._n["max_batch"],
                     "requests": self._n["requests"],
@@ -324,7 +345,7 @@ class Engine:
                 if req.cancelled:
                     self._end_queued(req)
                     continue
-                entry, n = self._cache.acquire(req.seq.prompt)
+                entry, n = self._cache.acquire(req.seq.prompt, req.cache_salt, req.cache_prompt)
                 req.cached_tokens = n
                 self._n["prompt_tokens"] += req.prompt_tokens
                 self._slots.append(_Slot(req, entry, n))

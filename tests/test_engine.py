@@ -265,10 +265,12 @@ def test_prompt_cache_diverging_prefix_copies_and_identical_prompt(lm32):
 
 
 def test_prompt_cache_lru_eviction_bounded(lm32):
+    from mixqrt.engine_cache import NODE_OVERHEAD, SALT_OVERHEAD
     with Engine(lm32) as probe:
         row = probe._cache.row_bytes
-    cap = row * 50
-    ps = [[i + 1] * 20 for i in range(4)]                              # 20 + 5 rows each
+    node = 25 * row + 25 * 4 + NODE_OVERHEAD                          # 20 + 5 rows each, int32 tokens
+    cap = SALT_OVERHEAD + 2 * node + node // 2                          # room for two
+    ps = [[i + 1] * 20 for i in range(4)]
     with Engine(lm32, kv_cache_bytes=cap) as eng:
         for p in ps:
             tokens(eng.submit(p, max_new_tokens=6, temperature=0.0, **NO_EOS))

@@ -12,6 +12,7 @@ seconds, or goes away, has its request cancelled. Response objects are OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 
@@ -25,13 +26,14 @@ from starlette.routing import Route
 
 from mixqrt import api
 from mixqrt.errors import GenerationError, MixqrtError
-from mixqrt.serve.guard import Guard, HTTPError, Limits, check_limits, read_json
+from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, check_limits, read_json
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 
 from mixqrt.engine import Engine, EngineBusy
 
 # request fields clients send that change nothing here (one model per server, no accounts)
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt"}
+# (`user` is no cache boundary either: it is the client's word; cache_salt and API keys are, below)
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 _ALIASES = {"max_completion_tokens": "max_tokens"}      # OpenAI's newer name in chat
 _INTERNAL = {"pipe", "prompt", "messages", "model", "stats"}
 _GEN_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop", "seed",
@@ -45,6 +47,34 @@ def _params(fn) -> set[str]:
 
 _ROUTES = {"chat": (api.create_chat_completion, "messages", _params(api.create_chat_completion)),
            "completion": (api.create_completion, "prompt", _params(api.create_completion))}
+
+
+# ============================================================================ prompt-cache isolation
+MAX_CACHE_SALT = 256
+
+
+def read_cache_fields(body: dict) -> tuple[str | None, bool]:
+    """Take `cache_salt` (a string of at most 256 characters) and `cache_prompt` (true/false,
+    default true) out of a request body -> (salt or None, cache_prompt); 400 naming a bad one."""
+    salt = body.pop("cache_salt", None)
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
+        raise HTTPError(400, f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
+                        param="cache_salt")
+    use = body.pop("cache_prompt", True)
+    if not isinstance(use, bool):
+        raise HTTPError(400, "cache_prompt must be true or false", param="cache_prompt")
+    return salt or None, use
+
+
+def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
+    """The engine's cache salt for a request: with API keys configured, a hash of the request's
+    key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
+    never share cached prompts; without keys, the request's salt (None: the shared cache)."""
+    if not api_keys(limits):
+        return salt
+    token = (authorization or "").partition(" ")[2].strip()
+    key = hashlib.sha256(b"mixqrt prompt-cache salt\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{key}:{salt or ''}"
 
 
 def error_response(e: HTTPError) -> JSONResponse:
@@ -120,9 +150,11 @@ class Server:
         route = request.url.path
         try:
             body = await read_json(request, self.limits)
+            salt, use_cache = read_cache_fields(body)
+            salt = cache_salt(salt, request.headers.get("authorization"), self.limits)
             ids, gen, shape, stream = await run_in_threadpool(self.prepare, kind, body)
             try:
-                req = self.engine.submit(ids, **gen)
+                req = self.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=use_cache)
             except EngineBusy as e:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None
