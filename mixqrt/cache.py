@@ -99,13 +99,14 @@ class KVCache:
         if rows == 0:
             return 0
         page = mmap.PAGESIZE
+        runs = 2 * self.num_layers * self.num_kv_heads
         run = self.max_len * self.head_dim * self.dtype.itemsize        # one head's rows in one layer
         used = rows * self.head_dim * self.dtype.itemsize
-        starts = np.arange(2 * self.num_layers * self.num_kv_heads, dtype=np.int64) * run
+        if run % page == 0:                     # every run starts a page
+            return runs * -(-used // page) * page
+        starts = np.arange(runs, dtype=np.int64) * run
         first, last = starts // page, (starts + used - 1) // page
-        pages = int((last - first + 1).sum())
-        if run % page:                          # runs sharing a page: count it once
-            pages -= int((first[1:] == last[:-1]).sum())
+        pages = int((last - first + 1).sum()) - int((first[1:] == last[:-1]).sum())   # shared pages once
         return pages * page
 
     @staticmethod

@@ -354,6 +354,7 @@ class Engine:
             for s in self._slots:
                 s.req.paused = s.tok is not None and s.req._full()
             if prefill is not None or decode:
+                self._cache.evict()         # running caches grew by the last step: keep the bound
                 return prefill, decode
             waits = [s.full_since + self.stall_timeout - now for s in self._slots if s.full_since is not None]
             self._cond.wait(max(0.0, min(waits)) + 1e-3 if waits else None)
