@@ -13,7 +13,8 @@ and a wrong one recomputes everything after the PIN: the time to the first token
 Secrets differ after the PIN, so B's earlier probes help B only up to it. Reported per case: the
 median cached_tokens and request time (one new token, non-streaming: the time to the first token
 plus one token) of right and wrong guesses.
-Cases: `shared` (no salt, no keys: the default), `salt` (A and B send different cache_salt values),
+Cases: `shared` (no salt, no keys: the default), `same_salt` (both send one salt: sharing on
+purpose, the cache must still hit), `salt` (A and B send different cache_salt values),
 `key` (a server with two API keys, A and B each with its own). Nothing is asserted on time; the
 table goes between the `mixqrt:server-cache-isolation` markers of docs/server.md.
 """
@@ -120,6 +121,7 @@ def main():
     try:
         srv.ask("warm up " * 20)
         cases["shared"] = probe_case(srv, a.reps, a.prefix_chars, {}, {}, rng)
+        cases["same_salt"] = probe_case(srv, a.reps, a.prefix_chars, {"salt": "team"}, {"salt": "team"}, rng)
         cases["salt"] = probe_case(srv, a.reps, a.prefix_chars, {"salt": "alice"}, {"salt": "bob"}, rng)
     finally:
         srv.close()
@@ -146,7 +148,9 @@ def main():
 
 def write_doc(r: dict) -> None:
     m = r["machine"]
-    names = {"shared": "shared cache (no salt, no keys: the default)", "salt": "A and B send different cache_salt",
+    names = {"shared": "shared cache (no salt, no keys: the default)",
+             "same_salt": "A and B send the same cache_salt (sharing on purpose)",
+             "salt": "A and B send different cache_salt",
              "key": "A and B use different API keys"}
     lines = [f"{m.get('cpu_model')}, {r['threads']} kernel threads, {m['date_utc']}, commit {m['git_commit']}, "
              f"load average {m['loadavg'][0]:.1f} at the end. Model `{r['model']}`. Command: `{r['command']}`. "

@@ -194,7 +194,8 @@ class Engine:
     """Continuous-batching generation over one model (see the module docstring).
 
     max_slots: requests decoded together; prefill_chunk: prompt tokens per step; kv_cache_bytes:
-    bound of the KV caches' resident rows (default 1 GiB; 0 turns the prompt cache off);
+    bound of the KV memory, cached prompts and running requests' written pages (default 1 GiB;
+    cached prompts are evicted to keep it; 0 turns the prompt cache off);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked

@@ -74,7 +74,7 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "match"]), st.sampled_from(S
                          st.lists(st.integers(0, 3), min_size=1, max_size=12)), min_size=1, max_size=40)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, limit_cut=st.integers(0, 3))
 def test_longest_prefix_is_brute_force_and_salts_never_cross(ops, limit_cut):
     tree, rows, seqs = PrefixTree(), Rows(), []
@@ -95,7 +95,7 @@ def test_longest_prefix_is_brute_force_and_salts_never_cross(ops, limit_cut):
         check_tree(tree)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, cap=st.integers(0, 6000))
 def test_eviction_keeps_the_bound_and_only_drops_leaves(ops, cap):
     tree, rows, seqs = PrefixTree(), Rows(), []
@@ -150,7 +150,7 @@ def test_counted_bytes_match_what_is_allocated():
     rows = np.zeros((4, 2, 16, 16), np.float32)           # 2 layers x K/V, 2 heads, head_dim 16
     for length in (1, 12):
         tree = PrefixTree()
-        seqs = [rng.integers(0, 5000, length) for _ in range(3000)]
+        seqs = [rng.integers(0, 5000, length) for _ in range(1500)]
         gc.collect()
         tracemalloc.start()
         try:
