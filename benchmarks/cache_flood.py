@@ -52,6 +52,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(args: list, root: str, tmp: Path) -> tuple[subprocess.Popen, int]:
+    """`python -m mixqrt serve ARGS --port P` from checkout `root` -> (process, port) once it listens."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": root, "MIXQRT_CACHE": str(tmp / "cache")}
+    env.pop("MIXQRT_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "mixqrt", "serve", *args, "--port", str(port), "-q", "--offline"],
+                            env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"server did not start: {proc.stderr.read().decode()[-2000:]}") from None
+            time.sleep(0.2)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def tiny_mxq(folder: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from tinymodel import make_tiny_hf_model
@@ -138,22 +165,9 @@ def main():
         a.flood, a.measure, a.no_docs = 2000, 300, True
     tmp = Path(tempfile.mkdtemp(prefix="cache-flood-"))
     model = Path(a.model) if a.model else tiny_mxq(tmp)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": a.mixqrt_root, "MIXQRT_CACHE": str(tmp / "cache")}
-    env.pop("MIXQRT_API_KEY", None)
-    cmd = [sys.executable, "-m", "mixqrt", "serve", str(model), "--port", str(port), "-t", str(a.threads),
-           "--kv-cache-bytes", str(a.kv_cache_bytes), "--max-queue", "256", "-q", "--offline"]
-    srv = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    srv, port = start_server([str(model), "-t", str(a.threads), "--kv-cache-bytes", str(a.kv_cache_bytes),
+                              "--max-queue", "256"], a.mixqrt_root, tmp)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if srv.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"server did not start: {srv.stderr.read().decode()[-2000:]}")
-                time.sleep(0.2)
         rss_start = rss(srv.pid)
         load = Load(port, a.clients, a.max_tokens)
         load.run([f"warm {i}" for i in range(a.warmup)])
@@ -171,11 +185,7 @@ def main():
         after = load.run(prompts(5 * 10 ** 5, a.measure))
         rss_end, rss_peak = rss(srv.pid), rss(srv.pid, "VmHWM")
     finally:
-        srv.terminate()
-        try:
-            srv.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.kill()
+        stop_server(srv)
     model_bytes = model.stat().st_size
     limit = 1.3 * (model_bytes + a.kv_cache_bytes + FIXED_OVERHEAD)
     res = {"machine": machine_info(), "command": " ".join(["python"] + sys.argv), "model": str(model.name),

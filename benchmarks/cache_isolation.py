@@ -23,11 +23,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,29 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import machine_info, update_doc, write_json  # noqa: E402
-from cache_flood import free_port, tiny_mxq  # noqa: E402
+from cache_flood import start_server, stop_server, tiny_mxq  # noqa: E402
 
 
 class Server:
     def __init__(self, model: Path, tmp: Path, threads: int, keys=()):
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "mixqrt", "serve", str(model), "--port", str(self.port), "-t", str(threads),
-               "-q", "--offline"]
+        args = [str(model), "-t", str(threads)]
         if keys:
             (tmp / "keys").write_text("\n".join(keys) + "\n")
-            cmd += ["--api-key-file", str(tmp / "keys")]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "MIXQRT_CACHE": str(tmp / "cache")}
-        env.pop("MIXQRT_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"server did not start: {self.proc.stderr.read().decode()[-2000:]}")
-                time.sleep(0.2)
+            args += ["--api-key-file", str(tmp / "keys")]
+        self.proc, self.port = start_server(args, str(ROOT), tmp)
         self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
 
     def ask(self, system: str, key=None, salt=None) -> tuple[int, float]:
@@ -81,11 +65,7 @@ class Server:
 
     def close(self):
         self.conn.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_server(self.proc)
 
 
 def probe_case(srv: Server, reps: int, chars: int, a: dict, b: dict, rng: random.Random) -> dict:

@@ -53,7 +53,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 class _Node:
     """A run of tokens and their K/V rows, below a parent whose tokens come before them."""
-    __slots__ = ("tokens", "kv", "children", "parent", "__weakref__")
+    __slots__ = ("tokens", "kv", "children", "parent")
 
     def __init__(self, tokens: np.ndarray, kv: np.ndarray, parent):
         self.tokens = tokens     # [n] int32
