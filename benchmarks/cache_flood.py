@@ -133,7 +133,7 @@ class Load:
             conn.close()
 
         t = time.perf_counter()
-        ths = [threading.Thread(target=worker) for _ in range(self.clients)]
+        ths = [threading.Thread(target=worker, daemon=True) for _ in range(self.clients)]
         for th in ths:
             th.start()
         for th in ths:
