@@ -89,7 +89,8 @@ def main():
     ap.add_argument("--prefix-chars", type=int, default=180, help="secret text length (the tiny context is 256)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "server-cache-isolation.json"))
+    ap.add_argument("--block", default="server-cache-isolation",
+                    help="the docs/server.md block (and docs/data/BLOCK.json) the table goes to")
     a = ap.parse_args()
     if a.quick:
         a.reps = 6
@@ -122,11 +123,11 @@ def main():
     res = {"machine": machine_info(), "command": " ".join(["python"] + sys.argv), "model": model.name,
            "reps": a.reps, "prefix_chars": a.prefix_chars, "threads": a.threads, "cases": cases, "summary": summary}
     if not a.quick:
-        write_json(a.out, res)
-        write_doc(res)
+        write_json(ROOT / "docs" / "data" / f"{a.block}.json", res)
+        write_doc(res, a.block)
 
 
-def write_doc(r: dict) -> None:
+def write_doc(r: dict, block: str) -> None:
     m = r["machine"]
     names = {"shared": "shared cache (no salt, no keys: the default)",
              "same_salt": "A and B send the same cache_salt (sharing on purpose)",
@@ -145,7 +146,7 @@ def write_doc(r: dict) -> None:
         lines.append(f"| {names[k]} | {rt['cached']:.0f} | {wr['cached']:.0f} | {rt['ms']:.1f} "
                      f"[{rt['ms_p10']:.1f}, {rt['ms_p90']:.1f}] | {wr['ms']:.1f} "
                      f"[{wr['ms_p10']:.1f}, {wr['ms_p90']:.1f}] |")
-    update_doc(ROOT / "docs" / "server.md", {"server-cache-isolation": "\n".join(lines)})
+    update_doc(ROOT / "docs" / "server.md", {block: "\n".join(lines)})
 
 
 if __name__ == "__main__":
