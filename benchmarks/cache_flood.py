@@ -83,7 +83,7 @@ def tiny_mxq(folder: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from tinymodel import make_tiny_hf_model
 
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     out = folder / "tiny-f32.mxq"
     quantize_model(str(make_tiny_hf_model(folder / "hf")), "f32", out, progress=False)
     return out

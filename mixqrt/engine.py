@@ -37,14 +37,14 @@ from mixqrt import ops
 from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError
 from mixqrt.generate import GenerationResponse, Sequence
-from mixqrt.perf import peak_rss_bytes
+from mixqrt.limits import DEFAULT_MAX_CONTEXT
+from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.sample_utils import _int, _number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 MAX_CACHE_SALT = 1024                   # characters (the server's own field allows 256, plus its key's salt)
-DEFAULT_MAX_CONTEXT = 4096
 _ids = itertools.count(1)
 
 

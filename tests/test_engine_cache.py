@@ -201,7 +201,7 @@ def test_kvcache_resident_bytes_are_the_pages_written(layers, heads, dim, max_le
 def lm(tmp_path_factory):
     from tinymodel import make_tiny_hf_model
 
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     from mixqrt.pipeline import LoadedModel
     d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
     out = tmp_path_factory.mktemp("mxq") / "f32.mxq"
