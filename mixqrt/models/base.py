@@ -11,7 +11,8 @@ everything else runs the model through these methods, never through its private 
     attn_stage / ffn_stage, ffn_in / ffn_halves / ffn_out  a layer's two halves (core-slicing)
     layer_weights(li), named_weights()               the runtime tensors by spec name (fused targets
                                                      as such, unfused groups as their parts)
-    Model.empty(args), load_layer(i, tensors), load_global(name, t)   build a model piece by piece
+    Model.empty(args), load_layer(i, tensors), unload_layer(i), load_global(name, t)
+                                                     build (and run) a model piece by piece
 
 Clients: the forward and decode_batch themselves, runtime/scheduler's runners (which call the
 prefetcher between layers), GPTQ calibration (quant/calibrate.py: one layer at a time, recording

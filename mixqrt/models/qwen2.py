@@ -260,6 +260,12 @@ class Model:
         self.layers[i] = self._layer_from(i, out)
         self.__dict__.pop("_fused", None)
 
+    def unload_layer(self, i: int) -> None:
+        """Drop layer i's weights (a model built piece by piece keeps one layer at a time)."""
+        self._check_layer_index(i)
+        self.layers[i] = None
+        self.__dict__.pop("_fused", None)
+
     def load_global(self, name: str, tensor) -> None:
         """Set the embedding, final norm or lm_head (models/spec.py names), shape-checked."""
         ms, shapes = self._spec()
