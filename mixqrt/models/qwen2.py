@@ -182,6 +182,9 @@ class Model:
 
     args_class = ModelArgs
     kv_dtype = np.float32          # set to np.float16 to halve the KV cache (ops.attention reads both)
+    # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
+    # another model_type (another graph) decodes op by op through layer_forward, never through it
+    native_decode_types = ("qwen2", "llama")
 
     def __init__(self, args: ModelArgs, weights: dict, generation_config: dict | None = None):
         self._setup(args, generation_config)
@@ -399,6 +402,8 @@ class Model:
         on first use; None where a layer does not fit them (a projection left in parts because its
         formats differ): that model decodes op by op. An architecture without such a native layer
         returns None here and decodes op by op through layer_forward."""
+        if self.args.model_type not in self.native_decode_types:
+            return None
         got = self.__dict__.get("_fused")
         if got is None:
             a, out = self.args, []

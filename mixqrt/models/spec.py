@@ -7,7 +7,8 @@ Every layer that needs to know what a checkpoint holds reads it here:
     quant/auto                  tensors fused at run time get one format together (a fusion group)
     convert                     write order, and which groups are written as one fused tensor
     models/qwen2.sanitize       shapes checked at load, groups fused at load
-    runtime/scheduler           row views of a fused tensor (row_slice, the inverse of fuse)
+    models/qwen2.ffn_halves     row views of a fused tensor (row_slice, the inverse of fuse)
+    quant/calibrate, imatrix    which HF tensors a runtime tensor holds (parts_of), norm folding (norm_feeds)
 
 Names and layouts are Hugging Face's ([out, in] matrices). Qwen2 and Llama share one graph; they
 differ only in which attention biases exist (Qwen2: q/k/v always; Llama: q/k/v/o when

@@ -235,7 +235,7 @@ class Calibrator:
         vec, ratios = self._vectors([spec.FINAL_NORM])
         m.load_global(spec.FINAL_NORM, vec[spec.FINAL_NORM])
         if spec.LM_HEAD in self.fmts:   # absent when the recipe ties it to the (RTN) embedding
-            m.load_global(spec.LM_HEAD, _Pending(spec.LM_HEAD, (self.a.vocab_size, self.a.hidden_size)))
+            m.load_global(spec.LM_HEAD, _Pending(spec.LM_HEAD, self.spec.shapes(with_lm_head=True)[spec.LM_HEAD]))
             names, h = self._record({spec.LM_HEAD: m.lm_head}, m.head)
             self._linear(spec.LM_HEAD, self.fmts[spec.LM_HEAD], h, ratios.get(spec.LM_HEAD))
         self.x = None
