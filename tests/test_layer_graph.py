@@ -112,3 +112,33 @@ def test_the_hook_sees_each_product_once_with_the_silu_input(tmp_path):
     downs = [s for i, s in seen if i == id(model.layers[0].down)]
     assert downs == [(5, model.args.intermediate_size)]
     assert len(seen) == 4 * model.n_layers + 1
+
+
+def test_a_model_built_piece_by_piece_is_the_model(tmp_path):
+    """Model.empty + load_global + load_layer (what calibration uses) give the loaded model's logits, and
+    layer_weights / named_weights name every runtime tensor by the spec (fused targets or parts)."""
+    from mixqrt.errors import ModelError
+    from mixqrt.models import build_model, get_model_class
+    from tinymodel import tiny_config
+    cfg, w = tiny_config("llama", tied=False), tiny_weights("llama", tied=False, seed=2)
+    whole = build_model(cfg, w)
+    cls = get_model_class("llama")
+    part = cls.empty(cls.args_class.from_dict(cfg))
+    for n in (spec.EMBED, spec.FINAL_NORM, spec.LM_HEAD):
+        part.load_global(n, w[n])
+    for i in range(part.n_layers):
+        part.load_layer(i, {n: t for n, t in w.items() if spec.split_layer(n)[0] == i})
+    ids = np.arange(7)
+    np.testing.assert_array_equal(part.logits(ids), whole.logits(ids))
+    names = set(whole.named_weights())
+    assert names == {spec.EMBED, spec.FINAL_NORM, spec.LM_HEAD} | {
+        f"model.layers.{i}.{s}" for i in range(whole.n_layers) for s in (
+            "input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")}
+    with pytest.raises(ModelError, match="not part of layer 0"):
+        part.load_layer(0, {**{n: t for n, t in w.items() if spec.split_layer(n)[0] == 0},
+                            "model.layers.1.mlp.down_proj.weight": w["model.layers.1.mlp.down_proj.weight"]})
+    with pytest.raises(ModelError, match="layer index"):
+        part.layer_weights(2)
+    part.unload_layer(1)
+    assert part.layer_weights(1) == {} and part.fused_layers() is None
