@@ -86,6 +86,8 @@ class Calibrator:
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
                  hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True,
                  rotation_for=None, observe=None):
+        if not chunks or any(np.ndim(c) != 1 or np.size(c) < 1 for c in chunks):
+            raise QuantError("calibration needs at least one non-empty chunk of token ids")
         self.a = args
         self.model = get_model_class(args.model_type).empty(args)   # filled and run one layer at a time
         self.spec = spec.ModelSpec(vars(args), args.model_type)
