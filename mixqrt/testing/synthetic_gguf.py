@@ -19,7 +19,7 @@ converter stores them, already shifted by +1 (the multiplier itself, HF's weight
 
 The configurations (what each one exercises):
   qwen2      q/k/v biases, GQA, untied output
-  llama      plain Llama: no biases, untied output
+  llama      plain Llama (no rope scaling): no biases, tied embeddings (as SmolLM2, Llama 3.2 1B/3B)
   llama3     Llama 3.x: rope_freqs.weight (the "llama3" rope_scaling frequency factors, as the
              converter writes them: no rope.scaling.* keys), tied embeddings. original context 64, so
              the scaled frequencies matter within the 128 tokens of a check
@@ -54,7 +54,7 @@ _BASE = {"n_layer": 2, "hidden": 64, "n_head": 4, "n_head_kv": 2, "head_dim": 16
 
 SPECS: dict[str, dict] = {
     "qwen2": {**_BASE, "arch": "qwen2", "seed": 2, "rope_base": 1e6, "qkv_bias": True},
-    "llama": {**_BASE, "arch": "llama", "seed": 3},
+    "llama": {**_BASE, "arch": "llama", "seed": 3, "tied": True},
     "llama3": {**_BASE, "arch": "llama", "seed": 4, "hidden": 128, "head_dim": 32, "rope_base": 500000.0,
                "tied": True, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
@@ -248,3 +248,107 @@ def sha256_file(path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- numpy reference
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, base: float, pairs: str, factors=None) -> np.ndarray:
+    """x [T, H, D]. pairs='adjacent': (x[2i], x[2i+1]) rotate (llama.cpp's NORM mode, the llama
+    architecture); 'halves': (x[i], x[i + D/2]) (NEOX mode, every other architecture here)."""
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    if factors is not None:
+        inv = inv / np.asarray(factors, dtype=np.float64)
+    ang = pos[:, None, None].astype(np.float64) * inv[None, None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    if pairs == "adjacent":
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        return out
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def reference_logits(name: str, ids, seed: int | None = None) -> np.ndarray:
+    """Float64 numpy forward of configuration `name` over token ids at positions 0.., with llama.cpp's
+    semantics (the specification the stored oracle logits are checked against). Returns float32
+    [len(ids), vocab]."""
+    cfg = spec(name)
+    if seed is not None:
+        cfg["seed"] = int(seed)
+    t = {k: v.astype(np.float64) for k, v in synthetic_tensors(cfg).items()}
+    arch, eps = cfg["arch"], cfg["rms_eps"]
+    nh, nkv, hd = cfg["n_head"], cfg["n_head_kv"], cfg["head_dim"]
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids)
+    pos = np.arange(n)
+    pairs = "adjacent" if arch == "llama" else "halves"
+    factors = t.get("rope_freqs.weight")
+    x = t["token_embd.weight"][ids]
+    if cfg.get("embed_scale"):
+        x = x * np.sqrt(cfg["hidden"])
+    dist = pos[:, None] - pos[None, :]                          # query i, key j: i - j
+    for i in range(cfg["n_layer"]):
+        p = f"blk.{i}."
+        a = _rms(x, t[p + "attn_norm.weight"], eps)
+        q, k, v = (a @ t[p + f"attn_{c}.weight"].T for c in "qkv")
+        if cfg["qkv_bias"]:
+            q, k, v = q + t[p + "attn_q.bias"], k + t[p + "attn_k.bias"], v + t[p + "attn_v.bias"]
+        q, k, v = q.reshape(n, nh, hd), k.reshape(n, nkv, hd), v.reshape(n, nkv, hd)
+        if cfg["qk_norm"]:
+            q, k = _rms(q, t[p + "attn_q_norm.weight"], eps), _rms(k, t[p + "attn_k_norm.weight"], eps)
+        base = cfg["rope_base"]
+        window = None
+        if cfg.get("sliding_window") and i % cfg["swa_pattern"] < cfg["swa_pattern"] - 1:
+            base, window = cfg["rope_base_swa"], cfg["sliding_window"]
+        q, k = _rope(q, pos, base, pairs, factors), _rope(k, pos, base, pairs, factors)
+        mask = dist < 0 if window is None else (dist < 0) | (dist >= window)
+        rep = nh // nkv
+        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        s = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(hd)
+        s = np.where(mask[None], -np.inf, s)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        o = np.einsum("hij,jhd->ihd", s, v).reshape(n, nh * hd) @ t[p + "attn_output.weight"].T
+        if arch == "gemma3":
+            o = _rms(o, t[p + "post_attention_norm.weight"], eps)
+        x = x + o
+        f = _rms(x, t[p + "ffn_norm.weight"], eps)
+        act = _gelu_tanh if arch == "gemma3" else _silu
+        if cfg.get("n_expert"):
+            probs = np.exp(f @ t[p + "ffn_gate_inp.weight"].T)
+            probs /= probs.sum(-1, keepdims=True)
+            top = np.argsort(-probs, axis=-1, kind="stable")[:, : cfg["n_expert_used"]]
+            w = np.take_along_axis(probs, top, axis=-1)
+            if cfg["norm_topk_prob"]:
+                w = w / w.sum(-1, keepdims=True)
+            out = np.zeros_like(f)
+            g_e, u_e, d_e = (t[p + f"ffn_{c}_exps.weight"] for c in ("gate", "up", "down"))
+            for r in range(n):
+                for e, we in zip(top[r], w[r]):
+                    out[r] += we * (d_e[e] @ (act(g_e[e] @ f[r]) * (u_e[e] @ f[r])))
+            if cfg.get("shared_ff"):
+                gate = 1.0 / (1.0 + np.exp(-(f @ t[p + "ffn_gate_inp_shexp.weight"])))
+                sh = (act(f @ t[p + "ffn_gate_shexp.weight"].T) * (f @ t[p + "ffn_up_shexp.weight"].T)) \
+                    @ t[p + "ffn_down_shexp.weight"].T
+                out = out + gate[:, None] * sh
+        else:
+            out = (act(f @ t[p + "ffn_gate.weight"].T) * (f @ t[p + "ffn_up.weight"].T)) @ t[p + "ffn_down.weight"].T
+        if arch == "gemma3":
+            out = _rms(out, t[p + "post_ffw_norm.weight"], eps)
+        x = x + out
+    x = _rms(x, t["output_norm.weight"], eps)
+    head = t.get("output.weight", t["token_embd.weight"])
+    return (x @ head.T).astype(np.float32)
