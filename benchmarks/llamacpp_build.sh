@@ -13,6 +13,9 @@
 #   MIXQRT_LLAMA_DIR=/work/llama JOBS=4 benchmarks/llamacpp_build.sh
 #   benchmarks/llamacpp_build.sh --python-only    # only the bindings
 #   benchmarks/llamacpp_build.sh --tools-only     # only the binaries
+#   benchmarks/llamacpp_build.sh --lib-only       # quickest: libllama alone at -O1, no pip install;
+#       then LLAMA_CPP_LIB_PATH=$DIR/build-lib/bin PYTHONPATH=$DIR/src/llama_cpp_python-$VERSION
+#       (pip install diskcache) make `import llama_cpp` use it (enough for oracle_logits.py)
 #
 # Environment: LLAMA_CPP_PYTHON_VERSION (default below), MIXQRT_LLAMA_DIR, JOBS (default 2).
 set -euo pipefail
@@ -23,11 +26,13 @@ JOBS="${JOBS:-2}"
 PY="${PYTHON:-python}"
 DO_PY=1
 DO_TOOLS=1
+DO_LIB=0
 case "${1:-}" in
   --python-only) DO_TOOLS=0 ;;
   --tools-only) DO_PY=0 ;;
+  --lib-only) DO_PY=0; DO_TOOLS=0; DO_LIB=1 ;;
   "") ;;
-  -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
   *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
 esac
 
@@ -61,13 +66,30 @@ if [ "$DO_PY" = 1 ]; then
   echo "python bindings: $(( $(date +%s) - start )) s"
 fi
 
-if [ "$DO_TOOLS" = 1 ]; then
-  start=$(date +%s)
-  SRC="$DIR/src/llama_cpp_python-$VERSION"
+SRC="$DIR/src/llama_cpp_python-$VERSION"
+if [ "$DO_TOOLS" = 1 ] || [ "$DO_LIB" = 1 ]; then
   if [ ! -d "$SRC" ]; then
     mkdir -p "$DIR/src"
     tar -xzf "$SDIST" -C "$DIR/src"
   fi
+fi
+
+if [ "$DO_LIB" = 1 ]; then
+  start=$(date +%s)
+  # ggml's own sources clash in a unity build; llama's model files are unity-built by llama.cpp itself
+  echo 'set(CMAKE_UNITY_BUILD OFF)' > "$DIR/ggml-no-unity.cmake"
+  # shellcheck disable=SC2086
+  cmake -S "$SRC/vendor/llama.cpp" -B "$DIR/build-lib" -DCMAKE_BUILD_TYPE=None -DCMAKE_C_FLAGS=-O1 \
+      -DCMAKE_CXX_FLAGS=-O1 -DBUILD_SHARED_LIBS=ON $FLAGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+      -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=OFF -DLLAMA_OPENSSL=OFF \
+      -DCMAKE_UNITY_BUILD=ON -DCMAKE_PROJECT_ggml_INCLUDE="$DIR/ggml-no-unity.cmake"
+  cmake --build "$DIR/build-lib" -j "$JOBS" --target llama
+  echo "libllama: $(( $(date +%s) - start )) s"
+  echo "export LLAMA_CPP_LIB_PATH=$DIR/build-lib/bin PYTHONPATH=$SRC"
+fi
+
+if [ "$DO_TOOLS" = 1 ]; then
+  start=$(date +%s)
   # No web UI (it would need npm or a download), no curl/openssl: the tools only read local files.
   # shellcheck disable=SC2086
   cmake -S "$SRC/vendor/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release $FLAGS \

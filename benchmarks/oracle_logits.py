@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     failed = []
     for name in a.only or list(SPECS):
         r = subprocess.run([sys.executable, __file__, "--worker", name, "--out", str(a.out)],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               [str(ROOT)] + [x for x in [os.environ.get("PYTHONPATH")] if x])})
         if r.returncode:
             tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
             print(f"{name}: llama.cpp failed (exit {r.returncode}): {' | '.join(tail)}")
