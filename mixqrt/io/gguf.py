@@ -48,6 +48,10 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# tensors that rescale RoPE's frequencies: a reader that cannot apply them must refuse the file
+_ROPE_FACTOR_TENSORS = {"rope_freqs.weight": "rope_scaling type 'llama3' frequency factors",
+                        "rope_factors_long.weight": "rope_scaling type 'longrope' factors",
+                        "rope_factors_short.weight": "rope_scaling type 'longrope' factors"}
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -364,6 +368,10 @@ class GGUFSource(Source):
             self.unmapped = []                      # GGUF tensors the graphs do not use
             for gname, (dims, qtype, _, _) in self._gguf.items():
                 hname = gguf_to_hf_name(gname)
+                if hname is None and gname in _ROPE_FACTOR_TENSORS:
+                    # skipping them would run every position with the wrong frequencies
+                    raise ModelError(f"{self.path}: tensor {gname!r} ({_ROPE_FACTOR_TENSORS[gname]}) is not "
+                                     f"supported for architecture {self.arch}")
                 if hname is None:
                     self.unmapped.append(gname)
                     continue
