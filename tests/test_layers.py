@@ -37,6 +37,7 @@ LAYERS = [
                   "mixqrt.engine", "mixqrt.engine_cache"]),
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
+             "mixqrt.testing",                              # test models, synthetic files, fuzz harness
              "mixqrt.__init__"]),
 ]
 
