@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the source tree, as the other benchmarks
 from _common import provenance  # noqa: E402
+from mixqrt.testing import model_path  # noqa: E402
 
-MODEL = Path(os.environ.get("MIXQRT_TEST_MODELS", Path.home() / ".cache" / "mixqrt-test-models")) / \
-    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+MODEL = model_path("qwen")     # the Qwen test model (mixqrt.testing)
 
 
 def run(recipe: str, tmp: Path) -> dict:
@@ -45,7 +45,7 @@ def main() -> None:
     largest = 151936 * 896 * 4
     lines = ["# Quantizing Qwen2.5-Coder-0.5B: memory, time, size", "",
              "Streaming quantizer (`mixqrt quantize`), one tensor at a time; each recipe in its own process,",
-             "peak RSS as the process's own `ru_maxrss`. The source is fetch.sh's Q4_K_M GGUF, dequantized",
+             "peak RSS as the process's own `ru_maxrss`. The source is the Qwen test model's Q4_K_M GGUF (mixqrt.testing), dequantized",
              f"tensor by tensor; its largest tensor in float32 (the 151936x896 embedding) is {largest / 2**20:.0f} MiB.", "",
              provenance("python benchmarks/quantize_memory.py --recipes " + a.recipes), "",
              "| recipe | tensor bytes | file bytes | bits/weight | seconds | peak RSS MiB |",

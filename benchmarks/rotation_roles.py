@@ -27,7 +27,7 @@ from sensitivity import GGUF, chunk_runner, load_source  # noqa: E402
 from mixqrt.quant import dequantize, quantize, rotation  # noqa: E402
 from mixqrt.quant.recipes import role_of  # noqa: E402
 
-TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
+TEXT = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "tinyshakespeare.txt")
 
 
 def fake_quant(w: np.ndarray, fmt: str, spec: str) -> np.ndarray:
