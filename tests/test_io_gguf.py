@@ -52,6 +52,14 @@ def test_qwen_tensors(qwen):
         assert np.isfinite(w).all() and std[0] < w.std() < std[1], name
 
 
+
+@pytest.mark.realmodel
+def test_gemma3_is_refused_by_name(gemma_gguf_path):
+    """A real GGUF of an architecture mixqrt does not run (Gemma 3) gets a ModelError that names the
+    architecture and the supported ones, before any tensor is read."""
+    with pytest.raises(ModelError, match=r"unknown architecture gemma3 \(supported: .*qwen2"):
+        open_source(gemma_gguf_path)
+
 @pytest.mark.realmodel
 def test_smol_config(smol):
     c = smol.config
