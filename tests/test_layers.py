@@ -19,7 +19,7 @@ import mixqrt
 ROOT = Path(mixqrt.__file__).parent
 
 LAYERS = [
-    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.isa", "mixqrt.perf",
+    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt.tuning", "mixqrt._kernels", "mixqrt.isa", "mixqrt.perf",
                   "mixqrt.ops_ref", "mixqrt.runtime.topology", "mixqrt.runtime.affinity"]),
     ("quant.layout", ["mixqrt.quant.layout", "mixqrt.quant.kmeans",
                       "mixqrt.quant.rotation"]),          # a tensor's rotation: part of its format
