@@ -49,6 +49,21 @@ const __m512i *mq_avx512_q3x_tables(const uint8_t *levels) {
     return last;
 }
 
+void ctx_init(ctx_t *cx, const mq_mm_job *j) {
+    cx->fmt = j->fmt; cx->nc = j->nc; cx->end = j->w + (size_t)j->N * j->row_bytes; cx->q5_lo = j->q5_lo; cx->q5_step = j->q5_step;
+    uint8_t t16[16] = {0}, t64[64];
+    if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
+    for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
+    cx->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
+    cx->tab64 = _mm512_loadu_si512(t64);
+    cx->t3x = j->fmt == MQ_Q3X ? mq_avx512_q3x_tables(t16) : NULL;
+    cx->p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx->p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
+    cx->p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx->p6hi = _mm512_loadu_si512(PERM_Q6[1]);
+    cx->bitsel = _mm512_loadu_si512(BITSEL);
+    static const uint16_t pw16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 13, 13, 13, 13, 13, 13, 13, 13};
+    cx->pw16 = _mm512_loadu_si512(pw16);
+}
+
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     if (j->fmt >= MQ_F32) mq_avx512_float(j, n0, n1);
     else if (j->T == 1) mq_avx512_mv(j, n0, n1);

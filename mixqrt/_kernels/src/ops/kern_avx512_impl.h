@@ -209,20 +209,9 @@ static __attribute__((unused)) float dot_ps(const float *w, const float *x, int 
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-static inline void ctx_init(ctx_t *cx, const mq_mm_job *j) {
-    cx->fmt = j->fmt; cx->nc = j->nc; cx->end = j->w + (size_t)j->N * j->row_bytes; cx->q5_lo = j->q5_lo; cx->q5_step = j->q5_step;
-    uint8_t t16[16] = {0}, t64[64];
-    if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
-    for (int i = 0; i < 64; i++) t64[i] = t16[i & 7];
-    cx->tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t16));
-    cx->tab64 = _mm512_loadu_si512(t64);
-    cx->t3x = j->fmt == MQ_Q3X ? mq_avx512_q3x_tables(t16) : NULL;
-    cx->p3lo = _mm512_loadu_si512(PERM_Q3U[0]); cx->p3hi = _mm512_loadu_si512(PERM_Q3U[1]);
-    cx->p6lo = _mm512_loadu_si512(PERM_Q6[0]); cx->p6hi = _mm512_loadu_si512(PERM_Q6[1]);
-    cx->bitsel = _mm512_loadu_si512(BITSEL);
-    static const uint16_t pw16[32] = {0, 0, 0, 0, 0, 0, 0, 0, 13, 13, 13, 13, 13, 13, 13, 13};
-    cx->pw16 = _mm512_loadu_si512(pw16);
-}
+/* the per-call context of job j (kern_avx512.c; out of line, as it was when the tier was one file: the
+ * kernels then read cx from memory, and their machine code stays what it was) */
+void ctx_init(ctx_t *cx, const mq_mm_job *j);
 
 /* the tier's kernel families (entries for kern_avx512.c) */
 void mq_avx512_mv(const mq_mm_job *j, int n0, int n1);      /* T == 1, packed formats */

@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) __m256i q3_block(const uint8_t *blk
 #ifndef DXV_MAX_PAIRS
 #define DXV_MAX_PAIRS 160
 #endif
-static void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+static __attribute__((noinline)) void mv_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
     const int np = (j->nc + 1) / 2;
     const size_t rb = j->row_bytes;
@@ -325,7 +325,7 @@ static inline __attribute__((always_inline)) __m512i q4p_levels(__m512i v, __m51
     return _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi8(perm, v), sh4), _mm512_set1_epi8(15));
 }
 
-static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+static __attribute__((noinline)) void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
     const int np = j->nc / 2;
     const size_t rb = j->row_bytes, pb = 2 * MQ_Q4_BLOCK;
@@ -393,7 +393,7 @@ static void mv_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
  * decode prefetch went to L2 (1.02-1.10x end to end on the 0.5B 2356 decode, docs/kernels.md
  * "Prefetch level"); with the old L1 prefetch it lost (0.85-0.9x). MIXQRT_Q6_FOLD=0 or
  * _ops.set_q6_fold(False) selects the unpack path. */
-static void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+static __attribute__((noinline)) void mv_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     const int8_t *q = j->a->q;
     const int np = j->nc / 2;
     const size_t rb = j->row_bytes;
