@@ -62,9 +62,11 @@ def extensions():
         exts.append(Extension(
             f"mixqrt._kernels.{name}",
             sources=[pyx] + csrc,
-            # headers too: an edit to a header alone (misc_impl.h, mq_format.h) rebuilds the extension
+            # headers and included .pxi too: an edit to one alone (misc_impl.h, mq_format.h,
+            # _ops_matmul.pxi) rebuilds the extension
             depends=sorted(glob.glob(os.path.join(KDIR, "src", sub, "*.h"))
-                           + glob.glob(os.path.join(KDIR, "src", "common", "*.h"))),
+                           + glob.glob(os.path.join(KDIR, "src", "common", "*.h"))
+                           + glob.glob(os.path.join(KDIR, f"{name}_*.pxi"))),
             include_dirs=[np.get_include(), os.path.join(KDIR, "src", "common"), os.path.join(KDIR, "src", sub)],
             extra_compile_args=BASE_FLAGS,
             extra_link_args=["-pthread"],

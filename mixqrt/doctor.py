@@ -8,7 +8,7 @@ from mixqrt.platform.topology import format_cpulist
 
 
 def report() -> dict:
-    from mixqrt.platform import isa
+    from mixqrt.platform import isa, tuning
     from mixqrt._kernels import _cpu
 
     info = {
@@ -20,6 +20,7 @@ def report() -> dict:
         "features": sorted(_cpu.features()),
         "logical_cpus": os.cpu_count(),
         "python": platform.python_version(),
+        "switches": tuning.report(),
     }
     try:
         from mixqrt.platform.affinity import usable_cpus
@@ -120,6 +121,9 @@ def format_report(info: dict) -> str:
     if "perf_event_paranoid" in info:
         lines.append(f"perf       perf_event_paranoid={info['perf_event_paranoid']}")
     lines.append(f"features   {' '.join(info['features'])}")
+    if "switches" in info:
+        from mixqrt.platform import tuning
+        lines.append(tuning.format_report(info["switches"]))
     return "\n".join(lines)
 
 

@@ -10,13 +10,13 @@ Extras over the reference: ``out=`` on the hot ops, ``softmax(fast=...)`` and f1
 from __future__ import annotations
 
 import math
-import os
 import threading
 import weakref
 
 import numpy as np
 
 from mixqrt import ops_ref
+from mixqrt.platform import tuning
 from mixqrt.errors import KernelError, MixqrtError
 from mixqrt.platform.isa import TIERS
 from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
@@ -27,6 +27,8 @@ try:
     from mixqrt._kernels import _ops
 except ImportError:  # not built: everything falls back to numpy
     _ops = None
+if _ops is not None:
+    tuning.push(_ops)   # the C-side MIXQRT_* switches (mixqrt.platform.tuning), once
 
 _FMT_ID = layout.FMT_ID
 _Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
@@ -39,17 +41,10 @@ ATTN_C_MAX_T = 8
 
 # ----------------------------------------------------------------------------- threads
 def default_num_threads() -> int:
-    """MIXQRT_NUM_THREADS if set, else platform.topology.usable_cpus() (the one CPU-count policy)."""
-    env = os.environ.get("MIXQRT_NUM_THREADS")
-    if env:
-        try:
-            n = int(env)
-            if n >= 1:
-                return n
-        except ValueError:
-            pass
-        raise KernelError(f"MIXQRT_NUM_THREADS={env!r} is not a positive integer")
-    return topology.usable_cpus()
+    """MIXQRT_NUM_THREADS if set (mixqrt.platform.tuning), else platform.topology.usable_cpus() (the one
+    CPU-count policy)."""
+    n = tuning.value("MIXQRT_NUM_THREADS")
+    return n if n is not None else topology.usable_cpus()
 
 
 _blas_limiter = None
@@ -306,18 +301,10 @@ def _gemm_tiles(w, fid, raw, n, k, lv, lo, step):
     return t
 
 
-def _gap_prefetch_bytes() -> int:
-    v = os.environ.get("MIXQRT_GAP_PF", str(8 << 20))
-    try:
-        return max(0, int(v))
-    except ValueError:
-        raise KernelError(f"MIXQRT_GAP_PF={v!r} is not a byte count") from None
-
-
 # matmul(..., then=W2) on a single row (decode): the pool's workers read the first this-many bytes of
 # W2 while the caller does the work between the two products (docs/lab/kernels-interleaved.md, "Gap prefetch").
-# 0 turns it off; MIXQRT_GAP_PF sets it for a process.
-GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
+# 0 turns it off; MIXQRT_GAP_PF sets it for a process (mixqrt.platform.tuning).
+GAP_PREFETCH_BYTES = tuning.value("MIXQRT_GAP_PF")
 
 
 def set_decode_chunk(nbytes: int | None = None) -> int:
@@ -333,23 +320,6 @@ def set_decode_static_threads(n: int | None = None) -> int:
     part per thread; set_decode_chunk's chunks apply above it (0: at any thread count). The results do
     not change. None only queries; returns the previous value."""
     return _ops.set_decode_static_threads(n) if _ops is not None else 0
-
-
-def _decode_split_env() -> None:
-    if _ops is None:
-        return
-    for name, setter, what in (("MIXQRT_DECODE_CHUNK", _ops.set_decode_chunk, "a byte count"),
-                               ("MIXQRT_DECODE_STATIC_THREADS", _ops.set_decode_static_threads, "a thread count")):
-        v = os.environ.get(name)
-        if v is None:
-            continue
-        try:
-            setter(int(v))                       # ValueError for a non-number or a negative one
-        except ValueError:
-            raise KernelError(f"{name}={v!r} is not {what}") from None
-
-
-_decode_split_env()
 
 
 def prefetch_wait() -> None:
@@ -410,16 +380,9 @@ def layer_weight(w) -> tuple:
     return fid, raw, n, k, lv, lo, step, (None if rot is None else (rot[0], rot[1], rot[2]))
 
 
-def _fused_decode_default() -> bool:
-    v = os.environ.get("MIXQRT_FUSED_DECODE", "1")
-    if v not in ("0", "1"):
-        raise KernelError(f"MIXQRT_FUSED_DECODE={v!r}: use 1 (fused decode layers, the default) or 0")
-    return v == "1"
-
-
 # One token through a layer in one native call (DecodeLayer) instead of ~14 ops from Python: the same
 # kernels in the same order, bit-identical. MIXQRT_FUSED_DECODE=0 (or this attribute) turns it off.
-FUSED_DECODE = _fused_decode_default()
+FUSED_DECODE = tuning.value("MIXQRT_FUSED_DECODE") == 1
 
 
 def decode_layer(weights, in_norm, post_norm, qkv_bias, o_bias, eps, theta, hq, hkv, dh, nxt=None):

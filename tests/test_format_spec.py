@@ -51,3 +51,31 @@ def test_old_ids_are_not_stored():
     """Format ids are internal: a .mxq names formats by string, so renumbering keeps old files loadable."""
     qt = formats.quantize(np.ones((2, 64), np.float32), "q3p")
     assert qt.fmt == "q3p"
+
+
+def test_one_traits_table():
+    """layout.TRAITS joins the C table and one Python row per format; the per-format lists of the other
+    modules are read from it (their values as they were when each kept its own list)."""
+    from mixqrt.formats import rotation
+    from mixqrt.quantize import gptq, recipes
+    specs = {r["name"]: r for r in _format.format_specs()}
+    assert set(layout.TRAITS) == set(specs) == {r[0] for r in layout._ROWS}
+    for name, t in layout.TRAITS.items():
+        c = specs[name]
+        assert (t.id, t.bits, t.group, t.header, t.block_bytes, t.trailer, t.pack, t.off) == (
+            c["id"], c["bits"], c["group"], c["header"], c["block_bytes"], c["trailer"], c["pack"], c["off"])
+        assert t.packed == (t.id < _format.NPACKED) and (t.dtype is None) == t.packed
+    assert layout.INTERLEAVED == {"q4x": ("q4", 16), "q6x": ("q6", 16), "q3x": ("q3p", 16)}
+    assert set(formats.SEARCH_FORMATS) == {"q6", "q4", "q3u", "q3p"}
+    assert gptq.GPTQ_FORMATS == ("q3p", "q3u", "q4", "q6", "q8")
+    assert list(formats.FORMATS) == ["q2c", "q3p", "q3u", "q4", "q5g", "q6", "q8", "f16", "bf16", "f32"]
+    assert {f: (g.bits, g.kind) for f, g in formats.FORMATS.items()} == {
+        "q2c": (2, "codebook"), "q3p": (3, "piecewise"), "q3u": (3, "uniform"), "q4": (4, "uniform"),
+        "q5g": (5, "global"), "q6": (6, "symmetric"), "q8": (8, "symmetric"), "f16": (16, "plain"),
+        "bf16": (16, "plain"), "f32": (32, "plain")}
+    assert {f for f in layout.TRAITS if recipes._vector_ok(f)} == {"f32", "f16", "bf16", "q5g", "q8"}
+    assert {f for f in layout.TRAITS if rotation.rotatable(f, (32, 64))} == (
+        set(layout.PACKED) | set(layout.INTERLEAVED)) - {"q5g"}
+    assert not rotation.rotatable("q4", (64,)) and not rotation.rotatable("nope", (2, 2))
+    assert {f for f, t in layout.TRAITS.items() if t.fp16_range and t.base is None} == (
+        set(layout.PACKED) - {"q5g"}) | {"f16"}

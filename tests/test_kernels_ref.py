@@ -1,4 +1,4 @@
-"""Numpy emulation of the integer path of mixqrt's products (src/ops/generic.c, mq_ops.h), and
+"""Numpy emulation of the integer path of mixqrt's products (src/ops/kern_generic.c, mq_ops.h), and
 random packed tensors built from codes and scales via layout.Parts + layout.assemble."""
 from __future__ import annotations
 

@@ -247,17 +247,17 @@ def test_threads_give_same_results():
 
 
 def test_default_threads(monkeypatch):
-    monkeypatch.setenv("MIXQRT_NUM_THREADS", "3")
+    from mixqrt.platform import tuning
+    monkeypatch.setitem(tuning._VALUES, "MIXQRT_NUM_THREADS", tuning.parse("MIXQRT_NUM_THREADS", "3"))
     assert ops.default_num_threads() == 3
-    monkeypatch.delenv("MIXQRT_NUM_THREADS")
+    monkeypatch.setitem(tuning._VALUES, "MIXQRT_NUM_THREADS", tuning.parse("MIXQRT_NUM_THREADS", None))
     n = ops.default_num_threads()
     assert 1 <= n <= len(os.sched_getaffinity(0))
     from mixqrt.platform import topology
     monkeypatch.setattr(topology, "cgroup_cpu_limit", lambda *a, **k: 0.5)
     assert ops.default_num_threads() == 1 == topology.usable_cpus()   # one policy: doctor and the pool agree
-    monkeypatch.setenv("MIXQRT_NUM_THREADS", "zero")
-    with pytest.raises(ValueError):
-        ops.default_num_threads()
+    with pytest.raises(ValueError, match="MIXQRT_NUM_THREADS"):
+        tuning.parse("MIXQRT_NUM_THREADS", "zero")
     with pytest.raises(ValueError):
         ops.set_num_threads(0)
 

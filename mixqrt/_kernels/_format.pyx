@@ -1,6 +1,7 @@
 """The format spec of src/common/mq_format.h as Python values: mixqrt.formats.layout reads format ids
 and block sizes from here, so C and Python cannot drift apart."""
-from mixqrt._kernels.format cimport MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P_NLEVELS, MQ_Q3P_LEVEL_MAX, MQ_PACK3C, MQ_XROWS
+from mixqrt._kernels.format cimport (MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P_NLEVELS, MQ_Q3P_LEVEL_MAX,
+                                     MQ_PACK3C, MQ_XROWS, mq_x_base)
 
 CHUNK = MQ_CHUNK
 NPACKED = MQ_NPACKED
@@ -16,3 +17,14 @@ def format_table():
     cdef int i
     return [(i, MQ_FORMATS[i].name.decode(), MQ_FORMATS[i].bits, MQ_FORMATS[i].group, MQ_FORMATS[i].header,
              MQ_FORMATS[i].block_bytes, MQ_FORMATS[i].trailer, MQ_FORMATS[i].pack) for i in range(MQ_NFMT)]
+
+
+def format_specs():
+    """Every row of the C table as a dict, in id order: id, name, bits, group, header, block_bytes,
+    trailer, pack, off (the kernels' level offset) and base (the id of the format whose blocks a
+    row-interleaved form holds, mq_x_base; -1 for the others)."""
+    cdef int i
+    return [dict(id=i, name=MQ_FORMATS[i].name.decode(), bits=MQ_FORMATS[i].bits, group=MQ_FORMATS[i].group,
+                 header=MQ_FORMATS[i].header, block_bytes=MQ_FORMATS[i].block_bytes,
+                 trailer=MQ_FORMATS[i].trailer, pack=MQ_FORMATS[i].pack, off=MQ_FORMATS[i].off,
+                 base=mq_x_base(i)) for i in range(MQ_NFMT)]

@@ -79,7 +79,7 @@ def _as_f32(w, fmt: str) -> np.ndarray:
     if not (np.isfinite(hi) and np.isfinite(lo)):
         bad = "NaN" if np.isnan(x).any() else "Inf (or a float64 beyond float32 range)"
         raise QuantError(f"cannot quantize to {fmt}: the tensor contains {bad}")
-    if fmt in layout.PACKED and fmt != "q5g" or fmt == "f16":
+    if layout.TRAITS[fmt].fp16_range:
         amax = max(hi, -lo)
         if amax > FP16_MAX:
             raise QuantError(f"cannot quantize to {fmt}: |w| reaches {amax:g}, beyond the fp16 range "
@@ -202,7 +202,7 @@ def bind_range(arrays) -> tuple[float, float]:
 
 
 # ----------------------------------------------------------------------------- search (spec of search.c)
-SEARCH_FORMATS = ("q6", "q4", "q3u", "q3p")
+SEARCH_FORMATS = tuple(n for n, t in layout.TRAITS.items() if t.searchable)   # q3p, q3u, q4, q6
 _NCAND, _NNEG, _FSTEP, _REFINE = 11, 5, F32(0.04), 2
 F64 = np.float64
 
@@ -544,10 +544,6 @@ def _make(name: str, bits: int, kind: str) -> Format:
                   dequantize=dequantize, layout=lay)
 
 
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    _make("q2c", 2, "codebook"), _make("q3p", 3, "piecewise"), _make("q3u", 3, "uniform"),
-    _make("q4", 4, "uniform"), _make("q5g", 5, "global"), _make("q6", 6, "symmetric"),
-    _make("q8", 8, "symmetric"), _make("f16", 16, "plain"), _make("bf16", 16, "plain"),
-    _make("f32", 32, "plain"),
-)}
+# the quantization formats (the interleaved storage forms are not: recipes name their base format)
+FORMATS: dict[str, Format] = {n: _make(n, t.bits, t.kind) for n, t in layout.TRAITS.items() if t.base is None}
 register_dequantizer(dequantize)

@@ -116,22 +116,85 @@ class Layout:
 PACK3C = _format.PACK3C
 XROWS = _format.XROWS
 NPACKED = _format.NPACKED             # kernel format ids below this are packed (q4x included)
+
+
+@dataclass(frozen=True)
+class Traits:
+    """Everything mixqrt's Python side knows about one format. The first fields are the C table's
+    (mq_format.h, through _format.format_specs), the rest the Python row in _ROWS below."""
+    name: str
+    id: int                 # the kernels' format id (internal, never stored)
+    bits: int
+    group: int              # weights per block (1: plain)
+    header: int
+    block_bytes: int        # bytes per block (plain: per value)
+    trailer: int
+    pack: int
+    off: int                # the kernels' level offset (U = L + off)
+    base: str | None        # a row-interleaved storage form: the format whose blocks it holds
+    kind: str               # uniform | symmetric | piecewise | codebook | global | plain | interleaved
+    fp16_range: bool        # its scales (or values) are fp16: |w| must stay within 65504
+    rotatable: bool         # may be stored Hadamard-rotated (a 2-D tensor; mixqrt.formats.rotation)
+    searchable: bool        # quantize(search=True) fits its headers (formats.SEARCH_FORMATS)
+    gptq: bool              # gptq_quantize takes it (gptq.GPTQ_FORMATS)
+    vector: bool            # may hold a 1-D norm / bias vector (recipes)
+    dtype: str | None       # plain formats: the numpy dtype of the stored values
+
+    @property
+    def packed(self) -> bool:
+        return self.id < NPACKED
+
+
+# One Python row per format, beside its C block in mq_format.h (the import fails if the two tables
+# name different formats). Adding a format: docs/architecture.md, "Adding a format".
+#      name    kind           fp16   rotate search gptq   vector dtype
+_ROWS = (
+    ("q2c",  "codebook",    True,  True,  False, False, False, None),
+    ("q3p",  "piecewise",   True,  True,  True,  True,  False, None),
+    ("q3u",  "uniform",     True,  True,  True,  True,  False, None),
+    ("q4",   "uniform",     True,  True,  True,  True,  False, None),
+    ("q5g",  "global",      False, False, False, False, True,  None),
+    ("q6",   "symmetric",   True,  True,  True,  True,  False, None),
+    ("q8",   "symmetric",   True,  True,  False, True,  True,  None),
+    ("f16",  "plain",       True,  False, False, False, True,  "<f2"),
+    ("bf16", "plain",       False, False, False, False, True,  "<u2"),
+    ("f32",  "plain",       False, False, False, False, True,  "<f4"),
+    ("q4x",  "interleaved", True,  True,  False, False, False, None),
+    ("q6x",  "interleaved", True,  True,  False, False, False, None),
+    ("q3x",  "interleaved", True,  True,  False, False, False, None),
+)
+
+
+def _traits() -> dict[str, Traits]:
+    specs = {r["name"]: r for r in _format.format_specs()}
+    names = {r[0] for r in _ROWS}
+    if names != set(specs):
+        raise ImportError(f"the format tables differ: mq_format.h has {sorted(set(specs) - names)} without a "
+                          f"row in layout._ROWS, _ROWS has {sorted(names - set(specs))} without a C block")
+    by_id = {r["id"]: n for n, r in specs.items()}
+    out = {}
+    for name, kind, fp16, rot, search, gptq, vector, dtype in _ROWS:
+        c = specs[name]
+        out[name] = Traits(name, c["id"], c["bits"], c["group"], c["header"], c["block_bytes"], c["trailer"],
+                           c["pack"], c["off"], by_id.get(c["base"]), kind, fp16, rot, search, gptq, vector,
+                           dtype)
+    return out
+
+
+TRAITS: dict[str, Traits] = _traits()
+FMT_ID = {t.name: t.id for t in sorted(TRAITS.values(), key=lambda t: t.id)}   # the kernels' ids, in id order
 # row-interleaved storage forms: name -> (the format whose blocks it holds, rows per group)
-INTERLEAVED = {"q4x": ("q4", XROWS), "q6x": ("q6", XROWS), "q3x": ("q3p", XROWS)}
+INTERLEAVED = {n: (t.base, XROWS) for n, t in TRAITS.items() if t.base is not None}
 _XPERM = {"q4x": (2, 4), "q6x": (1, 6)}   # byte-permuted forms: 2-byte header fields, 4-byte code words per block
 _STORED_AS = {base: name for name, (base, _g) in INTERLEAVED.items()}
-_TABLE = _format.format_table()       # [(id, name, bits, group, header, block_bytes, trailer, pack)]
-FMT_ID = {name: fid for fid, name, *_ in _TABLE}      # the kernels' format ids (internal, never stored)
-PACKED = {name: Layout(name, bits, group, header, bits * CHUNK // 8, trailer, pack)
-          for fid, name, bits, group, header, _bb, trailer, pack in _TABLE
-          if fid < _format.NPACKED and name not in INTERLEAVED}
+PACKED = {t.name: Layout(t.name, t.bits, t.group, t.header, t.bits * CHUNK // 8, t.trailer, t.pack)
+          for t in sorted(TRAITS.values(), key=lambda t: t.id) if t.packed and t.base is None}
 # plain formats: the numpy view of their values (bf16 as raw u16 bits)
-PLAIN = {name: np.dtype({"f32": "<f4", "f16": "<f2", "bf16": "<u2"}[name])
-         for fid, name, *_ in _TABLE if fid >= _format.NPACKED}
-for _fid, _name, _bits, _g, _h, _bb, _tr, _pk in _TABLE:   # the header's block sizes are what we compute
-    _name = INTERLEAVED.get(_name, (_name,))[0]
-    if (PACKED[_name].block_bytes if _name in PACKED else PLAIN[_name].itemsize) != _bb:
-        raise ImportError(f"format {_name}: mq_format.h says {_bb} bytes per block, layout.py computes otherwise")
+PLAIN = {t.name: np.dtype(t.dtype) for t in sorted(TRAITS.values(), key=lambda t: t.id) if not t.packed}
+for _t in TRAITS.values():   # the header's block sizes are what we compute
+    _name = _t.base or _t.name
+    if (PACKED[_name].block_bytes if _name in PACKED else PLAIN[_name].itemsize) != _t.block_bytes:
+        raise ImportError(f"format {_name}: mq_format.h says {_t.block_bytes} bytes per block, layout.py computes otherwise")
 
 
 def rows_cols(shape) -> tuple[int, int]:

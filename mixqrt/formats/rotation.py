@@ -42,7 +42,8 @@ def rotatable(fmt: str, shape) -> bool:
     """Whether a tensor of this format and shape can be stored rotated: a packed matrix (the plain
     formats have no groups to protect, q5g holds vectors)."""
     from mixqrt.formats import layout
-    return (fmt in layout.PACKED or fmt in layout.INTERLEAVED) and fmt != "q5g" and len(tuple(shape)) == 2
+    t = layout.TRAITS.get(fmt)
+    return t is not None and t.rotatable and len(tuple(shape)) == 2
 
 
 def record(rot, fmt: str, shape, where: str = "rotation") -> dict:

@@ -9,12 +9,12 @@ weights.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from mixqrt import ops
+from mixqrt.platform import tuning
 from mixqrt.cache import KVCache
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.limits import check_config_limits
@@ -143,19 +143,11 @@ def _proj(ws: list, x: np.ndarray, then=None) -> np.ndarray:
     return np.concatenate([ops.matmul(w, x, then=t) for w, t in zip(ws, nxt)], axis=-1)
 
 
-def _hot_max_t() -> int:
-    v = os.environ.get("MIXQRT_HOT_MAX_T", "0")
-    try:
-        return max(0, int(v))
-    except ValueError:
-        raise ModelError(f"MIXQRT_HOT_MAX_T={v!r} is not a non-negative integer") from None
-
-
 # Forward calls of at most this many tokens run with the pool in hot mode (ops.hot): workers spin
 # between the ~100 products of a decode step instead of futex-sleeping after each. Off by default
 # (0): measured neutral to 7-9 % slower at 2 threads on the 7B file (docs/lab/decode-ab.md); set
 # MIXQRT_HOT_MAX_T=16 (or this attribute) to turn it on.
-HOT_MAX_T = _hot_max_t()
+HOT_MAX_T = tuning.value("MIXQRT_HOT_MAX_T")
 
 
 class Step:

@@ -7,11 +7,11 @@ lacking an instruction falls back instead of dying of SIGILL.
 from __future__ import annotations
 
 import importlib
-import os
 
+from mixqrt.platform import tuning
 from mixqrt._kernels import _cpu
 
-TIERS = ("generic", "avx2", "avx512")
+TIERS = tuning.TIERS   # ("generic", "avx2", "avx512")
 # every compiled module that holds a copy of the tier switch (src/common/cpu.c)
 _KERNEL_MODULES = ("mixqrt._kernels._cpu", "mixqrt._kernels._quant", "mixqrt._kernels._ops")
 
@@ -31,9 +31,8 @@ def current() -> str:
 
 
 def requested() -> str | None:
-    """The tier named by MIXQRT_ISA, or None."""
-    v = os.environ.get("MIXQRT_ISA")
-    return v.strip().lower() if v else None
+    """The tier named by MIXQRT_ISA (mixqrt.platform.tuning: read once, validated), or None."""
+    return tuning.value("MIXQRT_ISA")
 
 
 def _modules():
@@ -65,8 +64,6 @@ def explain() -> str:
     req = requested()
     b = best()
     cur = current()
-    if req and req not in TIERS:
-        return f"{cur} (MIXQRT_ISA={req!r} is not a tier; using the best available)"
     if req and TIERS.index(req) > TIERS.index(b):
         return f"{cur} (MIXQRT_ISA={req} asked for more than this CPU/OS supports)"
     if req:
@@ -81,3 +78,8 @@ def explain() -> str:
     if b == "avx2":
         return "avx2 (" + ("; ".join(why) or "no AVX-512") + ")"
     return "generic (no usable AVX2+FMA+F16C+BMI2)"
+
+
+# MIXQRT_ISA reaches every kernel module here, once: the C sources do not read the environment
+if requested() is not None:
+    set_isa(requested())

@@ -29,7 +29,7 @@ from mixqrt.formats import layout
 from mixqrt.formats.codec import dequantize, quantize
 from mixqrt.formats.qtensor import QTensor
 
-GPTQ_FORMATS = ("q3p", "q3u", "q4", "q6", "q8")
+GPTQ_FORMATS = tuple(n for n, t in layout.TRAITS.items() if t.gptq)   # q3p, q3u, q4, q6, q8
 F32 = np.float32
 
 

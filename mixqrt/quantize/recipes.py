@@ -11,10 +11,17 @@ import re
 from dataclasses import dataclass, field
 
 from mixqrt.errors import QuantError
+from mixqrt.formats import layout
 from mixqrt.models.spec import LM_HEAD, ROLES, ModelSpec, role_of  # noqa: F401  (ROLES re-exported)
 
 _ATTN = {"attn_q": None, "attn_k": None, "attn_v": None, "attn_o": None}
 _FFN = {"ffn_gate": None, "ffn_up": None, "ffn_down": None}
+
+
+def _vector_ok(fmt: str) -> bool:
+    """Whether fmt may hold a 1-D norm or bias vector (layout.TRAITS: f32, f16, bf16, q5g, q8)."""
+    t = layout.TRAITS.get(fmt)
+    return t is not None and t.vector
 
 
 def _fill(**kw) -> dict:
@@ -175,7 +182,7 @@ class Recipe:
         for pat, ofmt in self.overrides:  # later overrides win, like llama-quantize
             if pat == role or re.search(pat, name):
                 fmt = ofmt
-        if role in ("norm", "bias") and fmt not in ("f32", "f16", "bf16", "q5g", "q8"):
+        if role in ("norm", "bias") and not _vector_ok(fmt):
             raise QuantError(f"{name}: format {fmt} is not allowed for a 1-D {role} vector")
         return fmt
 

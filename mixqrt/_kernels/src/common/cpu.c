@@ -87,7 +87,6 @@ int mq_cpu_best_isa(void) {
     return MQ_ISA_GENERIC;
 }
 
-#include <stdlib.h>
 static int g_isa = -1;
 
 int mq_isa_set(int isa) {
@@ -97,14 +96,9 @@ int mq_isa_set(int isa) {
     return isa;
 }
 
+/* the best tier until mq_isa_set: MIXQRT_ISA reaches every kernel module through mixqrt.platform.isa at import
+ * (mixqrt.platform.tuning reads it), so C does not read the environment */
 int mq_isa_get(void) {
     if (g_isa >= 0) return g_isa;
-    const char *env = getenv("MIXQRT_ISA");
-    int want = -1;
-    if (env) {
-        if (!strcmp(env, "generic")) want = MQ_ISA_GENERIC;
-        else if (!strcmp(env, "avx2")) want = MQ_ISA_AVX2;
-        else if (!strcmp(env, "avx512")) want = MQ_ISA_AVX512;
-    }
-    return mq_isa_set(want);
+    return mq_isa_set(-1);
 }

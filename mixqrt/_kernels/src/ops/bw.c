@@ -16,7 +16,7 @@
 #include <time.h>
 
 #include "cpu.h"
-#include "mq_ops.h"
+#include "bw.h"
 
 #define BW_STREAMS 4
 #define BW_PF 1024    /* software prefetch distance per stream, bytes */

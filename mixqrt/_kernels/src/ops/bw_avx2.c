@@ -1,7 +1,7 @@
 /* AVX2 read patterns of the bandwidth probe (bw.c): 32-byte loads, 4 streams, software prefetch. */
 #include <immintrin.h>
 
-#include "mq_ops.h"
+#include "bw.h"
 
 uint64_t mq_bw_sweep_avx2(const uint8_t *b, size_t n) {
     size_t part = n / 4 / 64 * 64;

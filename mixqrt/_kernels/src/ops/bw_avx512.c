@@ -3,7 +3,7 @@
  * (vmovntdqa). */
 #include <immintrin.h>
 
-#include "mq_ops.h"
+#include "bw.h"
 
 static uint64_t hsum(__m512i s) { return (uint64_t)_mm512_reduce_add_epi64(s); }
 

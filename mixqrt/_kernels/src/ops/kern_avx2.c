@@ -16,9 +16,9 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "mq_ops.h"
+#include "mq_kern.h"
+#include "kern_avx2.h"
 
-void *mq_scratch(size_t n);
 
 static inline uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }

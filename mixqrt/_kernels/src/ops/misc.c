@@ -1,7 +1,9 @@
-/* Generic tier of the float ops (misc_impl.h) and the per-tier dispatch. */
-#define MQ_SFX generic
-#include "misc_impl.h"
+/* The float ops' per-tier dispatch (tiers: misc_generic.c, misc_avx2.c, misc_avx512.c) and rope,
+ * which has one portable version. */
+#include <math.h>
+
 #include "cpu.h"
+#include "misc.h"
 
 #define MQ_DECL(ret, name, args) ret name##generic args; ret name##avx2 args; ret name##avx512 args;
 MQ_DECL(float, mq_expf_fast_, (float x))

@@ -7,7 +7,8 @@
 #include <immintrin.h>
 #endif
 
-#include "mq_ops.h"
+#include "mq_format.h"   /* fp16 */
+#include "misc.h"
 
 #define MQ_CAT2(a, b) a##b
 #define MQ_CAT(a, b) MQ_CAT2(a, b)

@@ -25,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "mq_ops.h"
+#include "mq_ops.h"   /* the pool API (mq_ops.h includes nothing of a tier) */
 
 #define MQ_MAXT 256
 
@@ -205,14 +205,18 @@ static void pool_stop_unlocked(void) {
     P.n = 1;
 }
 
+/* how long an idle worker spins before it sleeps on the futex, from the next start on (MIXQRT_SPIN_US,
+ * set by mixqrt.platform.tuning before the pool first starts) */
+static long spin_us = 100;
+void mq_pool_set_spin_us(long us) { spin_us = us < 0 ? 0 : us; }
+
 int mq_pool_start(int n, const int *cpus, int ncpus) {
     pthread_mutex_lock(&start_lock);
     pthread_mutex_lock(&run_lock);
     pool_stop_unlocked();
     if (n < 1) n = 1;
     if (n > MQ_MAXT) n = MQ_MAXT;
-    const char *s = getenv("MIXQRT_SPIN_US");
-    P.spin_ns = (s ? atol(s) : 100) * 1000L;
+    P.spin_ns = spin_us * 1000L;
     for (int i = 0; i < n; i++) P.cpu[i] = (ncpus > 0) ? cpus[i % ncpus] : -1;
     P.n = 1;
     P.start_gen = atomic_load(&P.gen);

@@ -1,0 +1,25 @@
+/* The float ops of a layer: dispatched by misc.c to the tiers misc_generic.c, misc_avx2.c and
+ * misc_avx512.c, which compile one source (misc_impl.h) each. */
+#ifndef MIXQRT_MISC_H
+#define MIXQRT_MISC_H
+#include <stddef.h>
+#include <stdint.h>
+
+void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps);
+void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta);
+void mq_silu_mul(const float *g, const float *u, float *y, size_t n);
+/* y = H_b (s * x) per block of b (a power of two dividing K), H_b scaled by `scale`; s may be NULL */
+void mq_hadamard(const float *x, float *y, const float *s, int T, int K, int b, float scale);
+void mq_softmax_rows(float *x, int rows, int n, int fast);
+/* causal softmax of score rows [r0, r1) of [rows, n]; row r is query r % T at position pos0 + r % T */
+void mq_softmax_causal(float *x, int n, int T, int pos0, int r0, int r1);
+float mq_expf_fast(float x);   /* valid on [-87, 88]; see misc_impl.h */
+/* scratch: MQ_ATT_SCRATCH(S, Dh, T) floats (score rows for MQ_ATT_GB heads of one KV group at up to
+ * MQ_ATT_TP query positions at once; a group of more heads runs in passes of MQ_ATT_GB) */
+void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
+                  int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch);
+#define MQ_ATT_GB 8
+#define MQ_ATT_TP 8
+#define MQ_ATT_SCRATCH(S, Dh, T) ((size_t)((T) < 1 ? 1 : (T) < MQ_ATT_TP ? (T) : MQ_ATT_TP) * MQ_ATT_GB * ((size_t)(S) + 16) \
+                                  + 2 * (size_t)(Dh) + 16)
+#endif
