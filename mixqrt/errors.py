@@ -23,3 +23,17 @@ class GenerationError(MixqrtError):
 
 class KernelError(MixqrtError):
     """Bad arguments to a kernel: shape, dtype, alignment or format mismatch."""
+
+
+class RequestError(GenerationError):
+    """A bad or unsupported request field (mixqrt.oai): ``field`` names it, OpenAI's error "param"
+    (HTTP 400); ``code`` is OpenAI's error code where one applies ("context_length_exceeded")."""
+
+    def __init__(self, field: str | None, message: str, code: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+    @property
+    def param(self) -> str | None:
+        return self.field

@@ -34,6 +34,7 @@ LAYERS = [
     ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate", "mixqrt.convert",
                   "mixqrt.quant.calibrate",                 # runs the model layer by layer
                   "mixqrt.quant.calibtext",                 # samples the model's own text
+                  "mixqrt.grammar", "mixqrt.tools",     # constrained decoding, tool calls
                   "mixqrt.engine", "mixqrt.engine_cache"]),
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
