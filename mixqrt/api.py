@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Iterator
 
 from mixqrt.errors import GenerationError
+from mixqrt.errors import RequestError as FieldError
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(GenerationError):
@@ -129,16 +130,17 @@ def _content(i, m) -> str:
                                    "messages")
             out.append(part["text"])
         return "".join(out)
-    if c is None and m.get("tool_calls"):
-        raise RequestError(f"messages[{i}]: tool calls are not supported", "messages")
+    if c is None and (m.get("tool_calls") or m.get("role") == "assistant"):
+        return None
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got {c!r}", "messages")
 
 
 def check_messages(messages) -> list[dict]:
     """Validate OpenAI chat messages -> [{"role", "content"}] for the model's chat template.
 
-    "developer" (OpenAI's newer name for the system role) becomes "system"; other fields
-    (name, ...) are dropped; tool/function messages are rejected.
+    "developer" (OpenAI's newer name for the system role) becomes "system"; an assistant
+    message keeps its tool_calls and a "tool" message its tool_call_id (mixqrt.tools renders them
+    for the template); other fields (name, ...) are dropped; "function" messages are rejected.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} objects",
@@ -149,11 +151,65 @@ def check_messages(messages) -> list[dict]:
             raise RequestError(f"messages[{i}] must be an object with 'role' and 'content', got {m!r}", "messages")
         role = m.get("role")
         if role not in ROLES:
-            what = "tool results are not supported" if role in ("tool", "function") else \
+            what = "the deprecated 'function' role is not supported (use 'tool')" if role == "function" else \
                 f"unknown role {role!r} (expected one of {', '.join(ROLES)})"
             raise RequestError(f"messages[{i}]: {what}", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(i, m)})
+        msg = {"role": "system" if role == "developer" else role, "content": _content(i, m)}
+        if role == "assistant" and m.get("tool_calls"):
+            if not isinstance(m["tool_calls"], list):
+                raise RequestError(f"messages[{i}].tool_calls must be a list", "messages")
+            for j, c in enumerate(m["tool_calls"]):
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                        not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                    raise RequestError(f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', 'id': ..., "
+                                       "'function': {'name': ..., 'arguments': '<JSON text>'}}", "messages")
+            msg["tool_calls"] = m["tool_calls"]
+        elif msg["content"] is None:
+            msg["content"] = ""
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if tid is not None and not isinstance(tid, str):
+                raise RequestError(f"messages[{i}].tool_call_id must be a string", "messages")
+            msg["tool_call_id"] = tid
+        out.append(msg)
     return out
+
+
+def structured_kwargs(response_format=None, tools=None, tool_choice=None, parallel_tool_calls=None) -> dict:
+    """response_format / tools / tool_choice / parallel_tool_calls checked -> Engine.submit (and
+    Pipeline.stream) keyword arguments; RequestError naming the field. The grammar itself is
+    compiled by the engine (mixqrt.grammar), off the request's path."""
+    from mixqrt.grammar import grammar_from_response_format
+    from mixqrt.tools import check_tool_choice, check_tools
+
+    try:
+        checked = check_tools(tools)
+        choice = check_tool_choice(tool_choice, checked)
+        grammar_from_response_format(response_format)
+    except FieldError as e:
+        raise RequestError(str(e), e.field) from None
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise RequestError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    kw = {}
+    if response_format is not None:
+        kw["response_format"] = response_format
+    if checked:
+        kw.update(tools=checked, tool_choice=choice if choice in ("none", "auto", "required") else
+                  {"type": "function", "function": {"name": choice["name"]}})
+        if parallel_tool_calls is not None:
+            kw["parallel_tool_calls"] = parallel_tool_calls
+    return kw
+
+
+def chat_reply(tokenizer, kw: dict):
+    """The tool-aware reply shape (mixqrt.tools.ChatReply) for structured_kwargs' result."""
+    from mixqrt.tools import ChatReply, check_tool_choice, tool_format
+
+    tools = kw.get("tools")
+    if not tools:
+        return ChatReply()
+    return ChatReply(tools, check_tool_choice(kw.get("tool_choice"), tools), tool_format(tokenizer))
 
 
 def _prompt_text(prompt) -> str:
@@ -190,6 +246,8 @@ def _responses(pipe, prompt, kw) -> Iterator:
                 return
             except RequestError:
                 raise
+            except FieldError as e:         # e.g. a grammar the engine could not compile
+                raise RequestError(str(e), e.field, e.code) from e
             except GenerationError as e:
                 msg = str(e)
                 code = "context_length_exceeded" if "context" in msg and "prompt" in msg else None
@@ -296,26 +354,26 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
                            presence_penalty: float | None = None, stop=None, seed: int | None = None,
                            stream: bool = False, logprobs=None, top_logprobs=None, n: int | None = None,
                            logit_bias=None, response_format=None, tools=None, tool_choice=None,
-                           functions=None, function_call=None, model: str | None = None,
+                           parallel_tool_calls=None, functions=None, function_call=None, model: str | None = None,
                            stream_options=None, stats: Stats | None = None):
     """A "chat.completion" dict, or with stream=True an iterator of "chat.completion.chunk" dicts:
     delta {"role": "assistant"}, then {"content": piece}..., then {} with finish_reason.
 
     The prompt is the model's own chat template with the generation prompt appended.
     stream_options={"include_usage": True} adds OpenAI's last chunk (empty choices, usage).
+    response_format (json_object, json_schema, and mixqrt's regex / grammar: mixqrt.grammar)
+    constrains the reply; tools / tool_choice / parallel_tool_calls as OpenAI defines them
+    (mixqrt.tools): the template renders the tools, the reply's calls come back as
+    message.tool_calls with finish_reason "tool_calls" (streamed as tool_calls deltas).
     """
     msgs = check_messages(messages)
     _unsupported("logprobs", logprobs, (None, False))
     _unsupported("top_logprobs", top_logprobs, (None, 0))
-    for name, v in (("tools", tools), ("functions", functions)):
-        if v not in (None, []):
-            raise RequestError(f"{name} (function calling) is not supported", name)
-    _unsupported("tool_choice", tool_choice, (None, "none", "auto"))
+    if functions not in (None, []):
+        raise RequestError("functions (the deprecated form of tools) is not supported; use tools", "functions")
     _unsupported("function_call", function_call, (None, "none", "auto"))
-    if response_format is not None and not (isinstance(response_format, dict)
-                                            and response_format.get("type") == "text"):
-        raise RequestError("response_format: only {'type': 'text'} is supported (no JSON mode / grammars)",
-                           "response_format")
+    skw = structured_kwargs(response_format, tools, tool_choice, parallel_tool_calls)
+    reply = chat_reply(getattr(pipe, "tokenizer", None), skw)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, got {stream!r}", "stream")
     include_usage = _include_usage(stream_options)
@@ -323,6 +381,7 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
                      top_k=top_k, min_p=min_p, repeat_penalty=repeat_penalty, stop=stop, seed=seed,
                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, n=n,
                      logit_bias=logit_bias)
+    kw.update(skw)
     head = _head("chatcmpl", "chat.completion", model, pipe)
 
     if not stream:
@@ -332,9 +391,8 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
             last = r
         if stats is not None:
             stats.last = last
-        return {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
-                                     "logprobs": None,
-                                     "finish_reason": getattr(last, "finish_reason", None) or "stop"}],
+        message, reason = reply.message("".join(pieces), getattr(last, "finish_reason", None))
+        return {**head, "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reason}],
                 "usage": _usage(last)}
 
     head["object"] = "chat.completion.chunk"
@@ -349,17 +407,20 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
             last = next(responses, None)   # prefill first: a too-long prompt fails before any chunk
             yield chunk({"role": "assistant"})
             if last is not None:
-                if last.text:
-                    yield chunk({"content": last.text})
+                for d in reply.deltas(last.text):
+                    yield chunk(d)
                 for r in responses:
                     last = r
-                    if r.text:
-                        yield chunk({"content": r.text})
+                    for d in reply.deltas(r.text):
+                        yield chunk(d)
         finally:
             responses.close()
         if stats is not None:
             stats.last = last
-        yield chunk({}, getattr(last, "finish_reason", None) or "stop")
+        tail, reason = reply.end(getattr(last, "finish_reason", None))
+        for d in tail:
+            yield chunk(d)
+        yield chunk({}, reason)
         if include_usage:
             yield {**head, "choices": [], "usage": _usage(last)}
 

@@ -206,11 +206,9 @@ class Pipeline:
         if isinstance(text_or_messages, (list, tuple)) and text_or_messages and all(
                 isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls"))
                 for m in text_or_messages):
-            from mixqrt.tools import renders_tools, template_messages
-            msgs = template_messages(list(text_or_messages), self.tokenizer, tools)
-            tools = tools if tools and renders_tools(self.tokenizer) else None
+            from mixqrt.tools import chat_ids
             # message text is encoded with special tokens off: only the template emits control tokens
-            return self.tokenizer.encode_chat(msgs, add_generation_prompt=True, tools=tools), True
+            return chat_ids(self.tokenizer, text_or_messages, tools), True
         raise GenerationError("input must be a prompt string or a non-empty list of chat messages "
                               f"({{'role': ..., 'content': ...}}), got {type(text_or_messages).__name__}")
 

@@ -359,3 +359,62 @@ class ToolStream:
         if content:
             events.insert(0, ("content", content))
         return events
+
+
+# ============================================================================ OpenAI reply shapes
+class ChatReply:
+    """A chat reply's OpenAI shape when tools are in play: the message (content and tool_calls),
+    the stream's deltas (content pieces; for each call its id, type and name first, then its
+    arguments), and finish_reason "tool_calls" when the model called tools. With tool_choice
+    "none" (or no tools) it passes text through unchanged."""
+
+    def __init__(self, tools=None, tool_choice="none", fmt: str = "qwen"):
+        self.active = bool(tools) and tool_choice != "none"
+        self.tools, self.fmt = tools, fmt
+        self.stream = ToolStream(fmt, tools) if self.active else None
+        self.calls = 0
+
+    def message(self, text: str, reason: str | None) -> tuple[dict, str]:
+        if not self.active:
+            return {"role": "assistant", "content": text}, reason or "stop"
+        calls, content = parse_tool_calls(text, self.fmt, self.tools)
+        if not calls:
+            return {"role": "assistant", "content": text}, reason or "stop"
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if reason in (None, "stop") else reason)
+
+    def _deltas(self, events) -> list[dict]:
+        out = []
+        for ev in events:
+            if ev[0] == "content":
+                if ev[1]:
+                    out.append({"content": ev[1]})
+                continue
+            _, i, call = ev
+            self.calls += 1
+            out.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                        "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]})
+        return out
+
+    def deltas(self, piece: str) -> list[dict]:
+        if not self.active:
+            return [{"content": piece}] if piece else []
+        return self._deltas(self.stream.feed(piece))
+
+    def end(self, reason: str | None) -> tuple[list[dict], str]:
+        """-> (the last deltas, the finish_reason)."""
+        if not self.active:
+            return [], reason or "stop"
+        out = self._deltas(self.stream.finish())
+        return out, ("tool_calls" if self.calls and reason in (None, "stop") else (reason or "stop"))
+
+
+def chat_ids(tokenizer, messages, tools=None, tool_choice=None) -> list[int]:
+    """Prompt ids of checked chat messages with the tools rendered by the model's template (or,
+    for a template without tool support, described in a system message). tool_choice "none"
+    leaves the tools out of the prompt."""
+    rendered = tools if tools and check_tool_choice(tool_choice, tools) != "none" else None
+    msgs = template_messages(list(messages), tokenizer, rendered)
+    return tokenizer.encode_chat(msgs, add_generation_prompt=True,
+                                 tools=rendered if rendered and renders_tools(tokenizer) else None)

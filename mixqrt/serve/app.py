@@ -31,7 +31,7 @@ from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.engine import Engine, EngineBusy
 
 # request fields clients send that change nothing here (one model per server, no accounts)
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt"}
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "cache_prompt"}
 _ALIASES = {"max_completion_tokens": "max_tokens"}      # OpenAI's newer name in chat
 _INTERNAL = {"pipe", "prompt", "messages", "model", "stats"}
 _GEN_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop", "seed",
@@ -89,8 +89,10 @@ class Server:
             fn(_ArgsOnly(self.context), body[key], model=self.model, **{**kwargs, "stream": True}).close()
             defaults = {"max_tokens": 16} if kind == "completion" else {}
             gen = api._gen_kwargs(context=self.context, **{a: kwargs.get(a, defaults.get(a)) for a in _GEN_ARGS})
+            reply = None
             if kind == "chat":
-                ids = self.tokenizer.encode_chat(api.check_messages(body[key]))
+                ids, skw, reply = self._structured(body[key], kwargs)
+                gen.update(skw)
                 text = None
             else:
                 text = api._prompt_text(body[key])
@@ -113,8 +115,17 @@ class Server:
         echo = text if kind == "completion" and kwargs.get("echo") else None
         shape = Shape(kind, api._head("chatcmpl" if kind == "chat" else "cmpl",
                                       "chat.completion" if kind == "chat" else "text_completion", self.model, None),
-                      api._include_usage(kwargs.get("stream_options")), echo)
+                      api._include_usage(kwargs.get("stream_options")), echo, reply)
         return ids, gen, shape, kwargs.get("stream", False)
+
+    def _structured(self, messages, kwargs):
+        """Chat: prompt ids with the tools rendered, the engine's structured-output arguments
+        (response_format, tools, tool_choice, parallel_tool_calls) and the tool-aware reply shape."""
+        from mixqrt.tools import chat_ids
+        skw = api.structured_kwargs(kwargs.get("response_format"), kwargs.get("tools"), kwargs.get("tool_choice"),
+                                    kwargs.get("parallel_tool_calls"))
+        ids = chat_ids(self.tokenizer, api.check_messages(messages), skw.get("tools"), skw.get("tool_choice"))
+        return ids, skw, api.chat_reply(self.tokenizer, skw)
 
     async def generate(self, request, kind: str):
         route = request.url.path
@@ -127,7 +138,7 @@ class Server:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None
             except GenerationError as e:
-                raise HTTPError(400, str(e)) from None
+                raise HTTPError(400, str(e), param=getattr(e, "param", None)) from None
         except HTTPError as e:
             self.metrics.request(route, e.status)
             return error_response(e)
@@ -163,8 +174,10 @@ class Server:
 class Shape:
     """OpenAI's objects for one request (the same fields api.create_* return)."""
 
-    def __init__(self, kind, head, include_usage, echo):
+    def __init__(self, kind, head, include_usage, echo, reply=None):
+        from mixqrt.tools import ChatReply
         self.kind, self.head, self.include_usage, self.echo = kind, head, include_usage, echo
+        self.reply = reply or ChatReply()       # tool calls parsed out of a chat reply
 
     @staticmethod
     def usage(last) -> dict:
@@ -179,8 +192,8 @@ class Shape:
 
     def whole(self, text: str, last) -> dict:
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.reason(last)}
+            message, reason = self.reply.message(text, self.reason(last))
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         else:
             choice = {"text": (self.echo or "") + text, "index": 0, "logprobs": None,
                       "finish_reason": self.reason(last)}
@@ -200,10 +213,16 @@ class Shape:
     def piece(self, text: str) -> list:
         if not text:
             return []
-        return [self._chunk({"content": text} if self.kind == "chat" else text)]
+        if self.kind == "chat":
+            return [self._chunk(d) for d in self.reply.deltas(text)]
+        return [self._chunk(text)]
 
     def end(self, last) -> list:
-        out = [self._chunk({} if self.kind == "chat" else "", self.reason(last))]
+        if self.kind == "chat":
+            tail, reason = self.reply.end(self.reason(last))
+            out = [self._chunk(d) for d in tail] + [self._chunk({}, reason)]
+        else:
+            out = [self._chunk("", self.reason(last))]
         if self.include_usage:
             out.append({**self.head, "object": "chat.completion.chunk" if self.kind == "chat" else self.head["object"],
                         "choices": [], "usage": self.usage(last)})
@@ -259,7 +278,7 @@ class _Run(Response):
                 self._seen(r)
                 pieces.append(r.text)
         except GenerationError as e:
-            await error_response(HTTPError(400, str(e)))(self.scope, None, send)
+            await error_response(HTTPError(400, str(e), param=getattr(e, "param", None)))(self.scope, None, send)
             return 400
         await JSONResponse(self.shape.whole("".join(pieces), self.last))(self.scope, None, send)
         return 200
@@ -271,7 +290,7 @@ class _Run(Response):
         except StopAsyncIteration:
             first = None
         except GenerationError as e:                   # before any byte: a plain 400
-            await error_response(HTTPError(400, str(e)))(self.scope, None, send)
+            await error_response(HTTPError(400, str(e), param=getattr(e, "param", None)))(self.scope, None, send)
             return 400
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
