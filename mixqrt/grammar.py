@@ -123,8 +123,9 @@ def grammar_from_response_format(rf, field: str = FIELD) -> str | None:
         text = _text(field, rf.get("grammar"), "'grammar'")
         syntax = rf.get("syntax", "lark")
         if syntax == "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
             try:
-                text = llg.gbnf_to_lark(text)
+                text = gbnf_to_lark(text)
             except Exception as e:  # noqa: BLE001 — the converter's own parse errors, any type
                 raise RequestError(field, f"{field}: the GBNF grammar does not parse: {str(e)[:300]}") from None
         elif syntax != "lark":
