@@ -235,3 +235,45 @@ def test_tool_grammar_forces_a_valid_call(qwen_tok):
     other = qwen_tok.encode(_call("get_weather", {"city": "x"}))
     assert c.validate(other) < len(other) and c.validate(good) == len(good)
     assert tool_grammar(qwen_tok, TOOLS, "auto") is None
+
+
+# ============================================================================ the Engine, tiny model
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    from tinymodel import make_tiny_hf_model
+
+    from mixqrt.convert import quantize_model
+    from mixqrt.pipeline import LoadedModel
+    d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
+    out = tmp_path_factory.mktemp("mxq") / "f32.mxq"
+    quantize_model(str(d), "f32", out, progress=False)
+    return LoadedModel(out)
+
+
+def test_engine_mixes_constrained_and_free_slots(tiny_lm):
+    """Continuous batching with some slots under a grammar: each constrained reply matches its
+    grammar and ends at the grammar's end; free slots run to their budget; a grammar that cannot
+    compile fails only its own request, from the iteration, naming the field."""
+    import re
+
+    from mixqrt.engine import Engine
+    tok = tiny_lm.tokenizer
+    ids = tok.encode("def quicksort(xs):")
+    with Engine(tiny_lm, max_slots=4) as eng:
+        free = [eng.submit(ids, max_new_tokens=12, eos_token_ids=[]) for _ in range(2)]
+        rx = eng.submit(ids, max_new_tokens=40, response_format={"type": "regex", "regex": "[0-9]{3}-[a-c]{2}"})
+        js = eng.submit(ids, max_new_tokens=60, response_format={"type": "json_schema", "json_schema": {
+            "schema": {"type": "object", "properties": {"k": {"enum": ["x", "yy"]}}, "required": ["k"],
+                       "additionalProperties": False}}})
+        bad = eng.submit(ids, max_new_tokens=5, response_format={"type": "regex", "regex": r"(a)\1"})
+        with pytest.raises(RequestError, match="response_format") as e:
+            list(bad)
+        assert e.value.field == "response_format"
+        for r in free:
+            assert sum(1 for p in r if p.token is not None) == 12
+        rx_out = list(rx)
+        assert re.fullmatch("[0-9]{3}-[a-c]{2}", "".join(p.text for p in rx_out))
+        assert rx_out[-1].finish_reason == "stop" and len(rx_out) <= 10
+        assert json.loads("".join(p.text for p in js))["k"] in ("x", "yy")
+        st = eng.stats()
+        assert st["grammar_masks"] > 0 and st["failed"] == 1 and st["compiling"] == 0
