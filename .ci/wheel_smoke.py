@@ -25,8 +25,9 @@ def main(tests_dir: str) -> int:
     import numpy as np
 
     import mixqrt
-    from mixqrt import isa, ops
-    from mixqrt.quant.formats import dequantize, quantize
+    from mixqrt import ops
+    from mixqrt.platform import isa
+    from mixqrt.formats.codec import dequantize, quantize
 
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     where = Path(mixqrt.__file__).resolve()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import resource
 import subprocess
 import time
@@ -105,8 +106,21 @@ class CpuMeter:
         return r.ru_utime + r.ru_stime
 
 
+# an absolute path (or ../shared/...) outside the repository, up to its last component
+_OUTSIDE = re.compile(r"(?<![\w.~-])(?:/(?:tmp|work|root|home|mnt|media|srv|scratch|data|var|opt|dev/shm)|\.\./shared)"
+                      r"(?:/[\w.+-]+)*/([\w.+-]+)")
+
+
+def shown(text: str) -> str:
+    """Text for a docs/ page: paths inside the repository relative to its root, paths outside it (a
+    scratch folder, a model cache, ../shared) as their last component, since a reader cannot follow
+    them. tests/test_docs.py checks that no page names one."""
+    return _OUTSIDE.sub(r"\1", text.replace(str(ROOT) + os.sep, ""))
+
+
 def provenance(command: str) -> str:
     """Markdown lines: the command, the machine, the date and commit (for the docs/ tables)."""
+    command = shown(command)
     m = machine_info()
     ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM unknown"
     return (f"- command: `{command}`\n"
@@ -132,23 +146,12 @@ BEGIN, END = "<!-- BEGIN mixqrt:{} -->", "<!-- END mixqrt:{} -->"
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write via a unique temporary in the same folder + rename: a reader (or a crash) never sees a
-    half-written page, and two writers never share a temporary."""
-    import tempfile
+    """Write via mixqrt's one atomic writer (a unique temp in the same folder + fsync + rename):
+    a reader (or a crash) never sees a half-written page, and two writers never share a temp."""
+    from mixqrt.io.atomic import atomic_write
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def write_json(path, obj) -> None:
@@ -180,7 +183,7 @@ def update_doc(path, blocks: dict[str, str], title: str = "") -> None:
     prose. A page that does not exist yet gets a skeleton (the title and every block, in order)."""
     path = Path(path)
     text = path.read_text() if path.exists() else f"# {title or path.stem}\n"
-    new, missing = replace_blocks(text, blocks)
+    new, missing = replace_blocks(text, {name: shown(body) for name, body in blocks.items()})
     if missing and path.exists():
         import sys
         print(f"{path}: no markers for {', '.join(missing)}; appended at the end (move them where they belong)",

@@ -6,7 +6,7 @@ quantize with it alone or mixed with a text file, without generating again for e
         [--text tinyshakespeare.txt] --tokens 4096 -o out.mxq
 
 `quantize` gives the same file as `mixqrt quantize M --recipe R --calibrate self [--calibrate T]
---calib-tokens N` (quant/calibtext.Generated.take cuts the stored samples exactly where a fresh
+--calib-tokens N` (quantize/calibtext.Generated.take cuts the stored samples exactly where a fresh
 generation of that many tokens stops), the recipe header's record included.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mixqrt.convert import describe, quantize_model  # noqa: E402
+from mixqrt.quantize.convert import describe, quantize_model  # noqa: E402
 from mixqrt.io import open_source  # noqa: E402
-from mixqrt.quant.calibtext import Generated, GeneratedSource, TextSource, generate_source  # noqa: E402
+from mixqrt.quantize.calibtext import Generated, GeneratedSource, TextSource, generate_source  # noqa: E402
 
 
 def save(gen: Generated, path: str) -> None:

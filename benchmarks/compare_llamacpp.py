@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mixqrt.quant.recipes import DEFAULT_RECIPE  # noqa: E402
+from mixqrt.quantize.recipes import DEFAULT_RECIPE  # noqa: E402
 from _common import (CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree_hash,  # noqa: E402
                      update_doc, write_json)
 
@@ -51,7 +51,7 @@ RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform",
                 "2356-norot": "ablation: no Hadamard rotation (the 2356 of 2026-12-02)"}
 BASE = "mixqrt:f32"
 GOAL_KEYS = ("mixqrt:2356", "mixqrt:" + DEFAULT_RECIPE)   # goals are checked for these and every --extra-recipe
-QUANT_CODE = ("mixqrt/quant", "mixqrt/convert.py", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
+QUANT_CODE = ("mixqrt/quant", "mixqrt/quantize/convert.py", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
               "mixqrt/_kernels/_quant.pyx")
 
 
@@ -147,8 +147,8 @@ def prepare_mixqrt(sysm: System, s: dict) -> dict:
         return {"path": os.path.abspath(sysm.name), "file_bytes": os.path.getsize(sysm.name), "quantized": False}
     import inspect
 
-    from mixqrt.convert import quantize_model
-    from mixqrt.quant.recipes import get_recipe
+    from mixqrt.quantize.convert import quantize_model
+    from mixqrt.quantize.recipes import get_recipe
     qkw, rkw = {}, {}
     qsig = inspect.signature(quantize_model).parameters
     rsig = inspect.signature(get_recipe).parameters
@@ -170,7 +170,7 @@ def prepare_mixqrt(sysm: System, s: dict) -> dict:
     # path-valued options (an imatrix file) are identified by size and mtime, not only by name
     opt_ids = {k: (file_id(v) if isinstance(v, str) and os.path.exists(v) else v) for k, v in {**qkw, **rkw}.items()}
     if "calibrate" in qkw:        # calibrate=self+/path/text.txt: `mixqrt quantize --calibrate` names, '+'-joined
-        from mixqrt.quant.calibtext import parse_sources
+        from mixqrt.quantize.calibtext import parse_sources
         names = str(qkw["calibrate"]).split("+")
         opt_ids["calibrate"] = [n if n == "self" else file_id(n) for n in names]
         qkw["calibrate"] = parse_sources(names)

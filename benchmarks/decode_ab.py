@@ -1,7 +1,7 @@
-"""End-to-end decode A/B of the two decode defaults, on one model, in one process: writes docs/decode-ab.md.
+"""End-to-end decode A/B of the two decode defaults, on one model, in one process: writes docs/lab/decode-ab.md.
 
     python benchmarks/decode_ab.py MODEL [--gguf LLAMA_CPP.gguf ...] [--threads 1,2] [--tokens 16] [--rounds 4]
-                                   [--out docs/decode-ab.md]
+                                   [--out docs/lab/decode-ab.md]
 
 Variants, alternated round by round so that machine noise hits them alike (best round per variant):
 - `lean`       the default: AVX-512 lean decode path for q3p/q3u/q6, pool workers futex-sleep between
@@ -42,14 +42,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS), help="subset of the variants")
     ap.add_argument("--gguf", action="append", default=[], help="llama.cpp GGUF to alternate with (repeatable)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "decode-ab.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "lab" / "decode-ab.md"))
     a = ap.parse_args(argv)
     variants = [v for v in VARIANTS if v[0] in a.variants.split(",")]
     if not any(v[0] == DEFAULT for v in variants):
         ap.error(f"--variants must include {DEFAULT} (the default, the reference column)")
 
     import mixqrt
-    from mixqrt import isa, ops
+    from mixqrt import ops
+    from mixqrt.platform import isa
     from mixqrt._kernels import _ops
     from mixqrt.bench import decode_bytes_per_token, honest_bound, measure_bandwidth
     from mixqrt.models import qwen2

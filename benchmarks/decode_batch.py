@@ -7,7 +7,7 @@ Each sequence first gets a 64-token prompt; then `steps` decode steps are timed 
 single-sequence path), 4 and 8, per setting, alternated twice: the GEMM threshold of the row
 formats (T >= threshold takes the tile-unpacking GEMM) and the few-row products of the interleaved
 formats (`_ops.set_few_t`: 1 = 2-8 rows through the decode unpack, 0 = through the GEMM). Prints ms
-per step and the throughput gain B * t(1) / t(B). docs/serving.md uses it to explain the engine's
+per step and the throughput gain B * t(1) / t(B). docs/lab/serve-load.md uses it to explain the engine's
 scaling from 1 to 8 clients.
 """
 from __future__ import annotations

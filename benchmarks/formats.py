@@ -1,12 +1,12 @@
-"""Measure every quantization format on the real Qwen2.5-Coder-0.5B weights; update docs/formats.md's tables.
+"""Measure every quantization format on the real Qwen2.5-Coder-0.5B weights; update docs/quant-formats.md's tables.
 
-    python benchmarks/formats.py [--model PATH] [--text PATH] [--out docs/formats.md] [--quick]
+    python benchmarks/formats.py [--model PATH] [--text PATH] [--out docs/quant-formats.md] [--quick]
 
 Sections: (a) bits/weight and RMSE per format and tensor role (rows subsampled); (g) group size vs
 RMSE for q3p/q2c; (l) how Q3P_LEVELS was chosen; (b) q3p vs q3u on the FFN: weight RMSE and KL of the
 next-token distribution; (c) q2c k-means vs scikit-learn KMeans; (d) quantize/dequantize MB/s,
 numpy reference vs fast path. Runtime: about 3-5 minutes on 2 cores. Only the tables between the page's
-`mixqrt:formats-*` markers and docs/data/formats.json are written; the page's text is hand-written.
+`mixqrt:formats-*` markers and docs/data/quant-formats.json are written; the page's text is hand-written.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mixqrt.quant import formats, kmeans, layout  # noqa: E402
-from mixqrt.quant import dequantize, quantize  # noqa: E402
+from mixqrt.formats import codec as formats, kmeans, layout  # noqa: E402
+from mixqrt.formats import dequantize, quantize  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import update_doc, write_json  # noqa: E402
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--text", type=Path, default=TEXT)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "formats.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "quant-formats.md")
     ap.add_argument("--quick", action="store_true", help="fewer rows and tokens (smoke test)")
     args = ap.parse_args(argv)
     rows, ntok = (16, 16) if args.quick else (128, 128)
@@ -339,21 +339,21 @@ def main(argv=None) -> int:
 
 
 def kl_ratio_line(kl) -> str:
-    """q3p's mean KL against q3u's, per measured layer (the prose in docs/formats.md judges it)."""
+    """q3p's mean KL against q3u's, per measured layer (the prose in docs/quant-formats.md judges it)."""
     per = [f"layer {L}: {100 * (1 - kl[(L, 'q3p')] / kl[(L, 'q3u')]):.1f}% lower"
            for (L, f) in kl if f == "q3p" and (L, "q3u") in kl]
     return "q3p's KL(f32 ‖ q) mean against q3u's: " + (", ".join(per) or "not measured") + " (negative: higher)."
 
 
 def write_doc(args, sec, tokdesc, kl, layers, rows, ntok, elapsed, speed_shape):
-    """Only the tables (between the page's mixqrt:formats-* markers) and docs/data/formats.json are
-    written; the text of docs/formats.md is hand-written around them."""
+    """Only the tables (between the page's mixqrt:formats-* markers) and docs/data/quant-formats.json are
+    written; the text of docs/quant-formats.md is hand-written around them."""
     from mixqrt._kernels import _cpu
-    import mixqrt.isa
+    import mixqrt.platform.isa
     run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "command": "python benchmarks/formats.py" + (" --quick" if args.quick else ""),
            "seconds": round(elapsed), "cpu": _cpu.brand() or platform.processor(), "logical_cpus": os.cpu_count(),
-           "isa": mixqrt.isa.current(), "python": platform.python_version(), "numpy": np.__version__,
+           "isa": mixqrt.platform.isa.current(), "python": platform.python_version(), "numpy": np.__version__,
            "loadavg_end": os.getloadavg()[0], "rows": rows, "layers": layers, "kl_tokens": ntok, "kl_text": tokdesc,
            "q3p_levels": layout.Q3P_LEVELS.tolist(), "speed_slice": list(speed_shape),
            "kl_mean": {f"{L}/{f}": v for (L, f), v in kl.items()}}

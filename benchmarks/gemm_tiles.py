@@ -11,7 +11,7 @@ off, on ...):
     bit-identical where both take the GEMM (T >= the GEMM threshold);
   - per decode step (Model.decode_batch after a 64-token prompt per sequence; B = 1 is the plain
     single-sequence step, which never reads tiles): CPU ms per step and B x t(1) / t(B).
-Writes both into docs/kernels.md (block `gemm-tiles`) unless --no-doc.
+Writes both into docs/lab/kernels-gemm.md (block `gemm-tiles`) unless --no-doc.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     text = "\n".join(out)
     print(text)
     if not a.no_doc:
-        update_doc(ROOT / "docs" / "kernels.md", {"gemm-tiles": text})
+        update_doc(ROOT / "docs" / "lab" / "kernels-gemm.md", {"gemm-tiles": text})
     return 0
 
 

@@ -23,8 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sensitivity import chunk_runner, load_source  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from mixqrt.quant import layout, quantize  # noqa: E402
-from mixqrt.quant.recipes import get_recipe, role_of  # noqa: E402
+from mixqrt.formats import layout, quantize  # noqa: E402
+from mixqrt.quantize.recipes import get_recipe, role_of  # noqa: E402
 
 GGUF = "/root/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 

@@ -89,7 +89,7 @@ def measure(path: str, cold: bool, hugepages: bool, willneed: bool) -> dict:
 
     from mixqrt.io.arena import drop_cached
     from mixqrt.io.mxq import MxqFile
-    from mixqrt.quant.qtensor import QTensor  # noqa: F401
+    from mixqrt.formats.qtensor import QTensor  # noqa: F401
     if cold:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)

@@ -1,8 +1,8 @@
-"""Qwen2-7B at full size: synthetic checkpoint -> quantize (2356, q8, q4) -> bench -> docs/qwen2-7b.md's tables.
+"""Qwen2-7B at full size: synthetic checkpoint -> quantize (2356, q8, q4) -> bench -> docs/lab/qwen2-7b.md's tables.
 
     python benchmarks/qwen2_7b.py                       # everything; finished steps are reused
     python benchmarks/qwen2_7b.py --redo bench --n-gen 16
-    python benchmarks/qwen2_7b.py --doc-only            # redo docs/qwen2-7b.md's tables from results.json
+    python benchmarks/qwen2_7b.py --doc-only            # redo docs/lab/qwen2-7b.md's tables from results.json
     python benchmarks/qwen2_7b.py --delete-checkpoint   # remove the 15 GB folder at the end
 
 Work files live in --work (default /tmp/mixqrt-7b): the checkpoint folder, one .mxq per recipe, a
@@ -198,7 +198,7 @@ def step_quantize(ck: Path, work: Path, recipe: str, res: dict, log) -> None:
 
 
 def step_dry_run(ck: Path, recipe: str, res: dict) -> None:
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     rep = quantize_model(str(ck), recipe, None, progress=False, dry_run=True)
     res.setdefault("dry_run", {})[recipe] = {"tensor_bytes": rep.total_bytes, "bits_per_weight": rep.bits_per_weight}
 
@@ -562,10 +562,11 @@ def _dry_run_block(res) -> list[str]:
 
 def _commands_block(res) -> list[str]:
     q, st = res.get("quantize", {}), res.get("settings", {})
-    L = ["```", "python benchmarks/synthetic_checkpoint.py --out /tmp/mixqrt-7b/qwen2-7b-synthetic"]
-    L += [f"python -m mixqrt quantize /tmp/mixqrt-7b/qwen2-7b-synthetic --recipe {rec} -o /tmp/mixqrt-7b/qwen2-7b-{rec}.mxq"
+    # WORK: the --work folder (a scratch path a reader cannot follow, so the page names it by role)
+    L = ["```", "python benchmarks/synthetic_checkpoint.py --out WORK/qwen2-7b-synthetic"]
+    L += [f"python -m mixqrt quantize WORK/qwen2-7b-synthetic --recipe {rec} -o WORK/qwen2-7b-{rec}.mxq"
           for rec in q]
-    L += [f"python -m mixqrt bench /tmp/mixqrt-7b/qwen2-7b-{rec}.mxq -t 1 -p {st.get('n_prompt')} -n {st.get('n_gen')} "
+    L += [f"python -m mixqrt bench WORK/qwen2-7b-{rec}.mxq -t 1 -p {st.get('n_prompt')} -n {st.get('n_gen')} "
           f"-r {st.get('reps')}   # and -t 2" for rec in q]
     L.append("python benchmarks/qwen2_7b.py      # all of the above + this page's tables")
     if res.get("llamacpp"):
@@ -574,7 +575,7 @@ def _commands_block(res) -> list[str]:
 
 
 def doc_blocks(res: dict) -> dict[str, str]:
-    """The generated tables of docs/qwen2-7b.md, by marker name (the prose around them is hand-written)."""
+    """The generated tables of docs/lab/qwen2-7b.md, by marker name (the prose around them is hand-written)."""
     parts = {"qwen7b-run": _run_block, "qwen7b-article": _article_block, "qwen7b-bandwidth": _bandwidth_block,
              "qwen7b-quantize": _quantize_block, "qwen7b-by-role": _by_role_block, "qwen7b-pipeline": _pipeline_block,
              "qwen7b-llamacpp": _llamacpp_block, "qwen7b-dry-run": _dry_run_block, "qwen7b-commands": _commands_block}
@@ -595,7 +596,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pipe-tokens", type=int, default=8)
     ap.add_argument("--redo", default="", help="comma list of steps to rerun: quantize,bench,pipeline,dry_run")
     ap.add_argument("--skip", default="", help="comma list of steps to skip")
-    ap.add_argument("--doc", default=str(_ROOT / "docs" / "qwen2-7b.md"))
+    ap.add_argument("--doc", default=str(_ROOT / "docs" / "lab" / "qwen2-7b.md"))
     ap.add_argument("--doc-only", action="store_true")
     ap.add_argument("--delete-checkpoint", action="store_true", help="remove the 15 GB checkpoint at the end")
     ap.add_argument("--llamacpp", action="store_true",
@@ -659,7 +660,7 @@ def main(argv=None) -> int:
         if isinstance(e, dict) and ft != "base" and not e.get("decode_bytes"):
             e["decode_bytes"] = gguf_decode_bytes(work / f"qwen2-7b-synthetic-{ft}.gguf")
     save()
-    data = Path(a.doc).parent / "data" / (Path(a.doc).stem + ".json")
+    data = _ROOT / "docs" / "data" / (Path(a.doc).stem + ".json")
     write_json(data, res)
     update_doc(a.doc, doc_blocks(res), title="Qwen2-7B at full size on 2 cores")
     log(f"wrote the tables of {a.doc} and {data}")

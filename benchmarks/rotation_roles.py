@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sensitivity import GGUF, chunk_runner, load_source  # noqa: E402
 
-from mixqrt.quant import dequantize, quantize, rotation  # noqa: E402
-from mixqrt.quant.recipes import role_of  # noqa: E402
+from mixqrt.formats import dequantize, quantize, rotation  # noqa: E402
+from mixqrt.quantize.recipes import role_of  # noqa: E402
 
 TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
 

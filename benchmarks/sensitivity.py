@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mixqrt.evaluate import log_softmax  # noqa: E402
 from mixqrt.io import open_source  # noqa: E402
 from mixqrt.models import get_model_class  # noqa: E402
-from mixqrt.quant import dequantize, layout, quantize  # noqa: E402
-from mixqrt.quant.formats import SEARCH_FORMATS  # noqa: E402
-from mixqrt.quant.imatrix import importance_for, load_imatrix  # noqa: E402
-from mixqrt.quant.recipes import role_of  # noqa: E402
+from mixqrt.formats import dequantize, layout, quantize  # noqa: E402
+from mixqrt.formats.codec import SEARCH_FORMATS  # noqa: E402
+from mixqrt.quantize.imatrix import importance_for, load_imatrix  # noqa: E402
+from mixqrt.quantize.recipes import role_of  # noqa: E402
 
 GGUF = "/root/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 TEXT = "/work/shared/data/wikitext-2-test.txt"

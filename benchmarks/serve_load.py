@@ -10,8 +10,8 @@ benchmarks/compare_llamacpp.py's helper (llama_model_quantize, requantizing the 
 Reports per system and client count: aggregate output tok/s (tokens received inside the window /
 window), p50/p99 time to first token and inter-token latency, errors, and the prompt-cache hit rate
 (usage.prompt_tokens_details.cached_tokens / prompt tokens, where the server reports it). Writes the
-tables between the `mixqrt:serving-*` markers of docs/serving.md (the prose there is by hand),
-docs/serving.png and docs/data/serving.json.
+tables between the `mixqrt:serving-*` markers of docs/lab/serve-load.md (the prose there is by hand),
+docs/lab/serve-load.png and docs/data/serving.json.
 """
 from __future__ import annotations
 
@@ -278,10 +278,10 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
         if mh["ttft_p99"] is not None and lh["ttft_p99"] is not None:
             G.append(f"- {hi} clients, p99 TTFT: mixqrt {mh['ttft_p99']:.2f} s vs llama-cpp-python "
                      f"{lh['ttft_p99']:.2f} s (goal: lower): {'PASS' if mh['ttft_p99'] < lh['ttft_p99'] else 'FAIL'}")
-    update_doc(docs / "serving.md", {"serving-run": "\n".join(run), "serving-table": "\n".join(T),
+    update_doc(docs / "lab" / "serve-load.md", {"serving-run": "\n".join(run), "serving-table": "\n".join(T),
                                      "serving-goals": "\n".join(G) or "(not measured)"},
                title="Serving under load: mixqrt serve against llama-cpp-python's server")
-    write_plot(docs / "serving.png", res, a.clients, labels)
+    write_plot(docs / "lab" / "serve-load.png", res, a.clients, labels)
 
 
 def write_plot(path, res, clients, labels) -> None:

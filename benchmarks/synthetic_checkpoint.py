@@ -3,7 +3,7 @@
     python benchmarks/synthetic_checkpoint.py --out /tmp/mixqrt-7b/qwen2-7b-synthetic
     python benchmarks/synthetic_checkpoint.py --out /tmp/x --dims 64,2,4,2,128,448 --tokenizer tiny
 
-The hub is not reachable here, so the 7B-at-full-size measurements (docs/qwen2-7b.md) run on a
+The hub is not reachable here, so the 7B-at-full-size measurements (docs/lab/qwen2-7b.md) run on a
 checkpoint that has everything of Qwen2-7B-Instruct but its trained values: config.json (hidden
 3584, 28 layers, 28 heads / 4 KV heads, intermediate 18944, vocab 152064, untied lm_head, rope
 1e6, q/k/v bias), bf16 weights in model-0000N-of-0000M.safetensors shards with

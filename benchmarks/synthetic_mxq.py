@@ -54,9 +54,9 @@ class ShapeSource:
 
 def slab_tensor(fmt: str, shape, rng, lo_hi=None):
     """A QTensor of `shape` in fmt's stored form: one quantized 16-row slab repeated (see module doc)."""
-    from mixqrt.quant import layout, quantize
-    from mixqrt.quant.formats import to_storage
-    from mixqrt.quant.qtensor import QTensor
+    from mixqrt.formats import layout, quantize
+    from mixqrt.formats.codec import to_storage
+    from mixqrt.formats.qtensor import QTensor
     if len(shape) == 1:                  # norm weights and biases: ones (q5g in the bound range lo_hi)
         return quantize(np.ones(shape, np.float32), fmt, **({"lo": lo_hi[0], "hi": lo_hi[1]} if fmt == "q5g" and lo_hi else {}))
     n, k = shape
@@ -70,10 +70,10 @@ def slab_tensor(fmt: str, shape, rng, lo_hi=None):
 def write(out: str, recipe: str, config: dict, seed: int = 0, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from mixqrt.convert import MXQ_KIND, _q3p_levels
+    from mixqrt.quantize.convert import MXQ_KIND, _q3p_levels
     from mixqrt.io.mxq import MxqWriter
     from mixqrt.models import spec
-    from mixqrt.quant.recipes import get_recipe, tensor_plan
+    from mixqrt.quantize.recipes import get_recipe, tensor_plan
     rng = np.random.default_rng(seed)
     rec = get_recipe(recipe)
     # a tied config under a tying recipe (2356t): one embedding tensor in the lm_head's format, as
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
-    from mixqrt.quant.recipes import DEFAULT_RECIPE
+    from mixqrt.quantize.recipes import DEFAULT_RECIPE
     recipe = a.recipe or DEFAULT_RECIPE
     out = a.out or f"/tmp/mixqrt-{a.config}-{recipe}.mxq"
     r = write(out, recipe, CONFIGS[a.config], a.seed, progress=not a.quiet)

@@ -1,9 +1,9 @@
 """Thread scaling on one machine: the read-bandwidth probe (each pattern) and decode / prefill of a
 0.5B- and a 7B-shaped 2356t model at 1..N threads, with the pool's workers pinned one per core
-before any SMT sibling (runtime.affinity.worker_cpus).
+before any SMT sibling (platform.affinity.worker_cpus).
 
     python benchmarks/thread_scaling.py                       # 1, 2, 4, ... up to every usable CPU
-    python benchmarks/thread_scaling.py --threads 1,2,4,8,16 --work /tmp/scaling --out docs/thread-scaling.md
+    python benchmarks/thread_scaling.py --threads 1,2,4,8,16 --work /tmp/scaling --out docs/lab/thread-scaling.md
 
 The models are synthetic (benchmarks/synthetic_mxq.py: the recipe's formats and sizes, exactly the
 bytes a decode step of a real file reads, meaningless values), so the run needs no checkpoint and
@@ -32,7 +32,7 @@ SHAPES = {"0.5b": (512, 128, 2), "7b": (64, 32, 1)}
 
 
 def default_threads() -> list[int]:
-    from mixqrt.runtime import topology
+    from mixqrt.platform import topology
     n = topology.usable_cpus()
     out, t = [], 1
     while t < n:
@@ -65,7 +65,7 @@ def model_path(spec: str, work: Path, recipe: str, quiet: bool) -> tuple[str, st
 
 
 def machine_lines() -> str:
-    from mixqrt.runtime import affinity, topology
+    from mixqrt.platform import affinity, topology
     cpus = topology.allowed_cpus()
     topo = topology.topology()
     order = affinity.worker_cpus(len(cpus), topo, cpus)
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-bytes", type=int, default=1 << 30,
                     help="probe buffer (at least 4x the last-level cache in any case)")
     ap.add_argument("--tag", default="local", help="names this machine's tables in --out (one page, several machines)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "thread-scaling.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "lab" / "thread-scaling.md"))
     ap.add_argument("--json", default=None, help="raw rows (default docs/data/thread-scaling-TAG.json)")
     ap.add_argument("--from-json", default=None, help="only write --out's TAG tables from this saved run")
     ap.add_argument("--kernel-threads", default="1,2", help="thread counts of the matvec rate table ('' skips it)")
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         return 0
     json_path = a.json or str(ROOT / "docs" / "data" / f"thread-scaling-{a.tag}.json")
     from mixqrt import load, ops
-    from mixqrt.runtime import topology
+    from mixqrt.platform import topology
     threads = [int(t) for t in a.threads.split(",")] if a.threads else default_threads()
     command = "python benchmarks/thread_scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
     head = provenance(command.strip()) + machine_lines()

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from mixqrt.perf import cpu_jiffies, peak_rss_bytes, steal_fraction
+from mixqrt.platform.perf import cpu_jiffies, peak_rss_bytes, steal_fraction
 
 
 def measure_bandwidth(threads: int, nbytes: int = 1 << 30, probes: int = 3) -> float:
@@ -119,7 +119,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
             tok = int(np.argmax(logits))
             ttft.append(time.perf_counter() - t)
             if perf and r == 0:
-                from mixqrt.perf import Counters
+                from mixqrt.platform.perf import Counters
                 counters = Counters()
             j0 = cpu_jiffies()
             t = time.perf_counter()

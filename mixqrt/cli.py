@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from mixqrt.quant.recipes import DEFAULT_RECIPE
+from mixqrt.quantize.recipes import DEFAULT_RECIPE
 
 
 def _add_model(p, optional=False):
@@ -80,7 +80,7 @@ def parse_rotate(items):
 
 
 def cmd_quantize(a):
-    from mixqrt.convert import describe, dumps_report, quantize_model
+    from mixqrt.quantize.convert import describe, dumps_report, quantize_model
     rep = quantize_model(a.src, a.recipe or DEFAULT_RECIPE, a.output, overrides=a.tensor_type,
                          progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
                          imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
@@ -96,7 +96,7 @@ def cmd_quantize(a):
 
 def _calibration(a) -> dict:
     """--calibrate FILE|self (repeatable; the sources share --calib-tokens evenly)."""
-    from mixqrt.quant.calibtext import parse_sources
+    from mixqrt.quantize.calibtext import parse_sources
 
     if a.calib_save and "self" not in (a.calibrate or ()):
         raise SystemExit("mixqrt quantize: --calib-save needs --calibrate self")
@@ -109,7 +109,7 @@ def _calibration(a) -> dict:
 
 def cmd_imatrix(a):
     from mixqrt.pipeline import load
-    from mixqrt.quant.imatrix import collect, save
+    from mixqrt.quantize.imatrix import collect, save
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
     m = load(a.model, None if str(a.model).endswith(".mxq") else a.recipe, progress=not a.quiet)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 import platform
 
-from mixqrt.runtime.topology import format_cpulist
+from mixqrt.platform.topology import format_cpulist
 
 
 def report() -> dict:
-    from mixqrt import isa
+    from mixqrt.platform import isa
     from mixqrt._kernels import _cpu
 
     info = {
@@ -22,12 +22,12 @@ def report() -> dict:
         "python": platform.python_version(),
     }
     try:
-        from mixqrt.runtime.affinity import usable_cpus
+        from mixqrt.platform.affinity import usable_cpus
         info["usable_cpus"] = usable_cpus()
     except ImportError:
         info["usable_cpus"] = len(os.sched_getaffinity(0))
     try:
-        from mixqrt.runtime.topology import topology
+        from mixqrt.platform.topology import topology
         topo = topology()
         info["numa_nodes"] = [{"id": n.id, "cpus": list(n.cpus), "mem_bytes": n.mem_bytes,
                                "has_cpu": n.has_cpu} for n in topo.nodes]
@@ -35,7 +35,7 @@ def report() -> dict:
         topo = None
         info["numa_nodes"] = f"unavailable: {e}"
     try:
-        from mixqrt.runtime import affinity, topology as tp
+        from mixqrt.platform import affinity, topology as tp
         allowed = tp.allowed_cpus()
         info["physical_cores"] = tp.physical_cores(allowed)
         info["worker_cpus"] = affinity.worker_cpus(len(allowed), topo, allowed)

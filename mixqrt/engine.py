@@ -38,13 +38,13 @@ from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError
 from mixqrt.generate import GenerationResponse, Sequence
 from mixqrt.grammar import compile_async, grammar_from_response_format
-from mixqrt.perf import peak_rss_bytes
+from mixqrt.limits import DEFAULT_MAX_CONTEXT
+from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.sample_utils import _int, _number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-DEFAULT_MAX_CONTEXT = 4096
 _ids = itertools.count(1)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -55,7 +56,9 @@ class LogitsFile:
     def __init__(self, path, mode: str, meta: dict | None = None):
         self.path, self.mode = str(path), mode
         if mode == "w":
-            self.f = open(self.path + ".part", "wb")
+            from mixqrt.io.atomic import mkstemp_for    # a unique temp, renamed onto path by close()
+            fd, self._tmp = mkstemp_for(self.path)
+            self.f = os.fdopen(fd, "wb")
             self.meta = dict(meta or {})
             self.rows = 0
             self.f.write(LOGITS_MAGIC + b"\0" * 8)   # header offset is patched on close
@@ -90,7 +93,6 @@ class LogitsFile:
         return np.frombuffer(b, dtype="<f2").reshape(n, self.vocab).astype(np.float64)
 
     def close(self, ok: bool = True) -> None:
-        import os
         if self.mode == "w":
             if ok:
                 hoff = self.f.tell()
@@ -101,10 +103,10 @@ class LogitsFile:
                 self.f.flush()
                 os.fsync(self.f.fileno())
                 self.f.close()
-                os.replace(self.path + ".part", self.path)
+                os.replace(self._tmp, self.path)
             else:
                 self.f.close()
-                os.unlink(self.path + ".part")
+                os.unlink(self._tmp)
         else:
             self.f.close()
 

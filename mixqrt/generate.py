@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mixqrt.errors import GenerationError
-from mixqrt.perf import peak_rss_bytes
+from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.sample_utils import _int, make_logits_processors, make_sampler
 
 # transformers' GenerationConfig defaults, used when neither the call nor the model says otherwise

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mixqrt.quant.recipes import DEFAULT_RECIPE
+from mixqrt.quantize.recipes import DEFAULT_RECIPE
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -24,7 +24,7 @@ def inspect_model(model, *, placement: bool = False, as_json: bool = False, reci
     p = Path(str(model))
     if p.suffix == ".mxq" and p.exists():
         return _inspect_mxq(p, placement, as_json)
-    from mixqrt.convert import describe, dumps_report, quantize_model
+    from mixqrt.quantize.convert import describe, dumps_report, quantize_model
     from mixqrt.pipeline import _source_for
     from mixqrt.resolve import resolve
     res = resolve(model)
@@ -53,7 +53,7 @@ def _inspect_mxq(path: Path, placement: bool, as_json: bool) -> str:
         plan_text = None
         if placement:
             from mixqrt.runtime.placement import format_placement, plan_placement
-            from mixqrt.runtime.topology import topology
+            from mixqrt.platform.topology import topology
             topo = topology()
             plan = plan_placement([(r["name"], r["role"], r["nbytes"], r["layer"]) for r in rows], topo,
                                   policy="tiered")

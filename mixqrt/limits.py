@@ -12,6 +12,10 @@ import math
 
 from mixqrt.errors import ModelError
 
+# The context a Pipeline or Engine allots by default when not told (the model's own, capped here):
+# the KV cache of every slot is sized from it, so a 128k-context model does not reserve 128k.
+DEFAULT_MAX_CONTEXT = 4096
+
 # key -> (smallest, largest) accepted value
 INT_LIMITS = {
     "num_hidden_layers": (1, 1024),

@@ -1,7 +1,7 @@
 """Public ops used by the model graph. Signatures are those of mixqrt.ops_ref (the numpy spec);
 the C kernels of mixqrt._kernels._ops do the work, on a native thread pool (started on first use,
 ``set_num_threads`` / ``get_num_threads``; MIXQRT_NUM_THREADS overrides the default,
-runtime.topology.usable_cpus: the affinity set capped by the cgroup CPU quota). A thread can keep
+platform.topology.usable_cpus: the affinity set capped by the cgroup CPU quota). A thread can keep
 its ops off the pool with ``local_threads(1)`` (the core-slicing scheduler's stage threads do).
 
 Extras over the reference: ``out=`` on the hot ops, ``softmax(fast=...)`` and f16 KV caches in
@@ -18,10 +18,10 @@ import numpy as np
 
 from mixqrt import ops_ref
 from mixqrt.errors import KernelError, MixqrtError
-from mixqrt.isa import TIERS
+from mixqrt.platform.isa import TIERS
 from mixqrt.ops_ref import rope_cos_sin  # noqa: F401  (re-exported)
-from mixqrt.quant import layout, rotation
-from mixqrt.runtime import topology
+from mixqrt.formats import layout, rotation
+from mixqrt.platform import topology
 
 try:
     from mixqrt._kernels import _ops
@@ -33,13 +33,13 @@ _Q3P_DEFAULT = bytes(layout.Q3P_LEVELS.tobytes())
 # attention runs in C for any number of query rows when head_dim is a multiple of 16 (up to 256):
 # prefill rows split over the pool by query position, each row computed exactly as the single-token
 # decode at its position, so the result does not depend on the thread count or the tier. Other
-# head sizes take BLAS products (numpy) above this many query rows (docs/kernels.md, "Prefill on the pool")
+# head sizes take BLAS products (numpy) above this many query rows (docs/lab/kernels-prefill.md, "Prefill on the pool")
 ATTN_C_MAX_T = 8
 
 
 # ----------------------------------------------------------------------------- threads
 def default_num_threads() -> int:
-    """MIXQRT_NUM_THREADS if set, else runtime.topology.usable_cpus() (the one CPU-count policy)."""
+    """MIXQRT_NUM_THREADS if set, else platform.topology.usable_cpus() (the one CPU-count policy)."""
     env = os.environ.get("MIXQRT_NUM_THREADS")
     if env:
         try:
@@ -73,9 +73,9 @@ def _limit_blas(n: int) -> None:
 
 
 def _worker_order() -> list[int]:
-    """Every allowed CPU in the pool's pinning order (runtime.affinity.worker_cpus: compact over
+    """Every allowed CPU in the pool's pinning order (platform.affinity.worker_cpus: compact over
     NUMA nodes, one thread per core before SMT siblings); worker i runs on the i-th."""
-    from mixqrt.runtime import affinity
+    from mixqrt.platform import affinity
     allowed = topology.allowed_cpus()
     try:
         topo = topology.topology()
@@ -92,6 +92,8 @@ def set_num_threads(n: int) -> int:
     if _ops is None:
         return 1
     global _pool_started
+    if _pool_started and _ops.pool_size() == n:
+        return n             # already running with n threads (Pipeline and Engine may both ask)
     got = _ops.pool_start(n, _worker_order())
     _pool_started = True
     _limit_blas(got)
@@ -319,7 +321,7 @@ def _gap_prefetch_bytes() -> int:
 
 
 # matmul(..., then=W2) on a single row (decode): the pool's workers read the first this-many bytes of
-# W2 while the caller does the work between the two products (docs/kernels.md, "Gap prefetch").
+# W2 while the caller does the work between the two products (docs/lab/kernels-interleaved.md, "Gap prefetch").
 # 0 turns it off; MIXQRT_GAP_PF sets it for a process.
 GAP_PREFETCH_BYTES = _gap_prefetch_bytes()
 
@@ -458,7 +460,7 @@ def run_decode_layers(layers, x, keys, values, pos: int) -> np.ndarray:
 def hadamard(x, block: int, signs=None) -> np.ndarray:
     """Block Hadamard rotation H_b (signs * x) of the rows of x ([K] or [T, K] float32): blocks of
     `block` values (a power of two <= 1024 dividing K), scaled by 1/sqrt(block); signs: float32 [K]
-    of +-1 or None. Bit-identical on every ISA tier and to ops_ref.hadamard (mixqrt.quant.rotation)."""
+    of +-1 or None. Bit-identical on every ISA tier and to ops_ref.hadamard (mixqrt.formats.rotation)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim not in (1, 2):
         raise KernelError(f"hadamard: x must be [K] or [T, K], got shape {x.shape}")
@@ -502,7 +504,7 @@ _ROT_CACHE: dict = {}
 
 
 def _rot(w, k: int):
-    """(block, signs, scale) of a rotated tensor (meta["rot"], mixqrt.quant.rotation), else None;
+    """(block, signs, scale) of a rotated tensor (meta["rot"], mixqrt.formats.rotation), else None;
     checked once per (block, seed, K)."""
     meta = getattr(w, "meta", None)
     r = meta.get("rot") if meta else None
@@ -641,7 +643,7 @@ def attention_batch(q, k_caches, v_caches, positions, out=None) -> np.ndarray:
 
 def probe_bytes(nbytes: int) -> int:
     """The probe's buffer: ``nbytes``, but at least 4x the machine's last-level cache
-    (:func:`runtime.topology.llc_bytes`), so that it reads memory, not the cache."""
+    (:func:`platform.topology.llc_bytes`), so that it reads memory, not the cache."""
     return max(int(nbytes), 4 * topology.llc_bytes())
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
+from mixqrt.limits import DEFAULT_MAX_CONTEXT
 from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
 
 
@@ -33,7 +34,7 @@ class LoadedModel:
         t0 = time.perf_counter()
         self.path = str(path)
         # MADV_HUGEPAGE + MADV_WILLNEED on the mapping: measured 1.08x median over plain mmap in
-        # docs/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
+        # docs/lab/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
         self.file = MxqFile(path, hugepages=hugepages, willneed=willneed)
         meta = self.file.meta
         if meta.get("kind") != "mixqrt-llm":
@@ -47,7 +48,7 @@ class LoadedModel:
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
         if levels is not None:
-            from mixqrt.quant.layout import Q3P_LEVEL_MAX, Q3P_LEVELS
+            from mixqrt.formats.layout import Q3P_LEVEL_MAX, Q3P_LEVELS
             if not isinstance(levels, list) or len(levels) != Q3P_LEVELS.size or not all(
                     isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q3P_LEVEL_MAX for v in levels):
                 raise ModelError(f"{path}: bad q3p_levels {str(levels)[:80]} in the header (want "
@@ -114,8 +115,8 @@ def prepare(name_or_path, recipe: str | None = None, *, offline=None, progress=T
         if recipe is not None:
             raise ModelError(f"{res.where} is already quantized; drop recipe={recipe!r} or load the source model")
         return Path(res.where)
-    from mixqrt.convert import quantize_model      # not imported for a .mxq: it costs ~0.1 s at start-up
-    from mixqrt.quant.recipes import get_recipe
+    from mixqrt.quantize.convert import quantize_model      # not imported for a .mxq: it costs ~0.1 s at start-up
+    from mixqrt.quantize.recipes import get_recipe
     rec = get_recipe(recipe or res.recipe or DEFAULT_RECIPE, overrides)
     src = _source_for(res, offline, progress)
     out = cached_mxq_path(res.label, src, rec.spec())
@@ -153,7 +154,7 @@ class Pipeline:
             grammar_from_response_format(response_format)      # its shape is checked now
         self.loaded = LoadedModel(self.path, threads=threads)
         self.model = self.loaded.model
-        self.max_context = int(max_context) if max_context else min(self.model.context_length, 4096)
+        self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
         self._engine = None
         self._engine_lock = threading.Lock()
         self._finalizer = None
@@ -259,22 +260,16 @@ class Pipeline:
     def save(self, path) -> Path:
         """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
         from mixqrt.io.arena import drop_cached
-        from mixqrt.io.atomic import file_lock, mkstemp_for
+        from mixqrt.io.atomic import atomic_write, file_lock
         path = Path(path)
         if path.resolve() == Path(self.path).resolve():
             return path
         with file_lock(path):                        # concurrent saves to one path take turns
-            fd, tmp = mkstemp_for(path)
-            try:
-                with os.fdopen(fd, "wb") as f, open(self.path, "rb") as src:
-                    shutil.copyfileobj(src, f, 1 << 22)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    drop_cached(f.fileno())          # see mixqrt.io.arena.drop_cached
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            with atomic_write(path) as f, open(self.path, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 22)
+                f.flush()
+                os.fsync(f.fileno())
+                drop_cached(f.fileno())              # see mixqrt.io.arena.drop_cached
         return path
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mixqrt.errors import ModelError
-from mixqrt.quant.recipes import DEFAULT_RECIPE  # noqa: F401  (re-exported: the one default)
+from mixqrt.quantize.recipes import DEFAULT_RECIPE  # noqa: F401  (re-exported: the one default)
 
 ALIASES = {
     "qwen2-7b": "Qwen/Qwen2-7B-Instruct",
@@ -50,7 +50,7 @@ class Resolved:
 
 
 def _split_recipe(name: str) -> tuple[str, str | None]:
-    from mixqrt.quant.recipes import RECIPES
+    from mixqrt.quantize.recipes import RECIPES
 
     for r in sorted(RECIPES, key=len, reverse=True):
         if name.lower().endswith("-" + r.lower()):

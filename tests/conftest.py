@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-import mixqrt.isa as isa
+import mixqrt.platform.isa as isa
 
 MODELS_DIR = Path(os.environ.get("MIXQRT_TEST_MODELS", Path.home() / ".cache" / "mixqrt-test-models"))
 QWEN_GGUF = MODELS_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

@@ -4,9 +4,9 @@ import pytest
 
 import mixqrt
 from mixqrt.cli import main as cli_main
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import QuantError
-from mixqrt.quant.auto import LADDER, SENSITIVITY, plan_formats
+from mixqrt.quantize.auto import LADDER, SENSITIVITY, plan_formats
 
 from tinymodel import make_tiny_hf_model
 
@@ -42,7 +42,7 @@ def test_more_budget_never_costs_more_kl(tiny):
     plan = [(t.name, t.role, t.shape) for t in quantize_model(str(tiny), "2356", dry_run=True).tensors]
 
     def cost(fmts):
-        from mixqrt.quant.auto import _GROUP
+        from mixqrt.quantize.auto import _GROUP
         tot = {}
         for n, r, s in plan:
             if r in ("norm", "bias"):

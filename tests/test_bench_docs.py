@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _common import replace_blocks, update_doc, write_json  # noqa: E402
+from _common import ROOT, replace_blocks, shown, update_doc, write_json  # noqa: E402
 
 PAGE = """# Page
 
@@ -108,13 +108,13 @@ def test_qwen2_7b_tables_and_page_markers():
         in blocks["qwen7b-llamacpp"]
     assert "| 0.65 | 36 | 1.93 | 1.89 | 8 | 2.89 | 7.34 | 3.79 | 0.15 |" in blocks["qwen7b-pipeline"]
     assert mod.doc_blocks({})                                   # nothing measured yet: still renders
-    page = (root / "docs" / "qwen2-7b.md").read_text()
+    page = (root / "docs" / "lab" / "qwen2-7b.md").read_text()
     for name in blocks:
         assert page.count(f"<!-- BEGIN mixqrt:{name} -->") == 1 and page.count(f"<!-- END mixqrt:{name} -->") == 1
 
 
 def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
-    """benchmarks/formats.py rewrites only the marked tables of docs/formats.md (a copy here)."""
+    """benchmarks/formats.py rewrites only the marked tables of docs/quant-formats.md (a copy here)."""
     import argparse
     import importlib.util
     import shutil
@@ -122,8 +122,8 @@ def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("formats_bench", root / "benchmarks" / "formats.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    page = tmp_path / "formats.md"
-    shutil.copy(root / "docs" / "formats.md", page)
+    page = tmp_path / "quant-formats.md"
+    shutil.copy(root / "docs" / "quant-formats.md", page)
     before = page.read_text()
     sec = {k: ["| x | y |", "|---|---|", f"| {k} | 1 |"] for k in "aglbcd"}
     kl = {(0, "q3u"): 0.4, (0, "q3p"): 0.3, (12, "q3u"): 0.5, (12, "q3p"): 0.55}
@@ -135,7 +135,7 @@ def test_formats_tables_land_in_docs_formats_page(tmp_path, capsys):
     prose = [ln for ln in before.splitlines() if ln and not ln.startswith(("|", "- **", "<!--", "Slice:", "Lloyd",
                                                                            "Speed-up", "q3p's KL"))]
     assert all(ln in after for ln in prose)                       # the hand-written text is untouched
-    assert json.loads((tmp_path / "data" / "formats.json").read_text())["kl_mean"]["0/q3p"] == 0.3
+    assert json.loads((tmp_path / "data" / "quant-formats.json").read_text())["kl_mean"]["0/q3p"] == 0.3
 
 
 def test_thread_scaling_renders_a_saved_run(tmp_path):
@@ -153,3 +153,15 @@ def test_thread_scaling_renders_a_saved_run(tmp_path):
     # one row per (model, threads); speed-up against the model's 1-thread row
     assert decode.count("\n") == len(run["rows"]) + 1 and "| 1.00x |" in decode
     assert "| 16 |" in thread_scaling.probe_table({int(k): v for k, v in run["probes"].items()})
+
+
+def test_generated_blocks_name_no_path_outside_the_repository(tmp_path):
+    """A benchmark's command line (a scratch model, ../shared texts) lands on a docs/ page as file names;
+    paths inside the repository become relative to its root; endpoints and ratios are left alone."""
+    cmd = (f"python benchmarks/x.py /tmp/m/q.mxq --gguf /root/l/Q3.gguf --text ../shared/data/w.txt "
+           f"--calibrate self+/work/shared/data/t.txt --out {ROOT}/docs/lab/x.md")
+    assert shown(cmd) == "python benchmarks/x.py q.mxq --gguf Q3.gguf --text w.txt --calibrate self+t.txt --out docs/lab/x.md"
+    assert shown("GET /v1/chat/completions at 1/2 tok/s") == "GET /v1/chat/completions at 1/2 tok/s"
+    page = tmp_path / "p.md"
+    update_doc(page, {"run": "Command: `python benchmarks/y.py --model /tmp/a/b.mxq`"})
+    assert "/tmp" not in page.read_text() and "`python benchmarks/y.py --model b.mxq`" in page.read_text()

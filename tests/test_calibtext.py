@@ -1,15 +1,15 @@
-"""Calibration text: the model's own sampled text, text files, and mixes of them (quant/calibtext.py)."""
+"""Calibration text: the model's own sampled text, text files, and mixes of them (quantize/calibtext.py)."""
 import json
 
 import numpy as np
 import pytest
 
 from mixqrt.cli import main as cli_main
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import QuantError
 from mixqrt.io import open_source
 from mixqrt.io.mxq import MxqFile
-from mixqrt.quant.calibtext import (PROMPTS_V1, Generated, GeneratedSource, TextSource, calibration_set,
+from mixqrt.quantize.calibtext import (PROMPTS_V1, Generated, GeneratedSource, TextSource, calibration_set,
                                     generate_samples, generate_source, memory_model)
 from tinymodel import make_tiny_hf_model
 

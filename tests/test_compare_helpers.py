@@ -139,7 +139,7 @@ def test_speed_mixqrt_runs_bench_without_its_probe(tmp_path):
     task of a comparison run once."""
     from tinymodel import make_tiny_hf_model
 
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     src = make_tiny_hf_model(tmp_path / "hf", arch="llama", tied=False, seed=3)
     out = tmp_path / "m.mxq"
     quantize_model(str(src), "q8", str(out), progress=False, offline=True)

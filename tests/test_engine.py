@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.engine import Engine, EngineBusy
 from mixqrt.errors import GenerationError
 from mixqrt.generate import stream_generate
@@ -97,7 +97,8 @@ def test_batched_greedy_equals_sequential(lm):
 def test_gemm_cache_batched_greedy(lm):
     """With the GEMM tile cache on, batched steps read cached tiles (q8: built on AVX-512) and the
     tokens are still the greedy ones; the budget is process-wide and reported in stats."""
-    from mixqrt import isa, ops
+    from mixqrt import ops
+    from mixqrt.platform import isa
     ps = prompts(lm, 4)
     old = ops.set_gemm_cache(0)
     try:

@@ -59,4 +59,4 @@ def test_kl_against_saved_base(tmp_path):
     bad.write_bytes(b"garbage" * 10)
     with pytest.raises(FormatError):
         perplexity(_fake_model(), toks, ctx=16, kl_base=str(bad), progress=False)
-    assert not list(tmp_path.glob("*.part"))
+    assert not list(tmp_path.glob("*.part")) and not list(tmp_path.glob(".*.tmp"))

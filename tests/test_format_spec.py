@@ -6,7 +6,7 @@ import re
 import numpy as np
 
 from mixqrt._kernels import _format, _quant
-from mixqrt.quant import formats, layout
+from mixqrt.formats import codec as formats, layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "mixqrt"
 

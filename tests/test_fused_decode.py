@@ -9,8 +9,8 @@ import pytest
 from mixqrt import ops
 from mixqrt.errors import KernelError
 from mixqrt.models import build_model
-from mixqrt.quant import quantize, rotation
-from mixqrt.quant.formats import to_storage
+from mixqrt.formats import quantize, rotation
+from mixqrt.formats.codec import to_storage
 
 from test_model import tiny_config, tiny_weights
 

@@ -1,14 +1,14 @@
-"""GPTQ (quant/gptq.py) and the calibrated streaming quantizer (quant/calibrate.py)."""
+"""GPTQ (quantize/gptq.py) and the calibrated streaming quantizer (quantize/calibrate.py)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mixqrt
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import QuantError
-from mixqrt.quant import dequantize, quantize
-from mixqrt.quant.gptq import GPTQ_FORMATS, Hessian, _inv_chol_upper, gptq_quantize, refit_headers, row_losses, spans
+from mixqrt.formats import dequantize, quantize
+from mixqrt.quantize.gptq import GPTQ_FORMATS, Hessian, _inv_chol_upper, gptq_quantize, refit_headers, row_losses, spans
 
 from tinymodel import make_tiny_hf_model
 
@@ -50,7 +50,7 @@ def test_never_worse_than_rtn_on_the_calibration_loss(seed, n, k, t, fmt, mix):
 def test_row_slabs_give_the_whole_matrix_bytes(seed, n, k, fmt, rows, given_rtn):
     """gptq.ROWS splits vocabulary-sized matrices into row slabs (peak RSS); rows are independent in
     the loss, so the bytes must not depend on the slab size (rows=32 with n=33: the 1-row tail merges)."""
-    from mixqrt.quant import gptq
+    from mixqrt.quantize import gptq
     w, x = _problem(seed, n, k, 60, 0.3)
     h = Hessian(k, 64, 128)
     h.add(x)
@@ -165,7 +165,7 @@ def test_calibrated_quantize_model_is_closer_to_f32(tiny, tmp_path, monkeypatch)
 def test_gptq_span_is_recorded_used_and_checked(tiny, tmp_path, monkeypatch):
     """gptq_span sets the Hessian's span width (a K <= span matrix gets one exact block), is recorded
     in the calibration header, and a bad value is refused before anything is written."""
-    from mixqrt.quant import calibrate
+    from mixqrt.quantize import calibrate
     seen = []
     orig = calibrate.Calibrator._hess
     monkeypatch.setattr(calibrate.Calibrator, "_hess", lambda self, k: seen.append(orig(self, k)) or seen[-1])
@@ -182,7 +182,7 @@ def test_gptq_span_is_recorded_used_and_checked(tiny, tmp_path, monkeypatch):
 
 
 def test_depth_rules_place_formats_by_relative_layer(tiny):
-    from mixqrt.quant.recipes import Recipe, get_recipe
+    from mixqrt.quantize.recipes import Recipe, get_recipe
     rep = quantize_model(str(tiny), "2356c", None, progress=False, dry_run=True)
     fmts = {t.name: t.fmt for t in rep.tensors}
     n = max(int(k.split(".")[2]) for k in fmts if k.startswith("model.layers.")) + 1

@@ -290,7 +290,7 @@ def test_tokenizer_panic_is_a_typed_error(tmp_path):
 # ------------------------------------------------------------------ concurrent / interrupted writes
 @pytest.fixture(scope="module")
 def tiny_mxq(tmp_path_factory):
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     t = tmp_path_factory.mktemp("mxq")
     d = make_tiny_hf_model(t / "hf", dtype="f32")
     out = t / "tiny.mxq"
@@ -340,7 +340,7 @@ _KILLED_WRITER = r"""
 import os, signal, sys
 sys.path[:0] = [sys.argv[1]]
 from mixqrt.io.mxq import MxqWriter
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.formats.qtensor import QTensor
 import numpy as np
 w = MxqWriter(sys.argv[2], {})
 w.add("w", QTensor("f32", (4,), np.zeros(4, np.float32).view(np.uint8)))
@@ -379,7 +379,7 @@ def test_stale_temp_of_a_locked_target_is_kept(tmp_path):
 _PREPARE = r"""
 import os, sys, time
 sys.path[:0] = [sys.argv[1]]
-import mixqrt.convert as convert
+import mixqrt.quantize.convert as convert
 calls = []
 real = convert.quantize_model
 def counting(*a, **k):
@@ -457,7 +457,7 @@ print(int(f.tensors[last.name].raw.sum()))  # touching a vanished page: SIGBUS
 
 
 def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_path, tiny_mxq):
-    """Documented limit (docs/format.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
+    """Documented limit (docs/mxq-file.md): cutting a mapped file kills the reader with SIGBUS. mixqrt's
     own writers never do that: they replace by rename, and a map of the old file stays valid."""
     import shutil
     import signal

@@ -7,9 +7,9 @@ import pytest
 
 import mixqrt
 from mixqrt.cli import main as cli_main
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import QuantError
-from mixqrt.quant.imatrix import collect, importance_for, load_imatrix, save
+from mixqrt.quantize.imatrix import collect, importance_for, load_imatrix, save
 
 from tinymodel import make_tiny_hf_model
 
@@ -49,7 +49,7 @@ def test_collect_matches_a_manual_forward(tiny, tmp_path):
     want = (h.astype(np.float64) ** 2).mean(0)
     np.testing.assert_allclose(t["model.layers.0.self_attn.q_proj.weight"]["values"], want, rtol=1e-5)
     # the matmul hook is removed afterwards
-    assert ops.matmul.__name__ == "matmul" and ops.matmul.__module__ != "mixqrt.quant.imatrix"
+    assert ops.matmul.__name__ == "matmul" and ops.matmul.__module__ != "mixqrt.quantize.imatrix"
 
 
 def test_file_round_trip_and_validation(tiny, tmp_path):

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings as _settings, strategies as st
 
-import mixqrt.isa as isa
+import mixqrt.platform.isa as isa
 from mixqrt import ops
 from mixqrt._kernels import _ops
 from mixqrt.errors import FormatError, KernelError, QuantError
 from mixqrt.io import mxq
 from mixqrt.models.spec import row_slice
-from mixqrt.quant import layout, quantize
-from mixqrt.quant.formats import dequantize_rows, to_storage
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.formats import layout, quantize
+from mixqrt.formats.codec import dequantize_rows, to_storage
+from mixqrt.formats.qtensor import QTensor
 
 from test_kernels_ref import emulate_matmul, exact_activations, random_qtensor
 from test_ops_matmul import guarded_matmul
@@ -363,7 +363,7 @@ def test_quantize_model_stores_interleaved_and_keeps_fused_parts_sliceable(tmp_p
     parts are not whole groups (intermediate 24: 2 x 24 = 48 rows) stays in rows, so the scheduler's
     row_slice of its gate and up halves still works."""
     import tinymodel
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     from mixqrt.io.mxq import MxqFile
     monkeypatch.setattr(tinymodel, "INTER", 24)
     src = tinymodel.make_tiny_hf_model(tmp_path / "hf", dtype="f32")

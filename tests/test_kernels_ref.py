@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mixqrt.quant import layout
+from mixqrt.formats import layout
 
 OFF = {"q6": 32}   # q8: the kernels form the signed sums exactly (U - 128, in integers)
 PACKED_FMTS = ("q8", "q6", "q4", "q3u", "q3p", "q2c", "q5g")
 
 
 class FakeQT:
-    """Duck-typed QTensor (fmt, shape, raw, meta) usable before quant/formats.py exists."""
+    """Duck-typed QTensor (fmt, shape, raw, meta) usable before formats/codec.py exists."""
 
     def __init__(self, fmt, shape, raw, meta=None):
         self.fmt, self.shape, self.raw, self.meta = fmt, tuple(shape), raw, meta or {}

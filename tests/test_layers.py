@@ -19,23 +19,16 @@ import mixqrt
 ROOT = Path(mixqrt.__file__).parent
 
 LAYERS = [
-    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.isa", "mixqrt.perf",
-                  "mixqrt.ops_ref", "mixqrt.runtime.topology", "mixqrt.runtime.affinity"]),
-    ("quant.layout", ["mixqrt.quant.layout", "mixqrt.quant.kmeans",
-                      "mixqrt.quant.rotation"]),          # a tensor's rotation: part of its format
-    ("quant.qtensor", ["mixqrt.quant.qtensor"]),
-    ("quant.formats", ["mixqrt.quant.formats", "mixqrt.quant.__init__"]),
+    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.platform", "mixqrt.ops_ref"]),
+    ("formats", ["mixqrt.formats"]),                   # layout, kmeans, rotation, qtensor, codec
     ("ops", ["mixqrt.ops"]),
-    ("spec", ["mixqrt.models.base", "mixqrt.models.spec"]),
-    ("quant.policy", ["mixqrt.quant"]),                    # recipes, auto, imatrix, ...
+    ("models", ["mixqrt.models", "mixqrt.cache"]),      # spec, base, the graphs; the KV cache
     ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template"]),
-    ("models", ["mixqrt.models", "mixqrt.cache"]),
-    ("runtime", ["mixqrt.runtime"]),
-    ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate", "mixqrt.convert",
-                  "mixqrt.quant.calibrate",                 # runs the model layer by layer
-                  "mixqrt.quant.calibtext",                 # samples the model's own text
+    ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler
+    ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
                   "mixqrt.grammar", "mixqrt.tools",     # constrained decoding, tool calls
                   "mixqrt.engine", "mixqrt.engine_cache"]),
+    ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
              "mixqrt.__init__"]),
@@ -173,16 +166,58 @@ def test_layers_import_bottom_up():
     import json
     import subprocess
     import sys
-    # mixqrt/quant/__init__ loads layout, qtensor and formats together (formats must register the
-    # dequantizer before any QTensor is used), so at run time those three are one step
-    step = {name: ("quant core" if name.startswith("quant.") and name != "quant.policy" else name)
-            for name, _ in LAYERS}
-    names = list(dict.fromkeys(step.values()))
-    layers = [[] for _ in names]
+    layers = [[] for _ in LAYERS]
     for m in sorted(MODULES):
         if m.endswith("__main__") or m.endswith(".__init__"):
             continue
-        layers[names.index(step[LAYERS[layer_of(m)][0]])].append(m)
+        layers[layer_of(m)].append(m)
     r = subprocess.run([sys.executable, "-c", _ORDERED_IMPORT, json.dumps(layers)], capture_output=True,
                        text=True, cwd=ROOT.parent, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _part(mod: str) -> str:
+    """The top-level part of mixqrt a module belongs to: its folder (mixqrt.formats.layout -> formats)
+    or, for a module directly under mixqrt/, the module itself."""
+    return mod.split(".")[1]
+
+
+def test_each_folder_is_one_layer():
+    """A folder of mixqrt/ is one layer: every module in it sits in the same layer, so the folder
+    names on disk tell the layering."""
+    by_part: dict[str, set[str]] = {}
+    for m in MODULES:
+        if "." in m[len("mixqrt."):] and not m.startswith("mixqrt.__"):
+            by_part.setdefault(_part(m), set()).add(LAYERS[layer_of(m)][0])
+    mixed = {p: sorted(ls) for p, ls in by_part.items() if len(ls) > 1 and (ROOT / p).is_dir()}
+    assert not mixed, f"folders spanning several layers: {mixed}"
+
+
+def test_no_folder_cycles():
+    """Imports between the top-level parts (folders and root modules) form no cycle, lazy imports
+    included: the same rule as the module graph, one level up."""
+    edges: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        if m in ("mixqrt.__init__", "mixqrt.__main__"):
+            continue
+        for d in deps:
+            if d != "mixqrt.__init__" and _part(d) != _part(m):
+                edges.setdefault(_part(m), set()).add(_part(d))
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def dfs(v, path):
+        state[v] = 1
+        for w in sorted(edges.get(v, ())):
+            if state.get(w) == 1:
+                cycle.extend(path[path.index(w):] + [w] if w in path else [v, w])
+                return True
+            if w not in state and dfs(w, path + [w]):
+                return True
+        state[v] = 2
+        return False
+
+    for v in sorted(edges):
+        if v not in state and dfs(v, [v]):
+            break
+    assert not cycle, "folder cycle: " + " -> ".join(cycle)

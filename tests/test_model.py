@@ -247,9 +247,9 @@ def test_prefused_tensors_accepted():
 
 
 def test_qtensor_fusion_is_byte_concatenation():
-    pytest.importorskip("mixqrt.quant.formats")
+    pytest.importorskip("mixqrt.formats.codec")
     from mixqrt.models.spec import fuse
-    from mixqrt.quant.formats import quantize
+    from mixqrt.formats.codec import quantize
     rng = np.random.default_rng(0)
     parts = [rng.standard_normal((n, 40)).astype(np.float32) for n in (8, 4, 4)]
     for fmt in ("q8", "q6", "q4", "q3p", "f32"):

@@ -1,7 +1,7 @@
 """Mutation fuzzing of the GGUF and safetensors/HF-folder readers (hypothesis, in CI): every mutated
 file ends in FormatError/ModelError or in a model that runs; never another exception, a crash or a
 hang. The 100k-case runs are benchmarks/fuzz_gguf.py and benchmarks/fuzz_safetensors.py (same
-mutators and oracle, tests/model_fuzz.py); their results are in docs/format.md."""
+mutators and oracle, tests/model_fuzz.py); their results are in docs/mxq-file.md."""
 from __future__ import annotations
 
 import os

@@ -14,7 +14,7 @@ from test_mxq_fuzz import TINY_META, random_qtensor, tiny_model_tensors, write_m
 from mixqrt.errors import FormatError
 from mixqrt.io import mxq
 from mixqrt.io.mxq import MAX_HEADER, PREFIX, MxqFile, MxqWriter, validate
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.formats.qtensor import QTensor
 
 
 # ============================================================================ round trip
@@ -130,7 +130,7 @@ def test_upgrade_repacks_version_1_q3p(tmp_path, monkeypatch):
     """upgrade() turns a version 1 file (q3p codes planar, as q3u keeps them) into version 2 with the
     same codes, scales and everything else."""
     from mixqrt.io.mxq import upgrade
-    from mixqrt.quant import QTensor, quantize, layout
+    from mixqrt.formats import QTensor, quantize, layout
     w = np.random.default_rng(3).standard_normal((5, 200)).astype(np.float32)
     new = quantize(w, "q3p")
     planar = layout.assemble("q3u", new.shape, layout.disassemble("q3p", new.shape, new.raw))

@@ -19,25 +19,25 @@ import zlib
 import numpy as np
 
 from mixqrt.errors import FormatError
-from mixqrt.quant import layout
+from mixqrt.formats import layout
 
 
 def _ensure_formats() -> None:
-    """QTensor imports mixqrt.quant.formats (another module, landing separately); until it exists the
-    .mxq tests install a stand-in that knows the names in mixqrt.quant.layout."""
+    """QTensor imports mixqrt.formats.codec (another module, landing separately); until it exists the
+    .mxq tests install a stand-in that knows the names in mixqrt.formats.layout."""
     try:
-        import mixqrt.quant.formats  # noqa: F401
+        import mixqrt.formats.codec  # noqa: F401
     except ImportError:
-        stub = types.ModuleType("mixqrt.quant.formats")
+        stub = types.ModuleType("mixqrt.formats.codec")
         stub.FORMATS = {k: None for k in list(layout.PACKED) + list(layout.PLAIN)}
-        sys.modules["mixqrt.quant.formats"] = stub
+        sys.modules["mixqrt.formats.codec"] = stub
 
 
 _ensure_formats()
 
 from mixqrt.io import mxq  # noqa: E402
 from mixqrt.io.mxq import PREFIX, MxqFile, MxqWriter  # noqa: E402
-from mixqrt.quant.qtensor import QTensor  # noqa: E402
+from mixqrt.formats.qtensor import QTensor  # noqa: E402
 
 
 # ============================================================================ seeds

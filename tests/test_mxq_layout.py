@@ -12,7 +12,7 @@ import pytest
 from test_mxq_fuzz import random_qtensor, tiny_model_tensors, write_model  # noqa: I001 (installs the formats stand-in)
 
 from mixqrt.io.mxq import PREFIX, MxqFile, MxqWriter
-from mixqrt.quant import layout
+from mixqrt.formats import layout
 
 
 def qwen05b_tensors(layers: int = 24, vocab: int = 151936, hidden: int = 896, ffn: int = 4864,

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-import mixqrt.isa as isa
+import mixqrt.platform.isa as isa
 from mixqrt import ops, ops_ref
 from mixqrt._kernels import _ops
 
@@ -252,7 +252,7 @@ def test_default_threads(monkeypatch):
     monkeypatch.delenv("MIXQRT_NUM_THREADS")
     n = ops.default_num_threads()
     assert 1 <= n <= len(os.sched_getaffinity(0))
-    from mixqrt.runtime import topology
+    from mixqrt.platform import topology
     monkeypatch.setattr(topology, "cgroup_cpu_limit", lambda *a, **k: 0.5)
     assert ops.default_num_threads() == 1 == topology.usable_cpus()   # one policy: doctor and the pool agree
     monkeypatch.setenv("MIXQRT_NUM_THREADS", "zero")
@@ -289,7 +289,7 @@ def test_import_starts_no_threads():
 
 
 def test_read_bandwidth_patterns():
-    from mixqrt import isa
+    from mixqrt.platform import isa
     pats = ops.read_bandwidth_patterns(1 << 22, 2, 1)
     assert "scalar-1stream" in pats and all(1e8 < v < 1e13 for v in pats.values())
     # wide-load patterns only where the CPU runs them (never a SIGILL on an older CPU)
@@ -309,7 +309,7 @@ def test_honest_bound():
 def test_bench_notes_steal_and_small_pages():
     """The bench row notes hypervisor steal (>= 2 %) and weights mostly outside 2 MiB pages."""
     from mixqrt.bench import format_rows
-    from mixqrt.perf import cpu_jiffies, steal_fraction
+    from mixqrt.platform.perf import cpu_jiffies, steal_fraction
     a = cpu_jiffies()
     assert a is None or (len(a) == 2 and 0 <= a[0] <= a[1])
     assert steal_fraction(None, a) is None and steal_fraction((5, 100), (15, 200)) == 0.1

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings as _settings, strategies as st
 
-import mixqrt.isa as isa
+import mixqrt.platform.isa as isa
 from mixqrt import ops
 from mixqrt._kernels import _ops
 from mixqrt.errors import KernelError
-from mixqrt.quant import layout
-from mixqrt.quant.qtensor import QTensor
+from mixqrt.formats import layout
+from mixqrt.formats.qtensor import QTensor
 
 from test_kernels_ref import (FakeQT, PACKED_FMTS, emulate_matmul, exact_activations, quantize_act_ref,
                         random_qtensor)
@@ -330,7 +330,7 @@ def test_gemm_shared_activation_layout_is_bit_identical(fmt):
     (which interleaves for itself), for token counts around the 8-token group and the q8 sums."""
     if "avx512" not in isa.available():
         pytest.skip("no AVX-512 tier on this CPU")
-    from mixqrt.quant import quantize
+    from mixqrt.formats import quantize
     rng = np.random.default_rng(17)
     w = quantize((rng.standard_normal((96, 320)) * 0.05).astype(np.float32), fmt)
     n0 = ops.get_num_threads()

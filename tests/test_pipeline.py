@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mixqrt
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import GenerationError, ModelError, QuantError
 from mixqrt.resolve import resolve
 from tinymodel import make_tiny_hf_model, tiny_weights, tiny_config, write_safetensors
@@ -199,7 +199,7 @@ def test_demo_model_assembly_verifies_checksum(tmp_path, monkeypatch):
 
 
 def test_q3p_table_is_recorded_and_honoured(tiny, tmp_path, monkeypatch):
-    import mixqrt.quant.layout as L
+    import mixqrt.formats.layout as L
     from mixqrt.io.mxq import MxqFile
     out = tmp_path / "m.mxq"
     quantize_model(str(tiny), "2356", out, progress=False)

@@ -6,10 +6,10 @@ import pytest
 
 from fake_sys import make_sys, tree
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime import affinity
+from mixqrt.platform import affinity
 from mixqrt.runtime.placement import (Placement, apply_placement, format_placement, plan_placement,
                                       role_class)
-from mixqrt.runtime.topology import topology
+from mixqrt.platform.topology import topology
 
 MiB = 1 << 20
 LAYER_ROLES = ("attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down", "norm")

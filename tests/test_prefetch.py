@@ -8,7 +8,7 @@ import time
 import pytest
 
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime import affinity
+from mixqrt.platform import affinity
 from mixqrt.runtime.prefetch import Prefetcher
 
 PAGE = mmap.PAGESIZE

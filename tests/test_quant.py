@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mixqrt
-import mixqrt.isa
-from mixqrt.quant import FORMATS, QTensor, bind_range, dequantize, dequantize_rows, quantize
-from mixqrt.quant import kmeans, layout
+import mixqrt.platform.isa
+from mixqrt.formats import FORMATS, QTensor, bind_range, dequantize, dequantize_rows, quantize
+from mixqrt.formats import kmeans, layout
 
 # modest by default (CI runs the whole suite in ~15 min); MIXQRT_HYP_EXAMPLES=3000 for a deep local run
 SET = settings(max_examples=int(os.environ.get("MIXQRT_HYP_EXAMPLES", 25)), deadline=None,
@@ -52,14 +52,14 @@ def _requant_opts(qt):
 @pytest.fixture
 def every_isa():
     """Yields a function that runs a callable on each available tier, restoring the tier after."""
-    before = mixqrt.isa.current()
+    before = mixqrt.platform.isa.current()
 
     def run(fn):
-        for tier in mixqrt.isa.available():
-            assert mixqrt.isa.set_isa(tier) == tier
+        for tier in mixqrt.platform.isa.available():
+            assert mixqrt.platform.isa.set_isa(tier) == tier
             fn(tier)
     yield run
-    mixqrt.isa.set_isa(before)
+    mixqrt.platform.isa.set_isa(before)
 
 
 # ----------------------------------------------------------------------------- traits and sizes
@@ -144,15 +144,15 @@ def test_pack3c_bit_positions():
 def test_fast_matches_reference_on_every_isa(fmt, w):
     ref = quantize(w, fmt, impl="ref")
     yref = dequantize(ref, impl="ref")
-    before = mixqrt.isa.current()
+    before = mixqrt.platform.isa.current()
     try:
-        for tier in mixqrt.isa.available():
-            assert mixqrt.isa.set_isa(tier) == tier
+        for tier in mixqrt.platform.isa.available():
+            assert mixqrt.platform.isa.set_isa(tier) == tier
             fast = quantize(w, fmt)
             assert fast.raw.tobytes() == ref.raw.tobytes(), f"{fmt} packed bytes differ on {tier}"
             np.testing.assert_array_equal(dequantize(fast), yref, err_msg=f"{fmt} dequantize on {tier}")
     finally:
-        mixqrt.isa.set_isa(before)
+        mixqrt.platform.isa.set_isa(before)
 
 
 # ----------------------------------------------------------------------------- idempotence
@@ -309,15 +309,15 @@ def test_fp16_conversion_matches_numpy_bitwise():
     with np.errstate(over="ignore"):
         want = x.astype(np.float16).view(np.uint16)
     np.testing.assert_array_equal(_quant.f32_to_f16_bits(x), want)
-    before = mixqrt.isa.current()
+    before = mixqrt.platform.isa.current()
     try:                                   # the f16 format has an F16C tier: same bits on every tier
-        for tier in mixqrt.isa.available():
-            mixqrt.isa.set_isa(tier)
+        for tier in mixqrt.platform.isa.available():
+            mixqrt.platform.isa.set_isa(tier)
             qt = quantize(x[np.abs(x) <= 65504], "f16")
             np.testing.assert_array_equal(qt.raw.view("<u2"), want[np.abs(x) <= 65504], err_msg=tier)
             np.testing.assert_array_equal(dequantize(qt), want[np.abs(x) <= 65504].view(np.float16).astype(np.float32))
     finally:
-        mixqrt.isa.set_isa(before)
+        mixqrt.platform.isa.set_isa(before)
     h = np.arange(1 << 16, dtype=np.uint16)
     h = h[np.isfinite(h.view(np.float16))]
     np.testing.assert_array_equal(_quant.f16_bits_to_f32(h), h.view(np.float16).astype(np.float32))
@@ -383,8 +383,8 @@ def test_float16_and_float64_inputs_accepted():
 
 # ----------------------------------------------------------------------------- ISA override
 def test_mixqrt_isa_env_is_honoured():
-    code = ("import mixqrt.isa, mixqrt.quant; from mixqrt._kernels import _quant; "
-            "print(mixqrt.isa.current(), _quant.get_isa())")
+    code = ("import mixqrt.platform.isa, mixqrt.formats; from mixqrt._kernels import _quant; "
+            "print(mixqrt.platform.isa.current(), _quant.get_isa())")
     env = dict(os.environ, MIXQRT_ISA="generic")
     import mixqrt  # run where the imported package lives (the source tree in development, site-packages in CI)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import mixqrt.isa
+import mixqrt.platform.isa
 from mixqrt.errors import QuantError
-from mixqrt.quant import dequantize, layout, quantize
-from mixqrt.quant.formats import SEARCH_FORMATS
+from mixqrt.formats import dequantize, layout, quantize
+from mixqrt.formats.codec import SEARCH_FORMATS
 
 from test_quant import SET, weights
 
@@ -42,14 +42,14 @@ def test_search_fast_matches_reference_on_every_isa(fmt, w, seed, kind):
     x = w.reshape(-1, w.shape[-1])
     imp = _imp(seed, x.shape[1], kind)
     ref = quantize(x, fmt, impl="ref", search=True, importance=imp)
-    before = mixqrt.isa.current()
+    before = mixqrt.platform.isa.current()
     try:
-        for tier in mixqrt.isa.available():
-            mixqrt.isa.set_isa(tier)
+        for tier in mixqrt.platform.isa.available():
+            mixqrt.platform.isa.set_isa(tier)
             fast = quantize(x, fmt, search=True, importance=imp)
             assert fast.raw.tobytes() == ref.raw.tobytes(), f"{fmt} search bytes differ on {tier}"
     finally:
-        mixqrt.isa.set_isa(before)
+        mixqrt.platform.isa.set_isa(before)
     assert ref.nbytes == layout.expected_nbytes(fmt, x.shape)          # same layout, same size
 
 

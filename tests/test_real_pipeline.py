@@ -4,7 +4,7 @@ import re
 import pytest
 
 import mixqrt
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Randomized block Hadamard rotation (quant/rotation.py): the op on every ISA tier against its numpy
+"""Randomized block Hadamard rotation (formats/rotation.py): the op on every ISA tier against its numpy
 reference, the rotation round trip (rotated weights times rotated activations = the product), GPTQ on
 rotated weights, the .mxq record (version 3) and the end-to-end model."""
 import struct
@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mixqrt
-import mixqrt.isa as isa
+import mixqrt.platform.isa as isa
 from mixqrt import ops, ops_ref
 from mixqrt.cli import parse_rotate
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import FormatError, KernelError, QuantError
 from mixqrt.io.mxq import MxqFile, MxqWriter
-from mixqrt.quant import dequantize, layout, quantize, rotation
-from mixqrt.quant.gptq import Hessian, gptq_quantize
+from mixqrt.formats import dequantize, layout, quantize, rotation
+from mixqrt.quantize.gptq import Hessian, gptq_quantize
 
 from tinymodel import make_tiny_hf_model
 
@@ -373,7 +373,7 @@ def test_rotated_model_end_to_end(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["q3p", "q4", "q6", "q2c"])
 def test_rotated_row_slabs_give_the_whole_matrix_bytes(fmt, monkeypatch):
-    from mixqrt.quant import formats
+    from mixqrt.formats import codec as formats
     w = np.random.default_rng(5).standard_normal((37, 128)).astype(np.float32)
     whole = quantize(w, fmt, rot=ROT, search=fmt != "q2c")
     monkeypatch.setattr(formats, "_ROT_ROWS", 5)

@@ -20,7 +20,7 @@ A, B = (CPUS[0],), (CPUS[-1],)
 
 @pytest.fixture(scope="module", params=["f32", "2356"])
 def model(request, tmp_path_factory):
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     from mixqrt.pipeline import LoadedModel
     d = tmp_path_factory.mktemp("sched")
     src = make_tiny_hf_model(d / "hf", arch="qwen2", tied=True, seed=3, dtype="f32")

@@ -13,7 +13,7 @@ import pytest
 from test_serve import MSGS, pipe  # noqa: F401 - the module-scoped tiny Pipeline fixture
 
 import mixqrt
-from mixqrt.runtime.topology import Node, Topology
+from mixqrt.platform.topology import Node, Topology
 from mixqrt.serve.guard import Limits
 from mixqrt.serve.ray import core_sets
 

@@ -10,7 +10,7 @@ import pytest
 from mixqrt import ops
 from mixqrt.errors import ModelError
 from mixqrt.models import build_model, spec
-from mixqrt.quant import FORMATS, quantize
+from mixqrt.formats import FORMATS, quantize
 from tinymodel import make_tiny_hf_model
 
 ALL = sorted(FORMATS)
@@ -137,7 +137,7 @@ def test_every_format_pair_quantizes_writes_loads_and_runs(tiny_src, tmp_path, m
     """gate/up of layer 0 and q/k/v of layer 1 in (f1, f2[, f1]): convert fuses what spec.fuse allows,
     the loaded model's logits equal the unfused reference (one matmul per part)."""
     import mixqrt
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     out = tmp_path / "m.mxq"
     ov = [rf"layers\.0\.mlp\.gate_proj=" + f1, rf"layers\.0\.mlp\.up_proj=" + f2,
           rf"layers\.1\.self_attn\.[qv]_proj\.weight=" + f1, rf"layers\.1\.self_attn\.k_proj\.weight=" + f2]

@@ -242,7 +242,7 @@ def test_tool_grammar_forces_a_valid_call(qwen_tok):
 def tiny_lm(tmp_path_factory):
     from tinymodel import make_tiny_hf_model
 
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     from mixqrt.pipeline import LoadedModel
     d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
     out = tmp_path_factory.mktemp("mxq") / "f32.mxq"

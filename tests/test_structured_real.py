@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 def srv(qwen_gguf_path, tmp_path_factory):
     from serve_helpers import running
 
-    from mixqrt.convert import quantize_model
+    from mixqrt.quantize.convert import quantize_model
     from mixqrt.pipeline import Pipeline
     out = tmp_path_factory.mktemp("structured") / "qwen-q8.mxq"
     quantize_model(str(qwen_gguf_path), "q8", out, progress=False)

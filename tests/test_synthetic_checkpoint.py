@@ -115,8 +115,8 @@ def test_synthetic_mxq_has_the_recipe_bytes(tmp_path):
         sys.path.remove(str(_PATH.parent))
     import mixqrt
     from mixqrt.io.mxq import MxqFile
-    from mixqrt.quant import layout
-    from mixqrt.quant.recipes import get_recipe, tensor_plan
+    from mixqrt.formats import layout
+    from mixqrt.quantize.recipes import get_recipe, tensor_plan
     cfg = sm.CONFIGS["tiny"]
     out = tmp_path / "s.mxq"
     r = sm.write(str(out), "2356t", cfg, progress=False)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixqrt.convert import quantize_model
+from mixqrt.quantize.convert import quantize_model
 from mixqrt.io import open_source
 from mixqrt.models import spec
-from mixqrt.quant.recipes import TIE_MAX_REL_DIFF, Recipe, get_recipe, tensor_plan, tie_source
+from mixqrt.quantize.recipes import TIE_MAX_REL_DIFF, Recipe, get_recipe, tensor_plan, tie_source
 from tinymodel import make_tiny_gguf, make_tiny_hf_model
 
 TEXT = "def quicksort(xs):\n    return sorted(xs)\n" * 40
@@ -101,7 +101,7 @@ def test_tie_reads_the_more_precise_copy_and_declares_the_tie(tied_hf, tmp_path)
     assert m.model.lm_head is m.model.embed_tokens
     with open_source(str(g), progress=False) as s:
         head = s.get(spec.LM_HEAD)
-    from mixqrt.quant import dequantize
+    from mixqrt.formats import dequantize
     got = dequantize(m.model.embed_tokens)
     assert np.abs(got - head).max() <= np.abs(head).max() / 100       # q8 of the lm_head copy
     # calibrated quantization of a tying recipe: no lm_head GPTQ, same plan

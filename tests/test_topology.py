@@ -5,8 +5,8 @@ import pytest
 
 from fake_sys import make_sys, tree
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime import affinity
-from mixqrt.runtime.topology import (cgroup_cpu_limit, format_cpulist, parse_cpulist, topology,
+from mixqrt.platform import affinity
+from mixqrt.platform.topology import (cgroup_cpu_limit, format_cpulist, parse_cpulist, topology,
                                      usable_cpus)
 
 
@@ -195,7 +195,7 @@ def _smt_tree(root, siblings):
     ([(0, 1, 2, 3)], (0, 1, 2, 3)),                                 # 4-way SMT, one core
 ])
 def test_worker_cpus_one_per_core_first(tmp_path, siblings, want):
-    from mixqrt.runtime.topology import core_first, cores_together, physical_cores
+    from mixqrt.platform.topology import core_first, cores_together, physical_cores
     root = _smt_tree(tmp_path, siblings)
     cpus = sorted(c for g in siblings for c in g)
     assert core_first(cpus, root) == want
@@ -213,7 +213,7 @@ def test_worker_cpus_one_per_core_first(tmp_path, siblings, want):
 
 def test_worker_cpus_without_topology_files(tmp_path):
     """A VM that shows no cpuN/topology (or garbage in it): every CPU its own core, CPU order."""
-    from mixqrt.runtime.topology import core_first, physical_cores
+    from mixqrt.platform.topology import core_first, physical_cores
     d = tmp_path / "devices" / "system" / "cpu" / "cpu1" / "topology"
     d.mkdir(parents=True)
     (d / "thread_siblings_list").write_text("garbage\n")
@@ -248,7 +248,7 @@ def _cache(root, cpu, index, level, size, shared):
 
 def test_llc_bytes_counts_each_instance_once(tmp_path):
     """Two L3 instances (two CCXs) of 32 MiB, seen from 4 CPUs: 64 MiB; L2s are not the LLC."""
-    from mixqrt.runtime.topology import llc_bytes
+    from mixqrt.platform.topology import llc_bytes
     for cpu in range(4):
         _cache(tmp_path, cpu, 2, 2, "1024K", str(cpu))
         _cache(tmp_path, cpu, 3, 3, "32768K", "0-1" if cpu < 2 else "2-3")
@@ -256,7 +256,7 @@ def test_llc_bytes_counts_each_instance_once(tmp_path):
 
 
 def test_llc_bytes_unknown_is_zero(tmp_path):
-    from mixqrt.runtime.topology import llc_bytes
+    from mixqrt.platform.topology import llc_bytes
     assert llc_bytes(tmp_path) == 0
     _cache(tmp_path, 0, 3, 3, "lots", "0")            # unparsable size: skipped, not a crash
     assert llc_bytes(tmp_path) == 0
@@ -268,7 +268,7 @@ def test_probe_reads_past_the_llc(monkeypatch):
     """The bandwidth probe's buffer is at least 4x the LLC, whatever a caller asks for: a smaller
     one measures the cache (a 300 MB L3 read 250 GB/s over a 256 MB buffer)."""
     from mixqrt import ops
-    from mixqrt.runtime import topology as topo
+    from mixqrt.platform import topology as topo
     monkeypatch.setattr(topo, "llc_bytes", lambda root=None: 300 << 20)
     assert ops.probe_bytes(256 << 20) == 1200 << 20
     assert ops.probe_bytes(2 << 30) == 2 << 30

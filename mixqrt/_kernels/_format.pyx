@@ -1,4 +1,4 @@
-"""The format spec of src/common/mq_format.h as Python values: mixqrt.quant.layout reads format ids
+"""The format spec of src/common/mq_format.h as Python values: mixqrt.formats.layout reads format ids
 and block sizes from here, so C and Python cannot drift apart."""
 from mixqrt._kernels.format cimport MQ_FORMATS, MQ_NFMT, MQ_NPACKED, MQ_CHUNK, MQ_Q3P_NLEVELS, MQ_Q3P_LEVEL_MAX, MQ_PACK3C, MQ_XROWS
 

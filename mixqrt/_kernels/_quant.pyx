@@ -1,4 +1,4 @@
-"""Fast path of mixqrt.quant.formats: quantize+pack and dequantize rows (C in src/quant/).
+"""Fast path of mixqrt.formats.codec: quantize+pack and dequantize rows (C in src/quant/).
 
 Thin wrappers: check dtype, shape and contiguity, release the GIL, call C. The numpy reference in
 formats.py is the spec; tests check these are bit-exact with it on every ISA tier.

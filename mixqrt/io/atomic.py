@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # .<target>.<pid>.<random>.tmp (mkstemp's random part has no dots)
@@ -39,6 +40,31 @@ def mkstemp_for(path) -> tuple[int, str]:
                                dir=os.path.dirname(path))
     os.fchmod(fd, 0o666 & ~umask())
     return fd, tmp
+
+
+@contextmanager
+def atomic_write(path, mode: str = "wb", *, encoding: str | None = None, fsync: bool = True):
+    """The one way mixqrt writes a file: yields a file object on a temp next to `path`
+    (mkstemp_for); on a clean exit it is flushed, fsynced and renamed onto `path`, on any exception
+    (KeyboardInterrupt too) removed. A reader never sees a half-written file; a SIGKILLed writer
+    leaves a temp that clean_stale_temps recognises."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_write: mode must be 'wb' or 'w', not {mode!r}")
+    path = os.fspath(path)
+    fd, tmp = mkstemp_for(path)
+    try:
+        with os.fdopen(fd, mode, encoding=encoding if mode == "w" else None) as f:
+            yield f
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def file_lock(path, timeout: float = -1):

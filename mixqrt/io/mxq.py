@@ -1,6 +1,6 @@
 """The .mxq model file: a strict reader over a read-only mmap and an atomic, streaming writer.
 
-Layout (spec and rationale: docs/format.md):
+Layout (spec and rationale: docs/mxq-file.md):
 
     [0, 64)            prefix: magic b"MXQ\\0", version, header offset/length, file size, header CRC-32
     [page, ...)        spans, each starting on a page boundary: one per transformer layer holding
@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 from mixqrt.errors import FormatError, MixqrtError
 from mixqrt.io.atomic import mkstemp_for, umask as _umask
-from mixqrt.quant import layout
+from mixqrt.formats import layout
 from mixqrt.io.arena import ALIGN, PAGE, Arena, align_up, drop_cached, is_pow2
 
 MAGIC = b"MXQ\0"
 # 2: q3p codes are packed pack3c (layout.py). Version 1 files still load unless they hold q3p tensors
 # (their codes are in the old planar packing, which no kernel reads any more): those raise
 # FormatError asking to re-quantize.
-# 3: a tensor entry may carry "rot" (a rotated tensor, mixqrt.quant.rotation). Files without one are
+# 3: a tensor entry may carry "rot" (a rotated tensor, mixqrt.formats.rotation). Files without one are
 # still written as version 2, so older readers keep reading them; a version 2 reader refuses a
 # version 3 file by its version, never misreading its rotated rows.
 # 4: tensors may be stored q4x / q6x / q3x (q4's / q6's / q3p's blocks with rows interleaved by 16,
@@ -72,7 +72,7 @@ class TensorInfo:
     offset: int           # absolute file offset, multiple of the file's alignment
     nbytes: int           # == layout.expected_nbytes(fmt, shape)
     layer: int | None     # None: embedding, final norm, lm_head (each in a span of its own)
-    rot: dict | None = None   # rotation record (version 3), mixqrt.quant.rotation
+    rot: dict | None = None   # rotation record (version 3), mixqrt.formats.rotation
 
 
 # ============================================================================ header parsing
@@ -160,9 +160,9 @@ def _check_tensor(name, e, hoff: int, alignment: int, page: int, version: int = 
 
 
 def _rot_record(rot, fmt, shape, where: str) -> dict:
-    """quant.rotation.record, its QuantError as a FormatError (reader and writer)."""
+    """formats.rotation.record, its QuantError as a FormatError (reader and writer)."""
     from mixqrt.errors import QuantError
-    from mixqrt.quant import rotation
+    from mixqrt.formats import rotation
     try:
         return rotation.record(rot, fmt, shape, where)
     except QuantError as err:
@@ -203,7 +203,7 @@ def parse_header(arena: Arena, *, old_layouts: bool = False) -> tuple["MetaView"
         old = next((t.name for t in tensors.values() if t.fmt == fmt), None)
         if old is not None:
             raise FormatError(f"{where}: {fmt} tensor {old!r} is in the layout of .mxq version {h['version']}, which "
-                              f"this mixqrt no longer reads ({why} since version {since}, docs/format.md): "
+                              f"this mixqrt no longer reads ({why} since version {since}, docs/mxq-file.md): "
                               f"re-quantize the model (mixqrt quantize), or convert the file losslessly: "
                               f"mixqrt upgrade OLD.mxq NEW.mxq")
     groups: dict = {}
@@ -318,7 +318,7 @@ class MxqFile:
     """
 
     def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, _old_layouts: bool = False):
-        from mixqrt.quant.qtensor import QTensor
+        from mixqrt.formats.qtensor import QTensor
         self.path = os.fspath(path)
         self.arena = Arena(self.path, hugepages=hugepages, willneed=willneed)
         try:
@@ -568,8 +568,8 @@ def upgrade(src, dst) -> int:
     everything else is copied unchanged. Returns the number of tensors repacked. The output is
     written atomically like any .mxq."""
     import numpy as np
-    from mixqrt.quant.formats import to_storage
-    from mixqrt.quant.qtensor import QTensor
+    from mixqrt.formats.codec import to_storage
+    from mixqrt.formats.qtensor import QTensor
     n = 0
     with MxqFile(src, _old_layouts=True) as f:
         version = _parse_prefix(f.arena)[0]

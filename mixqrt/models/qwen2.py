@@ -137,7 +137,7 @@ def _hot_max_t() -> int:
 
 # Forward calls of at most this many tokens run with the pool in hot mode (ops.hot): workers spin
 # between the ~100 products of a decode step instead of futex-sleeping after each. Off by default
-# (0): measured neutral to 7-9 % slower at 2 threads on the 7B file (docs/decode-ab.md); set
+# (0): measured neutral to 7-9 % slower at 2 threads on the 7B file (docs/lab/decode-ab.md); set
 # MIXQRT_HOT_MAX_T=16 (or this attribute) to turn it on.
 HOT_MAX_T = _hot_max_t()
 

@@ -3,9 +3,9 @@
 Every layer that needs to know what a checkpoint holds reads it here:
 
     io/source.check_layout      which tensors a source must hold, with which shapes (at open time)
-    quant/recipes.role_of       the role a tensor plays, which is what a recipe assigns formats to
-    quant/auto                  tensors fused at run time get one format together (a fusion group)
-    convert                     write order, and which groups are written as one fused tensor
+    quantize/recipes.role_of    the role a tensor plays, which is what a recipe assigns formats to
+    quantize/auto               tensors fused at run time get one format together (a fusion group)
+    quantize/convert            write order, and which groups are written as one fused tensor
     models/qwen2.sanitize       shapes checked at load, groups fused at load
     runtime/scheduler           row views of a fused tensor (row_slice, the inverse of fuse)
 
@@ -217,7 +217,7 @@ def fuse_refusal(fmts, shapes, metas=None) -> str | None:
     their bytes, except where a format has bytes for the whole tensor (q5g's range trailer) or the
     parts decode with different per-tensor metadata. 1-D vectors stack only in plain formats (a
     packed vector is one row whose last block is padded)."""
-    from mixqrt.quant import layout
+    from mixqrt.formats import layout
 
     fmts, shapes = list(fmts), [tuple(s) for s in shapes]
     if len(set(fmts)) != 1:
@@ -248,7 +248,7 @@ def fuse(parts: list):
         return None
     if fuse_refusal([p.fmt for p in parts], [p.shape for p in parts], [p.meta for p in parts]) is not None:
         return None
-    from mixqrt.quant.qtensor import QTensor
+    from mixqrt.formats.qtensor import QTensor
     shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
     return QTensor(parts[0].fmt, shape, np.concatenate([np.asarray(p.raw).reshape(-1) for p in parts]),
                    dict(parts[0].meta or {}))
@@ -258,11 +258,11 @@ def row_slice(w, r0: int, r1: int):
     """Rows [r0, r1) of a [N, K] weight as the same kind of object, without copying: the inverse of
     fuse() (a fused tensor's parts are row ranges of it)."""
     from mixqrt.errors import KernelError
-    from mixqrt.quant import layout
+    from mixqrt.formats import layout
 
     if isinstance(w, np.ndarray):
         return w[r0:r1]
-    from mixqrt.quant.qtensor import QTensor
+    from mixqrt.formats.qtensor import QTensor
     n, k = layout.rows_cols(w.shape)
     fmt = w.fmt
     if fmt in layout.INTERLEAVED:   # whole groups of rows only

@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass
 
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime import affinity
-from mixqrt.runtime.topology import Topology, allowed_cpus
+from mixqrt.platform import affinity
+from mixqrt.platform.topology import Topology, allowed_cpus
 
 TIERED_DEFAULT = {"embed": "far"}  # everything else: local
 _ROLE_ORDER = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",

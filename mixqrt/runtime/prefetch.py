@@ -20,7 +20,7 @@ import threading
 import weakref
 
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime import affinity
+from mixqrt.platform import affinity
 
 
 class _State:

@@ -5,7 +5,7 @@ the native pool (``ops.set_num_threads(n)``). ``decode_batch`` also batches the 
 sequences (one weight sweep serves every sequence), with attention per sequence.
 
 Core-slicing (``CoreSlicingRunner``, an option: it lost to row-split on 2 cores,
-docs/scheduler.md, and targets many-core NUMA servers): the layer is cut into two sub-tasks —
+docs/lab/scheduler.md, and targets many-core NUMA servers): the layer is cut into two sub-tasks —
 stage A (attention: norm, qkv, rope, KV write, attention, o_proj, residual; also the final norm +
 lm_head) and stage B (FFN: norm, gate_up, silu, down, residual) — each run by its own thread pinned to
 its own cores, with single-threaded kernels. Work items (sequences, or prompt chunks) flow
@@ -200,7 +200,7 @@ class CoreSlicingRunner:
     # ------------------------------------------------------------------ plumbing
     def _pin(self, cpus, who):
         try:
-            from mixqrt.runtime.affinity import pin_current_thread
+            from mixqrt.platform.affinity import pin_current_thread
             pin_current_thread(cpus)
         except Exception as e:  # noqa: BLE001 — reported by the constructor
             self._errors.append(KernelError(f"stage {who}: {e}"))

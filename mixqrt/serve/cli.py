@@ -6,7 +6,7 @@ import os
 import sys
 
 from mixqrt.errors import MixqrtError
-from mixqrt.quant.recipes import DEFAULT_RECIPE
+from mixqrt.quantize.recipes import DEFAULT_RECIPE
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE = 64

@@ -17,8 +17,8 @@ import os
 import socket
 
 from mixqrt.errors import MixqrtError
-from mixqrt.runtime.affinity import compact_cpus
-from mixqrt.runtime.topology import format_cpulist, topology
+from mixqrt.platform.affinity import compact_cpus
+from mixqrt.platform.topology import format_cpulist, topology, usable_cpus
 
 
 def core_sets(n: int, topo=None, allowed=None) -> list[tuple[int, ...]]:
@@ -87,7 +87,7 @@ def build(model_path, *, model_name: str, limits, engine_kwargs: dict, replicas:
         n_sets = replicas or 1
         scaling = {"num_replicas": n_sets}
     if cpus_per_replica is None:
-        cpus_per_replica = max(1, len(os.sched_getaffinity(0)) // n_sets)
+        cpus_per_replica = max(1, usable_cpus() // n_sets)   # the one CPU-count policy
     slots = engine_kwargs.get("max_slots", 8) + engine_kwargs.get("max_queue", 64)
     cls = serve.ingress()(type("MixqrtReplica", (ReplicaBase,), {}))
     dep = serve.deployment(cls, name="mixqrt", ray_actor_options={"num_cpus": cpus_per_replica},

@@ -32,7 +32,7 @@ void mq_cpu_brand(char out[49]);
 
 
 /* The tier kernels use now. First use reads MIXQRT_ISA (generic|avx2|avx512), clamped to
- * mq_cpu_best_isa(). Each extension module holds its own copy; mixqrt.isa keeps them in step. */
+ * mq_cpu_best_isa(). Each extension module holds its own copy; mixqrt.platform.isa keeps them in step. */
 int mq_isa_get(void);
 /* Set the tier (clamped to what the CPU supports); returns the tier actually set. */
 int mq_isa_set(int isa);

@@ -1,8 +1,8 @@
 /* The format spec: ids and byte layouts of every mixqrt tensor format, defined once.
  *
  * Every C file (quantizers, dequantizer, kernel tiers) and, through the extensions' format_table(),
- * every Python module (mixqrt.quant.layout, formats, ops) reads ids and sizes from here. The prose
- * and the numpy reference packers are mixqrt/quant/layout.py; docs/format.md has the file format.
+ * every Python module (mixqrt.formats.layout, codec, ops) reads ids and sizes from here. The prose
+ * and the numpy reference packers are mixqrt/formats/layout.py; docs/mxq-file.md has the file format.
  *
  * A packed [N, K] tensor is N rows of ceil(K / G) blocks of G weights. A block is a header (fp16
  * little-endian scales) then G/32 chunks of 32 codes. w = d * L[q] + m in float32 (one multiply,
@@ -74,7 +74,7 @@ enum mq_fmt {
  * vpermb reads index bits 0-5, so steps 0-11 are one vpermb each on a plane as loaded (a table of
  * the level of bits 0-2, or of bits 3-5), with no shift and no merge; steps 12-15 take one shift,
  * one bit select and one vpermb (.mxq version 5; version 4 stored a 2-bit and a 1-bit plane that
- * every step had to merge, docs/format.md). */
+ * every step had to merge, docs/mxq-file.md). */
 #define MQ_XROWS 16
 #define MQ_Q4X_CHUNK (MQ_XROWS * 20)
 #define MQ_Q4X_CODES 64
@@ -125,7 +125,7 @@ enum mq_fmt {
 #define MQ_Q2C_BLOCK MQ_BLOCK_BYTES(MQ_Q2C_HEADER, MQ_Q2C_GROUP, MQ_Q2C_BITS)
 #define MQ_Q5G_BLOCK MQ_BLOCK_BYTES(MQ_Q5G_HEADER, MQ_Q5G_GROUP, MQ_Q5G_BITS)
 
-/* the sizes the kernels' shuffle tables and the bpw in docs/formats.md were written for */
+/* the sizes the kernels' shuffle tables and the bpw in docs/quant-formats.md were written for */
 _Static_assert(MQ_Q8_BLOCK == 34, "q8 block: 2 + 32 bytes (8.5 bpw)");
 _Static_assert(MQ_Q6_BLOCK == 26, "q6 block: 2 + 24 bytes (6.5 bpw)");
 _Static_assert(MQ_Q4_BLOCK == 20, "q4 block: 4 + 16 bytes (5.0 bpw)");

@@ -119,7 +119,7 @@ static void *bw_thread(void *vp) {
 }
 
 /* The CPUs the probe's threads are pinned to, in order (thread i on cpus[i % n]); unset: the
- * affinity mask in CPU order. Python sets the pool's order (runtime.affinity.worker_cpus: one
+ * affinity mask in CPU order. Python sets the pool's order (platform.affinity.worker_cpus: one
  * thread per core before SMT siblings), so the probe at n threads reads with the cores decode uses. */
 static int bw_cpus[64];
 static _Atomic int bw_ncpu = 0;

@@ -1,5 +1,5 @@
 /* Kernels of mixqrt.ops: products straight from packed weights, activation quantization, the
- * native thread pool and the other ops of a Qwen2 layer. Byte layouts: mq_format.h (prose: mixqrt/quant/layout.py).
+ * native thread pool and the other ops of a Qwen2 layer. Byte layouts: mq_format.h (prose: mixqrt/formats/layout.py).
  *
  * Integer path (every packed format). A row is nc chunks of 32 weights; chunk c has u8 levels
  * U[i] = L[q_i] + off (off = MQ_FORMATS[fmt].off: 128 for q8, 32 for q6, else 0), a weight scale dw_c and an additive

@@ -1,4 +1,4 @@
-/* q2c: deterministic 1-D k-means (4 levels) per group of 128; the spec is mixqrt/quant/kmeans.py and
+/* q2c: deterministic 1-D k-means (4 levels) per group of 128; the spec is mixqrt/formats/kmeans.py and
  * every floating-point step here follows it in the same order (prefix sums left to right, float64). */
 #include "quant.h"
 

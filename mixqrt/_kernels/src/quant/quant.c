@@ -1,4 +1,4 @@
-/* Portable quantize + pack of every format, mirroring mixqrt/quant/formats.py step for step. */
+/* Portable quantize + pack of every format, mirroring mixqrt/formats/codec.py step for step. */
 #include "quant.h"
 #include "cpu.h"
 

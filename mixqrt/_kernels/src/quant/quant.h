@@ -1,4 +1,4 @@
-/* Quantize + pack and dequantize for every mixqrt format (the fast path of mixqrt.quant.formats).
+/* Quantize + pack and dequantize for every mixqrt format (the fast path of mixqrt.formats.codec).
  * Bit-exact with the numpy reference: float32 ops in the reference's order, no contraction
  * (-ffp-contract=off), fp16 conversion with round-to-nearest-even including subnormals. */
 #ifndef MIXQRT_QUANT_H

@@ -1,0 +1,46 @@
+"""One home per policy: the atomic writer every file write goes through, and a pool that is not
+restarted when asked twice for the same size (Pipeline and Engine both pass --threads)."""
+import os
+
+import pytest
+
+from mixqrt import ops
+from mixqrt.io.atomic import atomic_write
+
+
+def test_atomic_write_replaces_on_success_and_leaves_nothing_on_error(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    with atomic_write(target, "w", encoding="utf-8") as f:
+        f.write("new")
+    assert target.read_text() == "new"
+    with pytest.raises(RuntimeError):
+        with atomic_write(target, "w", encoding="utf-8") as f:
+            f.write("half")
+            raise RuntimeError("writer died")
+    assert target.read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["out.json"]
+    with pytest.raises(ValueError):
+        with atomic_write(target, "a"):
+            pass
+
+
+def test_set_num_threads_twice_starts_the_pool_once(monkeypatch):
+    if ops._ops is None:
+        pytest.skip("no native kernels")
+    n = ops.get_num_threads()
+    starts = []
+    real = ops._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def pool_start(self, *a):
+            starts.append(a)
+            return real.pool_start(*a)
+
+    monkeypatch.setattr(ops, "_ops", Spy())
+    assert ops.set_num_threads(n) == n
+    assert ops.set_num_threads(n) == n
+    assert starts == []
