@@ -277,3 +277,19 @@ def test_engine_mixes_constrained_and_free_slots(tiny_lm):
         assert json.loads("".join(p.text for p in js))["k"] in ("x", "yy")
         st = eng.stats()
         assert st["grammar_masks"] > 0 and st["failed"] == 1 and st["compiling"] == 0
+
+
+def test_llama31_form_is_detected_and_forced():
+    from mixqrt.tools import tool_format
+
+    class Tok:      # the tool part of Llama 3.1's template, as far as detection goes
+        chat_template = ('{%- if tools %}Respond in the format {"name": function name, "parameters": '
+                         'dictionary of argument name and its value}.{%- endif %}<|python_tag|>ipython')
+
+        def token_to_id(self, text):
+            return None
+    assert tool_format(Tok()) == "llama3"
+    g = tool_grammar(Tok(), TOOLS, {"name": "add"})
+    assert '"parameters"' in g and "tool_call" not in g
+    calls, content = parse_tool_calls('{"name": "add", "parameters": {"a": 1, "b": 2}}', "llama3", TOOLS)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2} and content is None
