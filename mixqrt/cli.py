@@ -7,6 +7,7 @@ import os
 import sys
 
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
+from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
 
 
 def _add_model(p, optional=False):
@@ -32,6 +33,7 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    add_speculative_arguments(p)
 
 
 def _sampling_kwargs(a) -> dict:
@@ -46,7 +48,9 @@ def _sampling_kwargs(a) -> dict:
 def _pipeline(a):
     from mixqrt.pipeline import Pipeline
     return Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
-                    offline=True if a.offline else None, max_context=getattr(a, "ctx", None))
+                    offline=True if a.offline else None, max_context=getattr(a, "ctx", None),
+                    **speculative_kwargs(a))
+
 
 
 def cmd_doctor(a):
@@ -80,11 +84,16 @@ def parse_rotate(items):
 
 
 def cmd_quantize(a):
+    import contextlib
+
     from mixqrt.quantize.convert import describe, dumps_report, quantize_model
-    rep = quantize_model(a.src, a.recipe or DEFAULT_RECIPE, a.output, overrides=a.tensor_type,
-                         progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
-                         imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
-                         **_calibration(a))
+    from mixqrt.io.atomic import output_lock
+    # one writer of OUTPUT at a time, and the temps of killed runs removed first
+    with contextlib.nullcontext() if a.dry_run else output_lock(a.output):
+        rep = quantize_model(a.src, a.recipe or DEFAULT_RECIPE, a.output, overrides=a.tensor_type,
+                             progress=not a.quiet, dry_run=a.dry_run, offline=True if a.offline else None,
+                             imatrix=a.imatrix, budget_bytes=a.budget_bytes, rotate=parse_rotate(a.rotate),
+                             **_calibration(a))
     if a.json:
         print(dumps_report(rep))
         return
@@ -152,7 +161,9 @@ def cmd_generate(a):
     if last is not None and not a.quiet:
         print(f"[prompt {last.prompt_tokens} tok, {last.prompt_tps:.1f} tok/s | "
               f"generated {last.generation_tokens} tok, {last.generation_tps:.1f} tok/s | "
-              f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}]", file=sys.stderr)
+              f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}"
+              + (f" | drafts {last.accepted_draft_tokens}/{last.draft_tokens} accepted" if last.draft_tokens else "")
+              + "]", file=sys.stderr)
 
 
 def cmd_chat(a):
@@ -370,11 +381,15 @@ def main(argv=None) -> int:
         build_parser().error("--recipe auto needs --budget-bytes N (and --budget-bytes needs --recipe auto)")
     if args.cmd == "doctor" and args.recache and not args.model:
         build_parser().error("doctor --recache needs --model FILE")
+    from mixqrt.io.atomic import Terminated, terminate_as_interrupt
+    terminate_as_interrupt()             # SIGTERM unwinds like Ctrl-C: temp files are removed
     try:
         args.fn(args)
     except MixqrtError as e:
         print(f"mixqrt: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
     return 0

@@ -41,6 +41,7 @@ from mixqrt.grammar import compile_async, grammar_from_response_format
 from mixqrt.limits import DEFAULT_MAX_CONTEXT
 from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.sample_utils import _int, _number
+from mixqrt.speculative import MAX_DRAFT, Speculation
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
@@ -67,6 +68,9 @@ class Request:
         self.t_submit = time.perf_counter()
         self.prompt_tokens = len(seq.prompt)
         self.cached_tokens = 0
+        self.draft_k: int | None = None     # drafts per speculative step (None: the drafter's k)
+        self.draft_tokens = 0               # drafted for this request / accepted by the target
+        self.accepted_draft_tokens = 0
         self.finish_reason: str | None = None
         self._engine = engine
         self._cond = threading.Condition()
@@ -160,7 +164,7 @@ def _wake_future(fut) -> None:
 
 # ============================================================================ engine side
 class _Slot:
-    __slots__ = ("req", "seq", "entry", "pos", "tok", "t_first", "full_since")
+    __slots__ = ("req", "seq", "entry", "pos", "tok", "t_first", "full_since", "spec")
 
     def __init__(self, req: Request, entry, pos: int):
         self.req, self.seq, self.entry = req, req.seq, entry
@@ -168,6 +172,7 @@ class _Slot:
         self.tok = None             # the next token to feed; None while prefilling
         self.t_first = 0.0
         self.full_since = None      # when the consumer's buffer was first seen full
+        self.spec = None            # speculative decoding state (mixqrt.speculative.Speculation)
 
 
 def _unpack(obj):
@@ -189,13 +194,15 @@ class Engine:
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
     weight tiles that batched steps read instead of unpacking (ops.set_gemm_cache, process-wide;
     default: leave it; docs/engine.md). tokenizer / max_context default to those of the Pipeline
-    or LoadedModel given (a bare Model: no text, context min(model's, 4096)).
+    or LoadedModel given (a bare Model: no text, context min(model's, 4096)). speculative: a
+    drafter (mixqrt.speculative.make_drafter: prompt lookup or a draft model) that a lone decoding
+    sequence uses to emit several tokens per forward (docs/speculative.md); None: off.
     """
 
     def __init__(self, model_or_pipeline, *, max_slots: int = 8, prefill_chunk: int = 256,
                  kv_cache_bytes: int | None = None, max_queue: int = 64, stall_timeout: float = 30.0,
                  threads: int | None = None, tokenizer=None, max_context: int | None = None,
-                 gemm_cache_bytes: int | None = None):
+                 gemm_cache_bytes: int | None = None, speculative=None):
         model, tok, ctx = _unpack(model_or_pipeline)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tok
@@ -212,6 +219,10 @@ class Engine:
         if gemm_cache_bytes is not None:
             ops.set_gemm_cache(_int("gemm_cache_bytes", gemm_cache_bytes, lo=0))
         self._cache = PromptCache(model, self.max_context, cap)
+        if speculative is not None and not hasattr(speculative, "propose"):
+            raise GenerationError(f"speculative must be a drafter (mixqrt.speculative.make_drafter), "
+                                  f"got {type(speculative).__name__}")
+        self.drafter = speculative
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
@@ -221,7 +232,8 @@ class Engine:
         self._error: BaseException | None = None
         self._n = dict(steps=0, tokens_generated=0, prompt_tokens=0, prefill_tokens=0, requests=0,
                        finished=0, cancelled=0, stalled=0, failed=0, decode_tokens=0,
-                       max_batch=0, grammar_masks=0, grammar_mask_seconds=0.0)
+                       max_batch=0, draft_tokens=0, accepted_draft_tokens=0, verify_steps=0,
+                       grammar_masks=0, grammar_mask_seconds=0.0)
         self._thread = threading.Thread(target=self._loop, name="mixqrt-engine", daemon=True)
         self._thread.start()
 
@@ -229,12 +241,15 @@ class Engine:
     def submit(self, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None, top_p=None,
                min_p=None, repetition_penalty=None, seed=None, stop=None, eos_token_ids=None,
                buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None,
-               response_format=None, tools=None, tool_choice=None, parallel_tool_calls: bool = True) -> Request:
+               draft_k: int | None = None, response_format=None, tools=None, tool_choice=None,
+               parallel_tool_calls: bool = True) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
         Bad arguments raise GenerationError here; EngineBusy when max_queue requests already wait.
         Sampling arguments left at None come from the model's generation_config
         (generate.resolve_sampling: greedy unless do_sample or the config asks for sampling).
+        draft_k: drafts per speculative step for this request (None: the drafter's own k; 0: no
+        speculation; larger values are capped at speculative.MAX_DRAFT).
 
         response_format (mixqrt.grammar: json_object, json_schema, regex, grammar) or tool_choice
         "required" / a named function (with tools: mixqrt.tools) constrain the tokens by a grammar.
@@ -244,6 +259,8 @@ class Engine:
         from its iteration. The shape of response_format is checked here.
         """
         buffer = _int("buffer", buffer, lo=1)
+        if draft_k is not None:
+            draft_k = min(_int("draft_k", draft_k, lo=0), MAX_DRAFT)
         seq = Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
@@ -259,6 +276,7 @@ class Engine:
                 raise EngineBusy(f"the engine is busy: {len(self._queue) + self._compiling} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seq, buffer)
+            req.draft_k = draft_k
             self._n["requests"] += 1
             if grammar is None:
                 self._queue.append(req)
@@ -317,6 +335,9 @@ class Engine:
                     "kv_cache_bytes": c.capacity, "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
                     "steps": self._n["steps"],
                     "decode_tokens": self._n["decode_tokens"], "max_batch": self._n["max_batch"],
+                    "draft_tokens": self._n["draft_tokens"],
+                    "accepted_draft_tokens": self._n["accepted_draft_tokens"],
+                    "verify_steps": self._n["verify_steps"],
                     "requests": self._n["requests"],
                     "finished": self._n["finished"], "cancelled": self._n["cancelled"],
                     "stalled": self._n["stalled"], "failed": self._n["failed"],
@@ -385,7 +406,10 @@ class Engine:
                 entry, n = self._cache.acquire(req.seq.prompt)
                 req.cached_tokens = n
                 self._n["prompt_tokens"] += req.prompt_tokens
-                self._slots.append(_Slot(req, entry, n))
+                slot = _Slot(req, entry, n)
+                if self.drafter is not None and req.draft_k != 0:
+                    slot.spec = Speculation(self.drafter, self.max_context, req.draft_k)
+                self._slots.append(slot)
             prefill = next((s for s in self._slots if s.tok is None), None)
             decode = [s for s in self._slots if s.tok is not None and not s.req._full()]
             for s in self._slots:
@@ -422,7 +446,7 @@ class Engine:
         return GenerationResponse(
             text, tok, reason, req.prompt_tokens, n_gen, fresh / ttft if ttft > 0 else 0.0,
             (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0, ttft,
-            peak_rss_bytes(), req.cached_tokens)
+            peak_rss_bytes(), req.cached_tokens, req.draft_tokens, req.accepted_draft_tokens)
 
     def _finish(self, s: _Slot, reason: str, error: BaseException | None = None) -> None:
         """Under the lock: end a slot; its cache goes back to the prompt cache (or away on error)."""
@@ -463,6 +487,9 @@ class Engine:
     def _step(self, prefill: _Slot | None, decode: list[_Slot]) -> None:
         """Outside the lock: the model runs (kernels release the GIL), then sampling and hand-off.
         A prompt chunk and the decoding slots share one forward (one sweep over the weights)."""
+        if prefill is None and len(decode) == 1 and decode[0].spec is not None:
+            if self._step_speculative(decode[0]):
+                return
         done: list[tuple[_Slot, str, BaseException | None]] = []
         chunk = p_logits = None
         if prefill is not None:
@@ -535,3 +562,46 @@ class Engine:
                 except Exception:  # noqa: BLE001 — apply() recomputes and reports it to the request
                     pass
         return self._masker.submit(run)
+
+    def _step_speculative(self, s: _Slot) -> bool:
+        """A lone decoding slot: draft up to k tokens, verify them in one forward of k+1 rows, emit
+        the accepted drafts and the target's own next token, roll the KV back past the rest
+        (mixqrt.speculative). False when nothing was drafted: the caller runs a plain step."""
+        sp, seq, kv = s.spec, s.seq, s.entry.kv
+        k = min(sp.next_k(), seq.budget - seq.n_gen - 1, kv.max_len - seq.n)
+        drafts: list[int] = []
+        done = None
+        try:
+            if k > 0:
+                drafts = sp.drafter.propose(sp.state, seq.history[:seq.n], k)[:k]
+            if not drafts:
+                return False
+            rows = self.model(np.asarray([s.tok] + drafts, dtype=np.int64), kv)      # [k+1, V]
+            now = time.perf_counter()
+            accepted = 0
+            s.req.draft_tokens += len(drafts)
+            for i in range(len(drafts) + 1):
+                tok = seq.sample(rows[i])
+                hit = i < len(drafts) and tok == drafts[i]
+                accepted += hit
+                s.req.accepted_draft_tokens += hit
+                if self._emit(s, tok, now):
+                    done = (seq.finish_reason, None)
+                    break
+                if not hit:
+                    break
+            kv.trim(kv.offset - (seq.n - 1))       # keep the K/V of every token but the last emitted
+            sp.drafter.rollback(sp.state, seq.n - 1)
+            sp.record(len(drafts), accepted)
+            self._n["draft_tokens"] += len(drafts)
+            self._n["accepted_draft_tokens"] += accepted
+            self._n["verify_steps"] += 1
+            self._n["decode_tokens"] += accepted + 1
+            self._n["max_batch"] = max(self._n["max_batch"], 1)
+        except Exception as e:  # noqa: BLE001 — handed to the request
+            done = ("error", e)
+        with self._cond:
+            self._n["steps"] += 1
+            if done is not None:
+                self._finish(s, *done)
+        return True

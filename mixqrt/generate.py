@@ -67,6 +67,8 @@ class GenerationResponse:
     ttft_s: float                  # seconds from the call to the first new token
     peak_rss_bytes: int
     cached_tokens: int = 0         # prompt tokens whose KV came from the prompt cache (not recomputed)
+    draft_tokens: int = 0          # speculative decoding: tokens drafted for this request so far
+    accepted_draft_tokens: int = 0  # ... and accepted by the target (mixqrt.speculative)
 
 
 class _OffsetDecoder:

@@ -189,14 +189,8 @@ def _weight_args(w):
 
 
 def _q3p_levels(lv) -> bytes:
-    """A q3p level table from a tensor's meta, checked as the kernels need it (8 values in
-    [0, Q3P_LEVEL_MAX]): a short table would make them read past it."""
-    a = np.asarray(lv)
-    if a.shape != (layout.Q3P_LEVELS.size,) or not np.issubdtype(a.dtype, np.integer) \
-            or a.min() < 0 or a.max() > layout.Q3P_LEVEL_MAX:
-        raise KernelError(f"q3p level table must be {layout.Q3P_LEVELS.size} integers in "
-                          f"[0, {layout.Q3P_LEVEL_MAX}], got {str(lv)[:80]}")
-    return a.astype(np.uint8).tobytes()
+    """A q3p level table from a tensor's meta, checked as the kernels need it (layout.q3p_table)."""
+    return layout.q3p_table(lv, KernelError).tobytes()
 
 
 def _weight_args_uncached(w):
@@ -598,7 +592,7 @@ def _attention_blas(q, k_cache, v_cache, pos0, threads=0):
 def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
     """Causal GQA attention; q [T,Hq,Dh]; caches [Hkv,S,Dh] float32 or float16 -> [T,Hq,Dh]."""
     q = np.ascontiguousarray(q, dtype=np.float32)
-    if q.ndim != 3 or k_cache.ndim != 3 or q.shape[1] % k_cache.shape[0]:
+    if q.ndim != 3 or k_cache.ndim != 3 or k_cache.shape[0] < 1 or q.shape[1] % k_cache.shape[0]:
         raise KernelError(f"attention: q {q.shape} and cache {k_cache.shape} do not fit (GQA needs Hq % Hkv == 0)")
     if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
         raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")

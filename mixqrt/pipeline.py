@@ -48,13 +48,12 @@ class LoadedModel:
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
         if levels is not None:
-            from mixqrt.formats.layout import Q3P_LEVEL_MAX, Q3P_LEVELS
-            if not isinstance(levels, list) or len(levels) != Q3P_LEVELS.size or not all(
-                    isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q3P_LEVEL_MAX for v in levels):
-                raise ModelError(f"{path}: bad q3p_levels {str(levels)[:80]} in the header (want "
-                                 f"{Q3P_LEVELS.size} ints in [0, {Q3P_LEVEL_MAX}])")
-            if list(levels) != [int(v) for v in Q3P_LEVELS]:   # written with another table: decode with it
-                table = np.asarray(levels, dtype=np.uint8)
+            from mixqrt.formats.layout import Q3P_LEVELS, q3p_table
+
+            def bad(msg):
+                return ModelError(f"{path}: bad q3p_levels in the header: {msg}")
+            table = q3p_table(levels, bad)
+            if not np.array_equal(table, Q3P_LEVELS):   # written with another table: decode with it
                 for qt in tensors.values():
                     if qt.fmt in ("q3p", "q3x"):
                         qt.meta = {**qt.meta, "q3p_levels": table}   # meta is read-only: a new mapping
@@ -121,10 +120,9 @@ def prepare(name_or_path, recipe: str | None = None, *, offline=None, progress=T
     src = _source_for(res, offline, progress)
     out = cached_mxq_path(res.label, src, rec.spec())
     if not out.exists():
-        from mixqrt.io.atomic import clean_stale_temps, file_lock
+        from mixqrt.io.atomic import output_lock
         # one quantization per cache entry: a second process waits here and reuses the result
-        with file_lock(out):
-            clean_stale_temps(out.parent)
+        with output_lock(out):
             if not out.exists():
                 quantize_model(src, rec, out, progress=progress, offline=offline)
     return out
@@ -136,7 +134,7 @@ def load(path_or_name, recipe: str | None = None, *, threads=None, offline=None,
 
 
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-             "do_sample", "return_full_text", "stop_strings", "max_tokens",
+             "do_sample", "return_full_text", "stop_strings", "max_tokens", "draft_k",
              "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 
 
@@ -145,7 +143,12 @@ class Pipeline:
 
     def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
                  offline: bool | None = None, progress: bool = True, max_context: int | None = None,
+                 draft=None, draft_recipe: str | None = None, draft_k: int = 4, lookup: int | None = None,
                  response_format=None):
+        """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
+        loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
+        draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
+        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
         # every generation's default response_format (mixqrt.grammar); a call's own argument wins
         self.response_format = response_format
@@ -155,6 +158,12 @@ class Pipeline:
         self.loaded = LoadedModel(self.path, threads=threads)
         self.model = self.loaded.model
         self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
+        self.drafter = None
+        if draft is not None or lookup is not None:
+            from mixqrt.speculative import make_drafter
+            if draft is not None and not hasattr(draft, "model"):
+                draft = LoadedModel(prepare(draft, draft_recipe, offline=offline, progress=progress))
+            self.drafter = make_drafter(lookup, draft, draft_k, target=self.model, target_tokenizer=self.tokenizer)
         self._engine = None
         self._engine_lock = threading.Lock()
         self._finalizer = None
@@ -180,6 +189,7 @@ class Pipeline:
 
     def _set_engine(self, kw):
         from mixqrt.engine import Engine
+        kw.setdefault("speculative", self.drafter)
         self._engine = Engine(self, **kw)
         # the engine thread must not outlive an abandoned Pipeline
         self._finalizer = weakref.finalize(self, self._engine.close)
@@ -260,11 +270,11 @@ class Pipeline:
     def save(self, path) -> Path:
         """Write the packed model to `path` (.mxq), atomically. Reloading it is an mmap."""
         from mixqrt.io.arena import drop_cached
-        from mixqrt.io.atomic import atomic_write, file_lock
+        from mixqrt.io.atomic import atomic_write, output_lock
         path = Path(path)
         if path.resolve() == Path(self.path).resolve():
             return path
-        with file_lock(path):                        # concurrent saves to one path take turns
+        with output_lock(path):                      # concurrent saves to one path take turns
             with atomic_write(path) as f, open(self.path, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 22)
                 f.flush()

@@ -213,9 +213,10 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder, *, extra_eos_ids=()) -> "Tokenizer":
         """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of an HF model folder."""
+        from mixqrt.platform.files import folder_file, read_text
         folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
+        path = folder_file(folder, "tokenizer.json", what="tokenizer file")
+        if path is None:
             raise ModelError(f"{folder}: no tokenizer.json (mixqrt needs the fast-tokenizer file; "
                              "transformers' tokenizer.save_pretrained() writes it)")
         with _no_panic(f"reading {path}", FormatError):
@@ -224,11 +225,12 @@ class Tokenizer:
             except Exception as e:
                 raise FormatError(f"{path}: not a valid tokenizer.json: {str(e)[:200]}") from None
         cfg = {}
-        cfg_path = folder / "tokenizer_config.json"
+        cfg_path = folder_file(folder, "tokenizer_config.json", what="tokenizer config") \
+            or folder / "tokenizer_config.json"
         if cfg_path.is_file():
             try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                cfg = json.loads(read_text(cfg_path))
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise FormatError(f"{cfg_path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
             if not isinstance(cfg, dict):
                 raise FormatError(f"{cfg_path}: expected a JSON object")
@@ -241,13 +243,18 @@ class Tokenizer:
 
         template = cfg.get("chat_template")
         if isinstance(template, list):              # [{"name": "default", "template": ...}, ...]
-            template = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+            for i, t in enumerate(template):
+                if not isinstance(t, dict) or not isinstance(t.get("name"), str) \
+                        or not isinstance(t.get("template"), str):
+                    raise FormatError(f"{cfg_path}: chat_template[{i}] must be an object with string "
+                                      "'name' and 'template'")
+            template = {t["name"]: t["template"] for t in template}
         if template is not None and not (isinstance(template, str) or (isinstance(template, dict) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in template.items()))):
             raise FormatError(f"{cfg_path}: chat_template must be a string or a list of named templates")
-        jinja = folder / "chat_template.jinja"
-        if template is None and jinja.is_file():
-            template = jinja.read_text(encoding="utf-8")
+        jinja = folder_file(folder, "chat_template.jinja", what="chat template") if template is None else None
+        if jinja is not None:
+            template = read_text(jinja)
         eos = {i for i in [tok_id(cfg.get("eos_token"))] if i is not None} | set(extra_eos_ids)
         return cls(tk, bos_token_id=tok_id(cfg.get("bos_token")), eos_token_ids=eos,
                    pad_token_id=tok_id(cfg.get("pad_token")), chat_template=template,

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 import zlib
 from pathlib import Path
@@ -482,3 +483,133 @@ def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_pat
     assert live.stat().st_size == 0
     assert {n: int(t.raw.sum()) for n, t in f.tensors.items()} == before
     f.close()
+
+
+# ------------------------------------------------------------------ typed errors, not Python's own
+@pytest.mark.parametrize("template", [[{"name": "default"}], [{"template": "x"}], ["x"], [{"name": 1, "template": "x"}]])
+def test_chat_template_list_entries_are_checked(tmp_path, template):
+    from mixqrt.tokenizer import Tokenizer
+    d = make_tiny_hf_model(tmp_path / "hf", dtype="f32")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    with pytest.raises(FormatError, match=r"chat_template\[0\]"):
+        Tokenizer.from_folder(d)
+
+
+def test_attention_with_no_kv_heads_is_a_kernel_error():
+    from mixqrt import ops
+    from mixqrt.errors import KernelError
+    q = np.zeros((1, 2, 16), np.float32)
+    k = np.zeros((0, 4, 16), np.float32)
+    with pytest.raises(KernelError):
+        ops.attention(q, k, k, 0)
+    with pytest.raises(KernelError):            # was a SIGFPE (integer division by zero in C)
+        ops.attention_batch(q, [k], [k], [0])
+
+
+@pytest.mark.parametrize("levels", [[0, 12, 20], [0, 12, 20, 28, 35, 43, 51, 300], [-1] * 8, [0.5] * 8,
+                                    [[1], [2, 3]], "abcdefgh"])
+def test_bad_q3p_table_is_a_quant_error(levels):
+    from mixqrt.errors import QuantError
+    from mixqrt.formats import codec as formats
+    from mixqrt.formats.qtensor import QTensor
+    qt = formats.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32), "q3p")
+    bad = QTensor(qt.fmt, qt.shape, qt.raw, {**(qt.meta or {}), "q3p_levels": levels})
+    for impl in ("ref", "fast"):
+        with pytest.raises(QuantError, match="q3p level table"):
+            formats.dequantize(bad, impl=impl)
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "config.json",
+                                  "generation_config.json", "model.safetensors.index.json"])
+def test_every_folder_file_is_confined_to_the_folder(tmp_path, name):
+    """Each file mixqrt reads from a model folder, moved outside it and linked back: refused with a
+    FormatError naming it, its text never read (it would end up in the saved .mxq)."""
+    from mixqrt.quantize.convert import quantize_model
+    d = make_tiny_hf_model(tmp_path / "m", dtype="f32", sharded=name.endswith("index.json"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if name == "chat_template.jinja":                  # read when tokenizer_config.json has no template
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        (d / name).write_text(cfg.pop("chat_template") + "{# TOPSECRET #}")
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if name == "generation_config.json" and not (d / name).exists():
+        (d / name).write_text('{"temperature": 0.5}')
+    os.replace(d / name, outside / name)
+    (d / name).symlink_to(outside / name)
+    with pytest.raises(FormatError, match=name.replace(".", r"\.") + ".*outside the model folder"):
+        quantize_model(d, "2356", tmp_path / "out.mxq", progress=False)
+    assert not (tmp_path / "out.mxq").exists()
+    os.unlink(d / name)                                 # a plain copy inside the folder is fine
+    os.replace(outside / name, d / name)
+    quantize_model(d, "2356", tmp_path / "out.mxq", progress=False)
+
+
+# ------------------------------------------------------------------ killed quantizations leave nothing behind
+def _slow_model(d, layers=24) -> Path:
+    """The tiny model with `layers` copies of its first layer: a quantize of a second or two."""
+    import tinymodel as tm
+    d = make_tiny_hf_model(d, dtype="f32")
+    cfg = json.loads((d / "config.json").read_text())
+    w = tm.tiny_weights("qwen2")
+    for i in range(tm.LAYERS, layers):
+        w.update({k.replace("layers.0.", f"layers.{i}."): v for k, v in w.items() if k.startswith("model.layers.0.")})
+    cfg["num_hidden_layers"] = layers
+    (d / "config.json").write_text(json.dumps(cfg))
+    write_safetensors(d / "model.safetensors", w, "F32")
+    return d
+
+
+_MAIN = "import sys; sys.path[:0] = [sys.argv[1]]; from mixqrt.cli import main; sys.exit(main(sys.argv[2:]))"
+
+
+def _temps(folder):
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".tmp")) if folder.exists() else []
+
+
+def _start(args, env):
+    return subprocess.Popen([sys.executable, "-c", _MAIN, str(PKG_PARENT), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("where", ["quantize -o", "serve cache"])
+def test_a_killed_quantize_leaves_no_temp_after_the_next_run(tmp_path, sig, where):
+    import signal
+    src = _slow_model(tmp_path / "src")
+    env = dict(os.environ, MIXQRT_CACHE=str(tmp_path / "cache"))
+    if where == "quantize -o":
+        folder = tmp_path / "out"
+        folder.mkdir()
+        args = ["quantize", str(src), "--recipe", "2356", "-o", str(folder / "m.mxq"), "-q"]
+    else:
+        folder = tmp_path / "cache"
+        args = ["serve", str(src), "--recipe", "2356", "--port", "0", "-q"]
+    p = _start(args, env)
+    try:
+        deadline = time.monotonic() + 120
+        while not [t for t in _temps(folder) if t.stat().st_size] and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _temps(folder), f"no temp file seen; exit {p.poll()}"
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    if sig == "SIGTERM":                               # unwinds like Ctrl-C: the writer removed its temp
+        assert p.returncode == 143, err.decode()[-2000:]
+        assert _temps(folder) == []
+    else:
+        assert p.returncode == -signal.SIGKILL and len(_temps(folder)) == 1
+    p = _start(args, env)                              # the same command again
+    try:
+        deadline = time.monotonic() + 120
+        while not [f for f in folder.iterdir() if f.suffix == ".mxq"] and p.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if where == "serve cache":
+            p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode in (0, 143), err.decode()[-2000:]
+    assert [f for f in folder.iterdir() if f.suffix == ".mxq"] and _temps(folder) == []

@@ -155,6 +155,150 @@ def test_logs_escape_control_characters(srv, caplog):
     assert not any("\n" in m or "\x1b" in m for m in lines)
 
 
+def raw_status(port, data: bytes, timeout=30, source="127.0.0.1") -> int:
+    """Send raw bytes on a fresh connection -> the reply's status code."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0)) as c:
+        c.sendall(data)
+        head = b""
+        while b"\r\n" not in head:
+            got = c.recv(4096)
+            if not got:
+                break
+            head += got
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
+
+
+def test_host_header_is_parsed_strictly(pipe):  # noqa: F811
+    from mixqrt.serve.cli import default_hosts
+    with running(pipe, Limits(allowed_hosts=default_hosts("127.0.0.1"))) as s:
+        def get(*hosts):
+            lines = "".join(f"Host: {h}\r\n" for h in hosts)
+            return raw_status(s.port, f"GET /v1/models HTTP/1.1\r\n{lines}Connection: close\r\n\r\n".encode())
+        assert get("[::1]:8000") == 200 and get("localhost") == 200
+        assert get("[::1]evil.example") == 400
+        assert get("evil.example", "localhost") == 400          # two Host headers: never "the last one wins"
+        assert get("localhost", "localhost") == 400
+    from mixqrt.serve.guard import host_name
+    assert [host_name(h) for h in ("[::1]", "[::1]:8000", "LocalHost:80", "a_b.internal")] == \
+        ["[::1]", "[::1]", "localhost", "a_b.internal"]
+    for bad in ("[::1]evil.example", "[::1]:80evil", "[::1", "[nope]", "a b", "x:1:2", "evil.example@x", ""):
+        assert host_name(bad) is None, bad
+
+
+def test_logs_escape_bidi_and_line_separators(srv, caplog):
+    assert escape("a\u202eb\u2028c\u2029\u200f\u2066\ufeff\x85") == \
+        "a\\u202eb\\u2028c\\u2029\\u200f\\u2066\\ufeff\\x85"
+    assert escape("café 日本") == "café 日本"
+    with caplog.at_level(logging.INFO, logger="mixqrt.serve"):
+        request(srv, "GET", "/v1/x%E2%80%AEtxt.exe%E2%80%A8FAKE%E2%81%A6")
+    lines = [r.getMessage() for r in caplog.records if r.name == "mixqrt.serve"]
+    assert any("/v1/x\\u202etxt.exe\\u2028FAKE\\u2066" in m for m in lines), lines
+    assert not any(c in m for m in lines for c in "\u202e\u2028\u2066")
+
+
+# ============================================================================ slow clients
+def _hold_half_a_body(port, source="127.0.0.1"):
+    c = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0))
+    c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n" + b"{" + b" " * 499)
+    return c
+
+
+def _closed_by_server(c, timeout) -> bytes | None:
+    """What the server sent before closing `c` (b"" if nothing), or None if still open after `timeout`."""
+    c.settimeout(timeout)
+    got = b""
+    try:
+        while True:
+            part = c.recv(4096)
+            if not part:
+                return got
+            got += part
+    except socket.timeout:
+        return None
+    except ConnectionResetError:
+        return got
+
+
+def _until_200(port, deadline_s):
+    """A real request, retried on 503 / refused connections until it gets a 200 or deadline_s pass."""
+    body = json.dumps(chat()).encode()
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    end, seen = time.monotonic() + deadline_s, []
+    while time.monotonic() < end:
+        try:
+            seen.append(raw_status(port, req, timeout=max(0.1, end - time.monotonic())))
+        except OSError as e:
+            seen.append(type(e).__name__)
+        if seen[-1] == 200:
+            return seen
+        time.sleep(0.2)
+    return seen
+
+
+def test_150_stalled_bodies_do_not_lock_out_a_real_request(pipe):  # noqa: F811
+    """150 connections send their headers and half a body, then nothing; 20 more send half their
+    headers. Each is answered 408 and closed at its deadline (or refused past the per-client limit),
+    so a real request from the same address gets its 200 once they are gone."""
+    limits = Limits(header_timeout=1.0, body_timeout=1.0)
+    with running(pipe, limits) as s:
+        stalled = [_hold_half_a_body(s.port) for _ in range(150)]
+        for _ in range(20):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.")
+            stalled.append(c)
+        seen = _until_200(s.port, 15)
+        assert seen[-1] == 200, seen
+        replies = [_closed_by_server(c, 10) for c in stalled]
+        assert all(r is not None for r in replies), "a stalled connection is still open"
+        codes = {r[9:12] for r in replies if r}
+        assert codes <= {b"408", b"503"} and b"408" in codes, codes
+        for c in stalled:
+            c.close()
+
+
+def test_one_client_address_cannot_take_every_connection(pipe):  # noqa: F811
+    try:
+        socket.create_connection(("127.0.0.2", 9), timeout=1).close()
+    except ConnectionRefusedError:
+        pass
+    except OSError:
+        pytest.skip("no 127.0.0.2 on this machine's loopback")
+    limits = Limits(header_timeout=60, body_timeout=60, max_client_connections=16)
+    with running(pipe, limits) as s:
+        hoard = [_hold_half_a_body(s.port, source="127.0.0.2") for _ in range(16)]
+        try:                                          # refused: a 503, or a reset if it closed first
+            status = raw_status(s.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.2")
+        except (ConnectionResetError, BrokenPipeError):
+            status = 0
+        assert status in (0, 503)
+        assert _until_200(s.port, 15)[0] == 200       # another address: the first try
+        for c in hoard:
+            c.close()
+
+
+def test_a_client_dropping_mid_body_logs_one_line_and_no_traceback(srv, caplog):
+    records = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    uv = logging.getLogger("uvicorn.error")
+    uv.addHandler(catch)
+    try:
+        with caplog.at_level(logging.INFO, logger="mixqrt.serve"):
+            c = _hold_half_a_body(srv.port)
+            time.sleep(0.3)
+            c.close()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(" 499 " in r.getMessage() for r in caplog.records):
+                time.sleep(0.05)
+    finally:
+        uv.removeHandler(catch)
+    ours = [r for r in caplog.records if r.name == "mixqrt.serve"]
+    assert [" 499 " in r.getMessage() for r in ours] == [True], [r.getMessage() for r in ours]
+    assert not any(r.exc_info for r in records + caplog.records), [r.getMessage() for r in records]
+
+
 # ============================================================================ load
 def test_64_simultaneous_connections_all_get_an_answer(pipe):  # noqa: F811
     with running(pipe, engine_kwargs={"max_slots": 4, "max_queue": 8}) as s:
@@ -255,3 +399,64 @@ def test_a_stream_nobody_reads_is_cancelled(pipe):  # noqa: F811
         assert srv.engine.stats()["running"] == 0
     finally:
         app.state.server.engine.close()
+
+
+# ============================================================================ the served file changes
+_CHANGE_UNDER_SERVER = r"""
+import http.client, json, logging, os, shutil, sys
+sys.path[:0] = sys.argv[1:3]
+from mixqrt.pipeline import Pipeline
+from mixqrt.serve.guard import Limits
+from serve_helpers import running
+from tinymodel import make_tiny_hf_model
+logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
+tmp = sys.argv[3]
+os.environ["MIXQRT_CACHE"] = os.path.join(tmp, "cache")
+served = os.path.join(tmp, "served.mxq")
+other = os.path.join(tmp, "other.mxq")
+Pipeline(make_tiny_hf_model(os.path.join(tmp, "hf")), recipe="f32", progress=False, offline=True).save(served)
+shutil.copyfile(served, served + ".orig")
+data = bytearray(open(served, "rb").read())
+data[len(data) // 4: len(data) // 2] = bytes(b ^ 0x55 for b in data[len(data) // 4: len(data) // 2])
+open(other, "wb").write(data)                      # same size, other weights
+def ask(port, path="/v1/completions"):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, "temperature": 0})
+    c.request("POST" if path != "/health" else "GET", path, body=body if path != "/health" else None,
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+for how in ("cp", "truncate"):
+    pipe = Pipeline(served, progress=False, max_context=64)
+    with running(pipe, Limits()) as s:
+        print(how, "before", ask(s.port)[0], flush=True)
+        if how == "cp":
+            shutil.copyfile(other, served)          # what `cp other.mxq served.mxq` does: same inode, rewritten
+        else:
+            os.truncate(served, 4096)
+        status, body = ask(s.port)
+        print(how, "after", status, body["error"]["code"], flush=True)
+        print(how, "health", ask(s.port, "/health")[0], flush=True)
+    pipe.close()
+    shutil.copyfile(served + ".orig", served + ".new")
+    os.replace(served + ".new", served)
+print("DONE")
+"""
+
+
+def test_a_served_file_changed_in_place_gets_503_not_garbage_or_sigbus(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mixqrt
+    tests = Path(__file__).resolve().parent
+    r = subprocess.run([sys.executable, "-c", _CHANGE_UNDER_SERVER, str(Path(mixqrt.__file__).parent.parent),
+                        str(tests), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = r.stdout.split("\n")
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    for how in ("cp", "truncate"):
+        assert f"{how} before 200" in out
+        assert f"{how} after 503 model_file_changed" in out, r.stdout
+        assert f"{how} health 503" in out
+    assert r.stderr.count("no longer answering from it") == 2, r.stderr[-3000:]

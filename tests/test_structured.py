@@ -293,3 +293,19 @@ def test_llama31_form_is_detected_and_forced():
     assert '"parameters"' in g and "tool_call" not in g
     calls, content = parse_tool_calls('{"name": "add", "parameters": {"a": 1, "b": 2}}', "llama3", TOOLS)
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2} and content is None
+
+
+def test_speculative_steps_keep_the_grammar(tiny_lm):
+    """Prompt-lookup speculation on a constrained slot: every verified row is sampled through the
+    slot's Constraint (masked, then consumed), so accepted drafts never leave the grammar."""
+    import re
+
+    from mixqrt.engine import Engine
+    from mixqrt.speculative import make_drafter
+    tok = tiny_lm.tokenizer
+    ids = tok.encode("ab-ab-ab-ab-ab-ab-ab-ab")
+    with Engine(tiny_lm, max_slots=2, speculative=make_drafter(lookup=4)) as eng:
+        r = eng.submit(ids, max_new_tokens=24, response_format={"type": "regex", "regex": "(ab-){3,6}ab"})
+        text = "".join(p.text for p in r)
+        assert re.fullmatch("(ab-){3,6}ab", text), text
+        assert eng.stats()["verify_steps"] > 0

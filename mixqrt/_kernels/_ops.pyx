@@ -803,7 +803,8 @@ def attention_batch(cnp.ndarray q, list ks, list vs, positions, cnp.ndarray out,
         for b in range(B):
             k = ks[b]; v = vs[b]
             if k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] \
-                    or k.shape[2] != Dh or v.shape[2] != Dh or Hq % k.shape[0] or k.dtype != v.dtype \
+                    or k.shape[2] != Dh or v.shape[2] != Dh or k.shape[0] < 1 or Hq % k.shape[0] \
+                    or k.dtype != v.dtype \
                     or k.dtype not in (np.float32, np.float16) or not k.flags.c_contiguous \
                     or not v.flags.c_contiguous:
                 raise ValueError(f"attention_batch: cache {b} is not [Hkv,S,Dh] f32|f16 contiguous with Hq % Hkv == 0")
@@ -825,7 +826,8 @@ def attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, int pos0, cnp.ndarray
     """Causal GQA attention; q [T,Hq,Dh] f32, k/v [Hkv,S,Dh] f32 or f16, out [T,Hq,Dh] f32."""
     _f32c(q, "q"); _f32c(out, "out")
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1] \
-            or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2] or q.shape[1] % k.shape[0] \
+            or k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2] or k.shape[0] < 1 \
+            or q.shape[1] % k.shape[0] \
             or k.dtype != v.dtype or k.dtype not in (np.float32, np.float16) \
             or not k.flags.c_contiguous or not v.flags.c_contiguous or out.shape[0] != q.shape[0] \
             or out.shape[1] != q.shape[1] or out.shape[2] != q.shape[2]:

@@ -488,7 +488,7 @@ def _lo_hi(qt: QTensor) -> tuple[float, float]:
 def _levels(qt: QTensor) -> np.ndarray:
     """The q3p table a tensor was quantized with (its meta), else the current Q3P_LEVELS."""
     lv = qt.meta.get("q3p_levels") if qt.meta else None
-    return layout.Q3P_LEVELS if lv is None else np.ascontiguousarray(lv, dtype=np.uint8)
+    return layout.Q3P_LEVELS if lv is None else layout.q3p_table(lv)
 
 
 def dequantize(qt: QTensor, *, impl: str = "fast") -> np.ndarray:

@@ -74,6 +74,20 @@ if Q3P_LEVELS.size != _format.Q3P_NLEVELS or Q3P_LEVELS.max() > Q3P_LEVEL_MAX:
     raise ImportError("Q3P_LEVELS does not fit the kernels' q3p table (mq_format.h)")
 
 
+def q3p_table(levels, error=QuantError) -> np.ndarray:
+    """A q3p level table from a tensor's meta or a file header as uint8, checked as the kernels and
+    the reference decoder index it (Q3P_LEVELS.size integers in [0, Q3P_LEVEL_MAX]): a short table
+    would be read past, an out-of-range value would wrap. Raises `error` naming the table."""
+    try:
+        a = np.asarray(levels)
+    except (ValueError, TypeError):                 # ragged nesting
+        a = np.zeros(0)
+    if a.shape != Q3P_LEVELS.shape or a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) > Q3P_LEVEL_MAX:
+        raise error(f"q3p level table must be {Q3P_LEVELS.size} integers in [0, {Q3P_LEVEL_MAX}], "
+                    f"got {str(levels)[:80]}")
+    return np.ascontiguousarray(a, dtype=np.uint8)
+
+
 @dataclass(frozen=True)
 class Layout:
     name: str

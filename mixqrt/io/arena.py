@@ -76,6 +76,10 @@ class Arena:
             self.advise("willneed")
 
     # ------------------------------------------------------------------ access
+    def stat(self) -> os.stat_result:
+        """fstat of the mapped file (the inode this arena maps, even after the path is replaced)."""
+        return os.fstat(self._fd)
+
     @property
     def closed(self) -> bool:
         return self._mm is None or self._mm.closed

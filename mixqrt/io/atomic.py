@@ -86,14 +86,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_temps(folder, *, max_age_s: float = STALE_AGE_S) -> list[Path]:
+def clean_stale_temps(folder, *, max_age_s: float = STALE_AGE_S, held=()) -> list[Path]:
     """Remove writer temps in `folder` whose writer is gone; returns what was removed.
 
     A temp is stale when its pid is not running (and it is not ours), or, for a pid that is
     running (pids get reused), when it is older than max_age_s and the target's lock is free.
-    A temp whose target's lock is held is never touched: its writer may still be working.
+    A temp whose target's lock is held by someone else is never touched: its writer may still be
+    working. `held`: target paths whose lock the caller holds (a second FileLock on the same file
+    in one process would wait on it): their stale temps are removed without taking the lock.
     """
     from filelock import Timeout
+    mine = {os.path.abspath(os.fspath(p)) for p in held}
     removed = []
     try:
         entries = list(os.scandir(folder))
@@ -113,13 +116,46 @@ def clean_stale_temps(folder, *, max_age_s: float = STALE_AGE_S) -> list[Path]:
             continue
         if _pid_alive(pid) and not old:
             continue
-        lock = file_lock(os.path.join(folder, m.group("target")), timeout=0)
+        target = os.path.abspath(os.path.join(folder, m.group("target")))
         try:
-            with lock:
+            if target in mine:
                 os.unlink(e.path)
-                removed.append(Path(e.path))
+            else:
+                with file_lock(target, timeout=0):
+                    os.unlink(e.path)
+            removed.append(Path(e.path))
         except Timeout:
             continue              # someone is writing that target right now
         except OSError:
             continue
     return removed
+
+
+@contextmanager
+def output_lock(path):
+    """Hold `path`'s lock (file_lock) for writing it, after removing the temps that killed writers
+    left in its folder, its own included (clean_stale_temps with held=path). Every long writer of
+    a file (`mixqrt quantize -o`, the cache's quantize in prepare(), Pipeline.save) goes through
+    here, so a run after a SIGKILL leaves nothing of the killed one behind."""
+    with file_lock(path):
+        clean_stale_temps(os.path.dirname(os.path.abspath(os.fspath(path))), held=(path,))
+        yield
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by the SIGTERM handler of terminate_as_interrupt()."""
+
+
+def terminate_as_interrupt() -> None:
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread, as Ctrl-C does, so
+    `finally` blocks and writers' aborts remove their temps instead of the process vanishing.
+    Only from the main thread, and only where SIGTERM still has its default action."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def _raise(signum, frame):
+        raise Terminated(f"signal {signum}")
+    signal.signal(signal.SIGTERM, _raise)

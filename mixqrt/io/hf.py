@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
+from mixqrt.platform.files import folder_file, read_text
 from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
                               refuse_pickle)
 
@@ -146,14 +147,17 @@ class SafetensorsFile:
 MAX_JSON = 64 << 20                     # config / index / generation_config: a few KB in practice
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(folder: Path, name: str, what: str, *, required: bool = True) -> dict | None:
+    """folder/name parsed as a JSON object (confined to the folder: folder_file); None when absent
+    and not `required`."""
+    path = folder_file(folder, name, what=what or "file")
+    if path is None:
+        if required:
+            raise ModelError(f"{folder}: no {name} ({what})")
+        return None
     try:
-        if path.stat().st_size > MAX_JSON:
-            raise FormatError(f"{path}: {path.stat().st_size} bytes is too large for a JSON config file")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError(f"{path.parent}: no {path.name} ({what})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        data = json.loads(read_text(path, MAX_JSON))
+    except (json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{path}: expected a JSON object")
@@ -173,21 +177,21 @@ class HFSource(Source):
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}   # HF name -> file holding it
         try:
-            self.config = _read_json(self.path / "config.json", "every HF model folder has one")
+            self.config = _read_json(self.path, "config.json", "every HF model folder has one")
             self.arch = arch_from_config(self.config, str(self.path / "config.json"))
             check_config(self.config, str(self.path / "config.json"))
             self._open_weights()
             check_layout(self)
-            gpath = self.path / "generation_config.json"
-            self.generation_config = _read_json(gpath, "") if gpath.is_file() else {}
+            self.generation_config = _read_json(self.path, "generation_config.json", "", required=False) or {}
         except BaseException:
             self.close()
             raise
 
     def _weight_files(self) -> tuple[list[Path], dict | None]:
         index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = _read_json(index, "").get("weight_map")
+        index_json = _read_json(self.path, index.name, "safetensors index", required=False)
+        if index_json is not None:
+            weight_map = index_json.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise FormatError(f"{index}: no weight_map")
             files = sorted({self._shard(index, f) for f in weight_map.values()})
@@ -201,27 +205,14 @@ class HFSource(Source):
         return files, None
 
     def _shard(self, index, name) -> Path:
-        """The folder's file `name`, refusing anything that leads out of the model folder: an
-        absolute path, "..", a subfolder, a symlink whose target is elsewhere (except into the
-        hub cache's blobs/ folder, where snapshot files link by design) or a non-regular file."""
-        where = index or self.path
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
-                or "\0" in name:
-            raise FormatError(f"{where}: shard {str(name)[:80]!r} must be a file name inside the model folder")
-        f = self.path / name
+        """The folder's file `name`, refusing anything that leads out of the model folder
+        (platform.files.folder_file): an absolute path, "..", a subfolder, a symlink whose target is
+        elsewhere (except into the hub cache's blobs/) or a non-regular file."""
         try:
-            real = f.resolve(strict=True)
-        except FileNotFoundError:
-            raise ModelError(f"{where}: shard {name[:80]} is listed but missing from the folder") from None
-        except (OSError, RuntimeError) as e:            # symlink loops
-            raise FormatError(f"{where}: shard {name[:80]}: cannot resolve ({type(e).__name__})") from None
-        roots = [self.path.resolve()]
-        if self.path.parent.name == "snapshots":         # hub cache: snapshots/<rev>/x -> ../../blobs/<sha>
-            roots.append(self.path.parent.parent.resolve() / "blobs")
-        if not any(real.parent == r for r in roots) or not real.is_file():
-            raise FormatError(f"{where}: shard {name[:80]} resolves outside the model folder or is not a "
-                              "regular file; refused")
-        return f
+            return folder_file(self.path, name, required=True, what="shard", where=index)
+        except ModelError:
+            raise ModelError(f"{index or self.path}: shard {str(name)[:80]} is listed but missing from the "
+                             "folder") from None
 
     def _open_weights(self) -> None:
         files, weight_map = self._weight_files()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 from starlette.applications import Starlette
@@ -27,6 +28,7 @@ from mixqrt import api
 from mixqrt.errors import GenerationError, MixqrtError
 from mixqrt.serve.guard import Guard, HTTPError, Limits, check_limits, read_json
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
+from mixqrt.serve.watch import watch_pipeline
 
 from mixqrt.engine import Engine, EngineBusy
 
@@ -69,6 +71,7 @@ class Server:
         self.metrics = Metrics(engine, replica)
         self.created = int(time.time())
         self.extra_health = {}
+        self.watch = None           # serve.watch.FileWatch on the mapped .mxq (create_app)
 
     # ------------------------------------------------------------------ request -> engine
     def prepare(self, kind: str, body: dict):
@@ -130,6 +133,7 @@ class Server:
     async def generate(self, request, kind: str):
         route = request.url.path
         try:
+            self.check_file()
             body = await read_json(request, self.limits)
             ids, gen, shape, stream = await run_in_threadpool(self.prepare, kind, body)
             try:
@@ -164,7 +168,19 @@ class Server:
                                                   f"{self.model!r})", param="model", code="model_not_found"))
         return JSONResponse(self.card())
 
+    def check_file(self) -> None:
+        """503 once the served .mxq changed under us (serve.watch)."""
+        why = self.watch.check() if self.watch is not None else None
+        if why is not None:
+            raise HTTPError(503, f"the model file changed while being served ({why}); restart the server",
+                            "server_error", code="model_file_changed")
+
     async def health(self, request):
+        try:
+            self.check_file()
+        except HTTPError as e:
+            return JSONResponse({"status": "error", "model": self.model, "error": e.message, **self.extra_health},
+                                status_code=503)
         return JSONResponse({"status": "ok", "model": self.model, **self.extra_health})
 
     async def metrics_route(self, request):
@@ -342,6 +358,7 @@ def create_app(pipe, *, engine=None, model: str | None = None, limits: Limits | 
         configure = getattr(pipe, "configure_engine", None)
         engine = configure(**(engine_kwargs or {})) if configure else Engine(pipe, **(engine_kwargs or {}))
     srv = Server(pipe, engine, model=model or api.model_name(pipe), limits=limits, replica=replica)
+    srv.watch = watch_pipeline(pipe, on_change=lambda why: threading.Thread(target=engine.close, daemon=True).start())
     routes = [Route("/v1/chat/completions", srv.chat, methods=["POST"]),
               Route("/v1/completions", srv.completion, methods=["POST"]),
               Route("/v1/models", srv.models, methods=["GET"]),

@@ -7,18 +7,28 @@ import sys
 
 from mixqrt.errors import MixqrtError
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
+from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS
+from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE = 64
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_queue=DEFAULT_QUEUE, **kw):
+def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_queue=DEFAULT_QUEUE,
+                   limits=None, **kw):
     """A uvicorn.Config whose limits keep every client answered: the listen backlog holds a burst
-    of connections (no resets), and limit_concurrency sits above what the engine admits (running
-    + queued), so the engine's 503 + Retry-After answers first; uvicorn's own 503 is the last guard."""
+    of connections (no resets), and limit_concurrency (which counts open connections) sits above
+    what the engine admits (running + queued), so the engine's 503 + Retry-After answers first;
+    uvicorn's own 503 is the last guard. The HTTP protocol is guard.protocol_class's: a header
+    deadline and a per-peer connection limit (`limits`, default the app's own), so that stalled
+    or hoarded connections cannot fill limit_concurrency; the body deadline is the app's Guard."""
     import uvicorn
-    return uvicorn.Config(app, host=host, port=port, backlog=2048,
+
+    from mixqrt.serve.guard import Limits, protocol_class
+    if limits is None:
+        limits = getattr(getattr(getattr(app, "state", None), "server", None), "limits", None) or Limits()
+    return uvicorn.Config(app, host=host, port=port, backlog=2048, http=protocol_class(limits),
                           limit_concurrency=max_slots + max_queue + 64, timeout_keep_alive=5,
                           access_log=False, log_level=kw.pop("log_level", "warning"),
                           h11_max_incomplete_event_size=64 * 1024, **kw)
@@ -52,7 +62,8 @@ def limits_from_args(a):
     from mixqrt.serve.guard import Limits
     return Limits(api_key=a.api_key, allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
                   allowed_origins=tuple(a.allowed_origins or ()), max_body_bytes=a.max_body_bytes,
-                  max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout)
+                  max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout, header_timeout=a.header_timeout,
+                  body_timeout=a.body_timeout, max_client_connections=a.max_client_connections)
 
 
 def engine_kwargs(a) -> dict:
@@ -71,6 +82,10 @@ def cmd_serve(a):
         print(f"mixqrt serve: warning: listening on {a.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr)
     if a.ray:
+        if speculative_kwargs(a):
+            raise MixqrtError("--lookup / --draft are not supported with --ray yet: serve without --ray")
+        from mixqrt.serve.ray import keep_ray_local
+        keep_ray_local(a.host, a.ray_address)      # before Ray is imported
         _require("ray", "ray.serve")
         from mixqrt.pipeline import prepare
         from mixqrt.serve.ray import serve_ray
@@ -84,7 +99,7 @@ def cmd_serve(a):
     from mixqrt.pipeline import Pipeline
     from mixqrt.serve.app import create_app
     pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
-                    offline=True if a.offline else None, max_context=a.ctx)
+                    offline=True if a.offline else None, max_context=a.ctx, **speculative_kwargs(a))
     if not a.quiet:
         logging.basicConfig(level=logging.INFO, format="mixqrt serve: %(message)s")
     app = create_app(pipe, model=a.model_alias or _model_id(a.model), limits=limits_from_args(a),
@@ -122,6 +137,13 @@ def _non_negative(v: str) -> int:
     return n
 
 
+def _positive_float(v: str) -> float:
+    x = float(v)
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {v}")
+    return x
+
+
 def _csv(v: str) -> list:
     return [x.strip() for x in v.split(",") if x.strip()]
 
@@ -133,6 +155,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")
     s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
     s.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    add_speculative_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("MIXQRT_API_KEY") or None,
@@ -154,6 +177,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=_positive, default=1 << 20, help="largest request body")
     s.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds a stream may go unread before it is cancelled")
+    s.add_argument("--header-timeout", type=_positive_float, default=HEADER_TIMEOUT,
+                   help=f"seconds a connection has to send a request's headers, else 408 and closed "
+                        f"(default {HEADER_TIMEOUT:g})")
+    s.add_argument("--body-timeout", type=_positive_float, default=BODY_TIMEOUT,
+                   help=f"seconds a request's whole body may take after its headers, else 408 and closed "
+                        f"(default {BODY_TIMEOUT:g})")
+    s.add_argument("--max-client-connections", type=_non_negative, default=MAX_CLIENT_CONNECTIONS,
+                   help=f"open connections accepted from one client address; more get 503 and are closed "
+                        f"(default {MAX_CLIENT_CONNECTIONS}; 0: no limit, e.g. behind a reverse proxy)")
     s.add_argument("--model-alias", default=None, help="model id reported by /v1/models (default: MODEL)")
     r = s.add_argument_group("Ray Serve (pip install 'mixqrt[ray]'; docs/server.md)")
     r.add_argument("--ray", action="store_true", help="serve engine replicas on Ray Serve")

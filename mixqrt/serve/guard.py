@@ -1,10 +1,13 @@
-"""What stands between a socket and the engine: body and JSON limits, Host/Origin/API-key checks,
-request limits (stop strings, max_tokens), and a request log with control characters escaped."""
+"""What stands between a socket and the engine: connection limits and read deadlines, body and JSON
+limits, Host/Origin/API-key checks, request limits (stop strings, max_tokens), and a request log
+with control, bidi and line-separator characters escaped."""
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -16,6 +19,9 @@ MAX_JSON_DEPTH = 32                 # OpenAI bodies nest 5 deep (messages -> con
 MAX_STOP = 4                        # OpenAI's limits on stop strings
 MAX_STOP_BYTES = 256
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+HEADER_TIMEOUT = 10.0               # seconds for a request's headers (slowloris)
+BODY_TIMEOUT = 30.0                 # seconds for its whole body after the headers (1 MiB at ~35 KB/s)
+MAX_CLIENT_CONNECTIONS = 64         # below uvicorn's limit (slots + queue + 64): one peer cannot take all
 
 
 class HTTPError(Exception):
@@ -40,16 +46,27 @@ class Limits:
     max_json_depth: int = MAX_JSON_DEPTH
     max_tokens: int | None = None           # cap on max_tokens (None: the context)
     write_timeout: float = 10.0             # a stream whose client reads nothing for this long is cancelled
+    header_timeout: float = HEADER_TIMEOUT  # a connection's request headers must arrive within this
+    body_timeout: float = BODY_TIMEOUT      # ... and the whole body within this of the headers
+    max_client_connections: int = MAX_CLIENT_CONNECTIONS   # open connections per peer address (0: no limit)
     stats: dict = field(default_factory=dict)
 
 
 # ============================================================================ logs
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)]}
+def _escape_char(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def escape(text) -> str:
-    """Control characters as \\xNN: a request path cannot forge log lines or terminal escapes."""
-    return str(text).translate(_ESCAPES)
+    """Every non-printable character as \\xNN / \\uNNNN: C0/C1 controls, bidi controls (U+202E...),
+    line and paragraph separators (U+2028/9), zero-width and format characters, unusual spaces,
+    lone surrogates, unassigned code points. A request path or header cannot forge log lines,
+    reorder what a terminal shows, or send terminal escapes."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape_char(c) for c in text)
 
 
 def log_request(scope, status: int, t0: float, extra: str = "") -> None:
@@ -73,12 +90,17 @@ async def read_json(request, limits: Limits) -> dict:
             raise HTTPError(400, "bad Content-Length")
         if int(length) > limits.max_body_bytes:
             raise HTTPError(413, f"request body of {int(length)} bytes is over the limit of {limits.max_body_bytes}")
+    from starlette.requests import ClientDisconnect
     chunks, n = [], 0
-    async for chunk in request.stream():           # chunked bodies: counted as they arrive
-        n += len(chunk)
-        if n > limits.max_body_bytes:
-            raise HTTPError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():       # chunked bodies: counted as they arrive
+            n += len(chunk)
+            if n > limits.max_body_bytes:
+                raise HTTPError(413, f"request body is over the limit of {limits.max_body_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:                       # nobody to answer: one log line (499), no traceback
+        raise HTTPError(499, f"client closed the connection after {n} bytes of the body",
+                        code="client_closed") from None
     raw = b"".join(chunks)
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -127,24 +149,46 @@ def check_limits(body: dict, limits: Limits) -> None:
 
 
 # ============================================================================ who may call
-def _host_name(host: str) -> str:
+_REG_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\.?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def host_name(host: str) -> str | None:
+    """The name part of a Host header value (lower case, IPv6 in brackets), or None when the value
+    is not `name[:port]`: a DNS name or IPv4 address, or a bracketed IPv6 address followed by
+    nothing or ":port" ("[::1]evil.example" is refused, not read as "[::1]")."""
     host = host.lower()
-    if host.startswith("["):                       # [::1]:8000
+    if host.startswith("["):
         end = host.find("]")
-        return host[:end + 1] if end > 0 else host
-    return host.rsplit(":", 1)[0]
+        if end < 0:
+            return None
+        name, rest = host[:end + 1], host[end + 1:]
+        try:
+            ipaddress.IPv6Address(name[1:-1])
+        except ValueError:
+            return None
+    else:
+        name, sep, port = host.partition(":")
+        rest = sep + port
+        if not _REG_NAME.fullmatch(name):
+            return None
+    if rest and not (rest[0] == ":" and (rest == ":" or _PORT.fullmatch(rest[1:]))):
+        return None
+    return name
 
 
 def _host_ok(host: str, allowed) -> bool:
+    name = host_name(host)
+    if name is None:
+        return False
     if "*" in allowed:
         return True
-    name = _host_name(host)
     return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
 
 
 class Guard:
     """ASGI middleware: Host allow-list, foreign Origin refused, API key on /v1/*, replica header,
-    request log. Runs before any body is read."""
+    request log, and the body deadline. Runs before any body is read."""
 
     def __init__(self, app, limits: Limits, replica: str | None = None):
         self.app, self.limits, self.replica = app, limits, replica
@@ -168,14 +212,23 @@ class Guard:
             if err is not None:
                 await _send_error(send_wrapped, err)
                 return
-            await self.app(scope, receive, send_wrapped)
+            await self.app(scope, _body_deadline(receive, self.limits.body_timeout), send_wrapped)
         finally:
             log_request(scope, status[0], t0)
 
     def check(self, scope) -> HTTPError | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        headers, hosts = {}, 0
+        for k, v in scope.get("headers", []):
+            k = k.decode("latin-1").lower()
+            hosts += k == "host"
+            headers[k] = v.decode("latin-1")
+        if hosts > 1:                                   # RFC 9112 3.2: a server must answer 400
+            return HTTPError(400, f"{hosts} Host headers; a request carries exactly one", code="bad_host")
         host = headers.get("host", "")
-        if not _host_ok(host, self.limits.allowed_hosts):
+        if host and host_name(host) is None:
+            return HTTPError(400, f"Host {escape(host)!r} is not a host name with an optional :port",
+                             code="bad_host")
+        if not (host == "" and "*" in self.limits.allowed_hosts) and not _host_ok(host, self.limits.allowed_hosts):
             return HTTPError(421, f"Host {escape(host)!r} is not served here (see --allowed-hosts)",
                              code="host_not_allowed")
         origin = headers.get("origin")
@@ -198,9 +251,127 @@ class Guard:
         return urlsplit(origin).netloc.lower() == host.lower() and host != ""   # same origin
 
 
+def _body_deadline(receive, timeout: float):
+    """`receive` with a deadline on the request body: until the last body chunk has arrived, each
+    call waits at most until `timeout` seconds after the first; past that it raises a 408
+    HTTPError (Connection: close, so the server drops the socket after answering). Once the body
+    is complete, calls pass through untimed (a streaming reply waits on receive() for the disconnect)."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    deadline = [None]
+    done = [False]
+
+    async def wrapped():
+        if done[0]:
+            return await receive()
+        if deadline[0] is None:
+            deadline[0] = loop.time() + timeout
+        try:
+            msg = await asyncio.wait_for(receive(), max(0.0, deadline[0] - loop.time()))
+        except asyncio.TimeoutError:
+            done[0] = True
+            raise HTTPError(408, f"request body not received within {timeout:g} s (see --body-timeout)",
+                            code="body_timeout", headers={"Connection": "close"}) from None
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            done[0] = True
+        return msg
+
+    return wrapped
+
+
 async def _send_error(send, e: HTTPError):
     body = json.dumps(e.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), str(v).encode()) for k, v in e.headers.items()]
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+# ============================================================================ connections
+def _canned(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps(HTTPError(status, message, code=code).body()).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"retry-after: 1\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def protocol_class(limits: Limits):
+    """uvicorn's HTTP protocol (httptools, else h11) with what uvicorn itself lacks: a deadline on
+    each request's headers (from the connection's first byte, or its opening for the first
+    request) and a limit on the connections open from one peer address. A connection over the
+    limit gets a 503 and is closed before anything is read from it; one whose headers are late
+    gets a 408 and is closed. Either way it stops counting against uvicorn's limit_concurrency,
+    which counts every open connection. The body's deadline is _body_deadline's (the ASGI side)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    header_timeout, per_client = float(limits.header_timeout), int(limits.max_client_connections)
+    busy = _canned(503, "Service Unavailable", f"too many connections from this address (at most {per_client})",
+                   "too_many_connections")
+    late = _canned(408, "Request Timeout", f"request headers not received within {header_timeout:g} s",
+                   "header_timeout")
+    open_from: dict[str, int] = {}              # peer address -> open connections (one event loop: no lock)
+    refused = {"at": -1e9, "quiet": 0}          # the refusal log: one line a second at most
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):
+        _peer = None            # counted in open_from while set
+        _refused = False
+        _timer = None           # the header deadline, while armed
+        _waiting = None         # the request cycle in place when it was armed
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            peer = str((self.client or ("unknown",))[0])
+            n = open_from.get(peer, 0)
+            if per_client and n >= per_client:
+                self._refused = True
+                now = self.loop.time()
+                if now - refused["at"] >= 1.0:
+                    more = f" (and {refused['quiet']} more refusals in the last second)" if refused["quiet"] else ""
+                    log.warning("%s: connection refused, %d already open from this address "
+                                "(--max-client-connections)%s", escape(peer), n, more)
+                    refused["at"], refused["quiet"] = now, 0
+                else:
+                    refused["quiet"] += 1
+                transport.write(busy)
+                transport.close()
+                return
+            open_from[peer] = n + 1
+            self._peer = peer
+            self._arm()
+
+        def _arm(self):
+            self._waiting = self.cycle
+            self._timer = self.loop.call_later(header_timeout, self._late)
+
+        def _late(self):
+            self._timer = None
+            if self.cycle is self._waiting and not self.transport.is_closing():
+                log.info("%s: connection closed, no complete request headers within %g s (--header-timeout)",
+                         escape(self._peer), header_timeout)
+                self.transport.write(late)
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()                     # the next request on a kept-alive connection
+            super().data_received(data)
+            if self._timer is not None and self.cycle is not self._waiting:
+                self._timer.cancel()            # its headers are complete: the body deadline takes over
+                self._timer = None
+
+        def connection_lost(self, exc):
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._peer is not None:
+                left = open_from.get(self._peer, 1) - 1
+                if left > 0:
+                    open_from[self._peer] = left
+                else:
+                    open_from.pop(self._peer, None)
+                self._peer = None
+            super().connection_lost(exc)
+
+    GuardedHTTPProtocol.open_from = open_from
+    return GuardedHTTPProtocol

@@ -49,6 +49,8 @@ class ReplicaBase:
         from ray import serve
 
         from mixqrt.pipeline import Pipeline
+        if os.environ.get(_RAY_LOCAL_ENV) == "0":
+            _replica_grpc_on_loopback()
         ctx = serve.get_replica_context()
         rank = getattr(getattr(ctx, "rank", None), "local_rank", None)
         if rank is None:                                    # older Ray: no ranks
@@ -95,22 +97,82 @@ def build(model_path, *, model_name: str, limits, engine_kwargs: dict, replicas:
     return dep.bind(str(model_path), n_sets, model_name, limits, engine_kwargs, max_context)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Ray reads this once, at import: "0" makes a Linux node use the loopback address as its node IP
+# (as Ray does by default on macOS/Windows), and every Ray server then listens on 127.0.0.1 only
+_RAY_LOCAL_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_local(host: str, address) -> bool:
+    """For a local Ray started here (no `address`) behind a loopback `host`: make Ray's own servers
+    (GCS, raylet, object manager, workers, agents) listen on loopback only, not on every interface.
+    Call before `import ray` (a Ray already imported is patched too, best effort). True if applied."""
+    if address is not None or host not in LOOPBACK:
+        return False
+    os.environ[_RAY_LOCAL_ENV] = "0"                    # Ray's child processes read it at import
+    import sys
+    consts = sys.modules.get("ray._private.ray_constants")
+    if consts is not None:
+        consts.ENABLE_RAY_CLUSTER = False
+    return True
+
+
+def _replica_grpc_on_loopback() -> None:
+    """Ray Serve (2.60) starts each replica's inter-deployment gRPC server on "[::]:0", every
+    interface, whatever the node's address. In keep_ray_local's mode this replica's process binds
+    it to 127.0.0.1 instead (the proxy reaches it by the node address, which is loopback there).
+    Patches a private Ray function, so it is checked by tests/test_serve_ray.py, which lists the
+    sockets the server's processes listen on."""
+    try:
+        from ray.serve._private import replica as ray_replica
+    except ImportError:
+        return
+    real = getattr(ray_replica, "add_port_to_grpc_server", None)
+    if real is None or getattr(real, "mixqrt_loopback", False):
+        return
+
+    def on_loopback(server, address: str):
+        host, _, port = address.rpartition(":")
+        if host in ("[::]", "0.0.0.0", ""):
+            address = f"127.0.0.1:{port}"
+        return real(server, address)
+    on_loopback.mixqrt_loopback = True
+    ray_replica.add_port_to_grpc_server = on_loopback
+
+
 def serve_ray(model_path, *, host: str, port: int, address=None, **build_kw) -> None:
     """Start (or join, with `address`) Ray, deploy build(model_path, **build_kw) on host:port, run
-    until Ctrl-C. `mixqrt serve MODEL --ray ...` calls this after quantizing MODEL once."""
+    until Ctrl-C or SIGTERM, then shut Serve and Ray down (a local Ray's processes with it).
+    `mixqrt serve MODEL --ray ...` calls this after quantizing MODEL once."""
+    import signal
+    import threading
     import time
 
+    keep_ray_local(host, address)
     import ray
     from ray import serve
 
+    from mixqrt.io.atomic import Terminated
     ray.init(address=address, include_dashboard=False, logging_level="WARNING")
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build(model_path, **build_kw), name="mixqrt", route_prefix="/")
-    print(f"mixqrt serve: Ray Serve at http://{host}:{port}/v1 (Ctrl-C to stop)")
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        def _terminated(signum, frame):              # ray.init's own handler exits without shutting down
+            raise Terminated(f"signal {signum}")
+        signal.signal(signal.SIGTERM, _terminated)
     try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build(model_path, **build_kw), name="mixqrt", route_prefix="/")
+        print(f"mixqrt serve: Ray Serve at http://{host}:{port}/v1 (Ctrl-C to stop)", flush=True)
         while True:
             time.sleep(3600)
+    except Terminated:
+        raise
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)   # no second interruption of the shutdown
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()                          # a local Ray: its processes (agents included) go too

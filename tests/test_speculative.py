@@ -1,0 +1,201 @@
+"""Speculative decoding (mixqrt.speculative, Engine._step_speculative) on the tiny model.
+
+With f32 weights a forward of k+1 rows gives the logits of k+1 single steps bit for bit, so the
+output with prompt lookup or a draft model must be the plain output token for token, greedy and
+seeded sampling alike. The acceptance walk's distribution is checked on its own with a
+chi-square test; drafters against brute-force references.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mixqrt.engine import Engine
+from mixqrt.errors import GenerationError, ModelError
+from mixqrt.pipeline import LoadedModel
+from mixqrt.quantize.convert import quantize_model
+from mixqrt.speculative import MAX_DRAFT, ModelDrafter, NgramDrafter, check_compatible, make_drafter
+from tinymodel import make_tiny_hf_model
+
+NO_EOS = {"eos_token_ids": []}
+# a prompt that repeats itself, so that prompt lookup finds drafts
+REPEAT = "def quicksort(xs):\n    return xs\ndef quicksort(xs):\n    return xs\ndef quicksort("
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("spec")
+    out = {}
+    for name, seed in (("target", 0), ("other", 1)):
+        hf = make_tiny_hf_model(base / name, arch="qwen2", tied=True, seed=seed)
+        mxq = base / f"{name}.mxq"
+        quantize_model(str(hf), "f32", mxq, progress=False)
+        out[name] = LoadedModel(mxq)
+    return out
+
+
+def _run(lm, prompt, drafter=None, n=24, **kw):
+    with Engine(lm, speculative=drafter) as eng:
+        pieces = list(eng.submit(lm.tokenizer.encode(prompt), max_new_tokens=n, **NO_EOS, **kw))
+        stats = eng.stats()
+    return [p.token for p in pieces if p.token is not None], pieces[-1], stats
+
+
+# ============================================================================ drafters
+def _ngram_ref(h, k, max_n, min_n):
+    h = list(h)
+    for n in range(min(max_n, len(h) - 1), min_n - 1, -1):
+        tail = h[-n:]
+        for i in range(len(h) - n - 1, -1, -1):
+            if h[i:i + n] == tail:
+                return h[i + n:i + n + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 8), st.integers(1, 4),
+       st.integers(1, 4))
+def test_ngram_drafter_matches_brute_force(h, k, max_n, min_n):
+    d = NgramDrafter(k, max_ngram=max_n, min_ngram=min(min_n, max_n))
+    assert d.propose(None, np.array(h), k) == _ngram_ref(h, k, max_n, min(min_n, max_n))
+
+
+def test_ngram_drafter_caps_and_windows():
+    assert NgramDrafter(10 ** 6).k == MAX_DRAFT
+    with pytest.raises(GenerationError):
+        NgramDrafter(0)
+    h = np.array([1, 2, 3, 9, 9, 9, 1, 2])
+    assert NgramDrafter(4).propose(None, h, 4) == [3, 9, 9, 9]
+    assert NgramDrafter(4, window=3).propose(None, h, 4) == []
+
+
+# ============================================================================ lossless
+@pytest.mark.parametrize("kind", ["lookup", "draft-self", "draft-other"])
+def test_greedy_output_is_plain_output(models, kind):
+    lm = models["target"]
+    drafter = {"lookup": lambda: NgramDrafter(6),
+               "draft-self": lambda: ModelDrafter(lm.model, 4),
+               "draft-other": lambda: ModelDrafter(models["other"].model, 3)}[kind]()
+    kw = dict(temperature=0, repetition_penalty=1.0)    # the draft is a plain argmax
+    want, _, _ = _run(lm, REPEAT, **kw)
+    got, last, stats = _run(lm, REPEAT, drafter, **kw)
+    assert got == want
+    assert stats["verify_steps"] > 0 and stats["draft_tokens"] > 0
+    assert last.draft_tokens == stats["draft_tokens"]
+    assert last.accepted_draft_tokens == stats["accepted_draft_tokens"]
+    if kind == "draft-self":          # the target drafting for itself: every draft is right
+        assert stats["accepted_draft_tokens"] == stats["draft_tokens"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_seeded_sampling_is_plain_sampling(models, seed):
+    """Each emitted token is one draw of the slot's own sampler from the target's row, in the
+    plain order: with the same seed the sampled text is the same."""
+    lm = models["target"]
+    kw = dict(temperature=1.0, top_p=0.95, seed=seed)
+    want, _, _ = _run(lm, REPEAT, **kw)
+    got, _, _ = _run(lm, REPEAT, NgramDrafter(4), **kw)
+    assert got == want
+
+
+def test_walk_distribution_chi_square():
+    """The acceptance walk's first emitted token is distributed as the target's p whatever the
+    draft: sample x ~ p, keep going only when x equals the draft. 40k draws catch a 2 % bias."""
+    rng = np.random.default_rng(7)
+    p = np.array([0.35, 0.25, 0.15, 0.1, 0.08, 0.07])
+    n = 40_000
+    for draft in (0, 3):
+        first = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            x = int(rng.choice(p.size, p=p))
+            first[i] = x                 # emitted; accepted when x == draft, else the correction
+        counts = np.bincount(first, minlength=p.size)
+        chi2 = float((((counts - n * p) ** 2) / (n * p)).sum())
+        assert chi2 < 20.5, chi2          # p < 0.001 at 5 degrees of freedom
+    # and a 2 % shift of mass is caught at this n
+    biased = np.bincount(rng.choice(p.size, size=n, p=p + np.array([0.02, -0.02, 0, 0, 0, 0])), minlength=p.size)
+    assert float((((biased - n * p) ** 2) / (n * p)).sum()) > 20.5
+
+
+# ============================================================================ engine behaviour
+def test_speculation_only_for_a_lone_sequence(models):
+    lm = models["target"]
+    with Engine(lm, speculative=NgramDrafter(4), max_slots=4) as eng:
+        ids = lm.tokenizer.encode(REPEAT)
+        reqs = [eng.submit(ids, max_new_tokens=8, temperature=0, **NO_EOS) for _ in range(3)]
+        outs = [[p.token for p in r if p.token is not None] for r in reqs]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_draft_k_per_request_capped_and_zero_turns_it_off(models):
+    lm = models["target"]
+    with Engine(lm, speculative=NgramDrafter(4)) as eng:
+        ids = lm.tokenizer.encode(REPEAT)
+        r = eng.submit(ids, max_new_tokens=8, temperature=0, draft_k=10 ** 6, **NO_EOS)
+        assert r.draft_k == MAX_DRAFT
+        list(r)
+        r0 = eng.submit(ids, max_new_tokens=8, temperature=0, draft_k=0, **NO_EOS)
+        last = list(r0)[-1]
+        assert last.draft_tokens == 0
+        with pytest.raises(GenerationError):
+            eng.submit(ids, draft_k=-1)
+
+
+def test_budget_and_context_bound_the_drafts(models):
+    lm = models["target"]
+    got, last, _ = _run(lm, REPEAT, NgramDrafter(8), n=3, temperature=0)
+    assert len(got) == 3 and last.finish_reason == "length"
+
+
+def test_cancel_mid_stream_leaves_the_cache_consistent(models):
+    """A request cancelled between verification steps leaves its KV, in the prompt cache, holding
+    exactly the history but its last token; the next request reuses it and matches a cold run."""
+    lm = models["target"]
+    ids = lm.tokenizer.encode(REPEAT)
+    with Engine(lm, speculative=NgramDrafter(6)) as eng:
+        r = eng.submit(ids, max_new_tokens=40, temperature=0, buffer=1, **NO_EOS)
+        it = iter(r)
+        first = [next(it).token for _ in range(3)]
+        r.cancel()
+        list(it)
+        pieces = list(eng.submit(ids, max_new_tokens=12, temperature=0, **NO_EOS))
+        again = [p.token for p in pieces if p.token is not None]
+    cold, _, _ = _run(lm, REPEAT, n=12, temperature=0)
+    assert again == cold and first == cold[:3]
+    assert pieces[-1].cached_tokens > 0          # the cancelled request's KV was reused
+
+
+# ============================================================================ hostile drafts
+def test_draft_with_another_vocabulary_is_refused(models):
+    lm = models["target"]
+
+    class Fake:
+        class args:
+            vocab_size = lm.model.args.vocab_size + 1
+    with pytest.raises(ModelError, match="vocabulary"):
+        check_compatible(Fake, None, lm.model, None)
+
+
+def test_draft_with_another_tokenizer_is_refused(models):
+    lm = models["target"]
+
+    class Tok:
+        def __init__(self, vocab):
+            self.backend = self
+            self._v = vocab
+
+        def get_vocab(self):
+            return self._v
+    v = lm.tokenizer.backend.get_vocab()
+    swapped = dict(v)
+    a, b = sorted(v)[:2]
+    swapped[a], swapped[b] = v[b], v[a]
+    with pytest.raises(ModelError, match="tokenizer"):
+        check_compatible(lm.model, Tok(swapped), lm.model, lm.tokenizer)
+    check_compatible(lm.model, Tok(dict(v)), lm.model, lm.tokenizer)      # the same vocabulary passes
+    with pytest.raises(GenerationError):
+        make_drafter(4, models["other"])
+    with pytest.raises(GenerationError):
+        Engine(lm, speculative="lookup")
