@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import read_concurrently, window_rates  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 20, "items": {
     "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -42,24 +43,9 @@ def run_round(eng, tok, clients: int, tokens: int, constrained: bool) -> dict:
         kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "list", "schema": SCHEMA}}) \
             if constrained else dict(eos_token_ids=[])
         reqs.append(eng.submit(ids, max_new_tokens=tokens, **kw))
-    stamps = [[] for _ in range(clients)]
-
-    def drain(i):
-        for r in reqs[i]:
-            if r.token is not None:
-                stamps[i].append(time.perf_counter())
-    threads = [threading.Thread(target=drain, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    n = sum(len(s) for s in stamps)
-    # the window where every request decodes: after the last first token, until the first finishes
-    lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
-    inside = sum(1 for s in stamps for t in s if lo < t <= hi)
-    return {"tokens": n, "seconds": wall, "tok_s": n / wall,
-            "decode_tok_s": inside / (hi - lo) if hi > lo else 0.0}
+    r = window_rates(read_concurrently(reqs), t0)
+    return {"tokens": r["tokens"], "seconds": r["tokens"] / r["e2e_tps"], "tok_s": r["e2e_tps"],
+            "decode_tok_s": r["decode_tps"]}
 
 
 def main(argv=None):
