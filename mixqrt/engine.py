@@ -35,7 +35,7 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.engine_cache import PromptCache
-from mixqrt.errors import GenerationError
+from mixqrt.errors import GenerationError, RequestError
 from mixqrt.generate import GenerationResponse, Sequence
 from mixqrt.grammar import compile_async, grammar_from_response_format
 from mixqrt.limits import DEFAULT_MAX_CONTEXT
@@ -46,6 +46,7 @@ from mixqrt.speculative import MAX_DRAFT, Speculation
 __all__ = ["Engine", "EngineBusy", "Request"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_CACHE_SALT = 1024                   # characters (the server's own field allows 256, plus its key's salt)
 _ids = itertools.count(1)
 
 
@@ -61,13 +62,17 @@ class Request:
     raised from the iteration. ``cancel()`` (also on ``with`` exit) frees the slot.
     """
 
-    def __init__(self, engine: "Engine", seq: Sequence, buffer: int):
+    def __init__(self, engine: "Engine", seqs: list[Sequence], buffer: int):
         self.id = next(_ids)
-        self.seq = seq
-        self.buffer = buffer
+        self.seqs = seqs                # one per choice (n > 1: they share the prompt's prefill)
+        self.seq = seqs[0]
+        self.n = len(seqs)
+        self.buffer = buffer * self.n
+        seq = self.seq
         self.t_submit = time.perf_counter()
         self.prompt_tokens = len(seq.prompt)
         self.cached_tokens = 0
+        self.cache_salt, self.cache_prompt = None, True
         self.draft_k: int | None = None     # drafts per speculative step (None: the drafter's k)
         self.draft_tokens = 0               # drafted for this request / accepted by the target
         self.accepted_draft_tokens = 0
@@ -76,15 +81,19 @@ class Request:
         self._cond = threading.Condition()
         self._out: deque = deque()      # GenerationResponse pieces, then possibly one exception
         self._closed = False            # nothing more will be pushed
+        self._open = self.n             # choices not finished yet
         self._waiters: list = []        # (loop, future) of async consumers
         self.cancelled = False          # asked by the consumer
         self.paused = False             # the engine skipped this slot: its buffer was full
 
     # ------------------------------------------------------------------ engine side
     def _push(self, item, final: bool = False) -> None:
+        """`final`: the last piece of one choice (an exception ends them all)."""
         with self._cond:
             self._out.append(item)
-            self._closed = self._closed or final
+            if final:
+                self._open = 0 if isinstance(item, BaseException) else self._open - 1
+            self._closed = self._closed or self._open <= 0
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
@@ -157,6 +166,16 @@ class Request:
         return f"Request(id={self.id}, prompt_tokens={self.prompt_tokens}, finish_reason={self.finish_reason!r})"
 
 
+def _cache_salt(salt):
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise RequestError("cache_salt", f"cache_salt must be a string or None, got {type(salt).__name__}")
+    if len(salt) > MAX_CACHE_SALT:
+        raise RequestError("cache_salt", f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT}")
+    return salt
+
+
 def _wake_future(fut) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -164,15 +183,22 @@ def _wake_future(fut) -> None:
 
 # ============================================================================ engine side
 class _Slot:
-    __slots__ = ("req", "seq", "entry", "pos", "tok", "t_first", "full_since", "spec")
+    __slots__ = ("req", "seq", "entry", "pos", "tok", "t_first", "full_since", "index", "leader", "spec")
 
-    def __init__(self, req: Request, entry, pos: int):
-        self.req, self.seq, self.entry = req, req.seq, entry
+    def __init__(self, req: Request, entry, pos: int, index: int = 0, leader: "_Slot | None" = None):
+        self.req, self.seq, self.entry = req, req.seqs[index], entry
         self.pos = pos              # prompt tokens whose K/V are in the cache (prefill progress)
         self.tok = None             # the next token to feed; None while prefilling
         self.t_first = 0.0
         self.full_since = None      # when the consumer's buffer was first seen full
         self.spec = None            # speculative decoding state (mixqrt.speculative.Speculation)
+        self.index = index          # the choice (0 .. n-1)
+        self.leader = leader        # choices 1..n-1: the slot whose prefill they fork (None once forked)
+
+
+def _choice_seed(seed: int, i: int) -> int:
+    """Choice i's seed for a request seeded with `seed` (choice 0 keeps `seed`, as with n=1)."""
+    return int(np.random.SeedSequence([int(seed), int(i)]).generate_state(2, np.uint64)[0])
 
 
 def _unpack(obj):
@@ -188,7 +214,8 @@ class Engine:
     """Continuous-batching generation over one model (see the module docstring).
 
     max_slots: requests decoded together; prefill_chunk: prompt tokens per step; kv_cache_bytes:
-    bound of the KV caches' resident rows (default 1 GiB; 0 turns the prompt cache off);
+    bound of the KV memory, cached prompts and running requests' written pages (default 1 GiB;
+    cached prompts are evicted to keep it; 0 turns the prompt cache off);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
@@ -241,15 +268,29 @@ class Engine:
     def submit(self, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None, top_p=None,
                min_p=None, repetition_penalty=None, seed=None, stop=None, eos_token_ids=None,
                buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None,
-               draft_k: int | None = None, response_format=None, tools=None, tool_choice=None,
+               logprobs: bool | None = None, top_logprobs: int = 0, n: int = 1, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+               draft_k: int | None = None, cache_salt: str | None = None,
+               cache_prompt: bool = True, response_format=None, tools=None, tool_choice=None,
                parallel_tool_calls: bool = True) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
-        Bad arguments raise GenerationError here; EngineBusy when max_queue requests already wait.
-        Sampling arguments left at None come from the model's generation_config
-        (generate.resolve_sampling: greedy unless do_sample or the config asks for sampling).
+        Bad arguments raise GenerationError (RequestError naming the field) here; EngineBusy when
+        max_queue requests already wait. Sampling arguments left at None come from the model's
+        generation_config (generate.resolve_sampling: greedy unless do_sample or the config asks
+        for sampling). Each request samples with its own RNG (seeded by `seed`), so a seeded
+        request gives the same tokens whatever it is batched with.
+
+        n > 1: n choices of one prompt, prefilled once (the other choices copy its KV rows, a
+        prefix-cache fork) and decoded in the same batch; the pieces carry ``index`` 0..n-1 and
+        choice i > 0 is seeded from (seed, i). logprobs/top_logprobs: each piece carries the
+        token's log-probability under the model's raw logits (GenerationResponse.logprobs).
+        presence_penalty/frequency_penalty/logit_bias: OpenAI's (sample_utils).
         draft_k: drafts per speculative step for this request (None: the drafter's own k; 0: no
         speculation; larger values are capped at speculative.MAX_DRAFT).
+        cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
+        a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
+        K/V nor leaves this request's behind.
 
         response_format (mixqrt.grammar: json_object, json_schema, regex, grammar) or tool_choice
         "required" / a named function (with tools: mixqrt.tools) constrain the tokens by a grammar.
@@ -261,11 +302,22 @@ class Engine:
         buffer = _int("buffer", buffer, lo=1)
         if draft_k is not None:
             draft_k = min(_int("draft_k", draft_k, lo=0), MAX_DRAFT)
-        seq = Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-                       seed=seed, stop=stop, eos_token_ids=eos_token_ids, max_context=self.max_context,
-                       do_sample=do_sample)
+        salt = _cache_salt(cache_salt)
+        if not isinstance(cache_prompt, (bool, np.bool_)):
+            raise RequestError("cache_prompt", f"cache_prompt must be true or false, got {cache_prompt!r}")
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= min(8, self.max_slots):
+            raise RequestError("n", f"n must be an integer in [1, {min(8, self.max_slots)}] (at most 8 and the "
+                                    f"engine's max_slots), got {n!r}")
+        if seed is not None:
+            seed = _int("seed", seed)
+        seqs = [Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+                         seed=seed if i == 0 or seed is None else _choice_seed(seed, i), stop=stop,
+                         eos_token_ids=eos_token_ids, max_context=self.max_context, do_sample=do_sample,
+                         logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+                for i in range(int(n))]
         grammar, field = self._grammar(response_format, tools, tool_choice, parallel_tool_calls)
         with self._cond:
             if self._error is not None:
@@ -275,7 +327,8 @@ class Engine:
             if len(self._queue) + self._compiling >= self.max_queue:
                 raise EngineBusy(f"the engine is busy: {len(self._queue) + self._compiling} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
-            req = Request(self, seq, buffer)
+            req = Request(self, seqs, buffer)
+            req.cache_salt, req.cache_prompt = salt, bool(cache_prompt)
             req.draft_k = draft_k
             self._n["requests"] += 1
             if grammar is None:
@@ -284,7 +337,7 @@ class Engine:
                 return req
             self._compiling += 1
         try:
-            compile_async(self.tokenizer, grammar, n_vocab=self.model.args.vocab_size, eos_ids=seq.eos,
+            compile_async(self.tokenizer, grammar, n_vocab=self.model.args.vocab_size, eos_ids=seqs[0].eos,
                           field=field, on_done=lambda result: self._compiled(req, result))
         except BaseException:
             with self._cond:
@@ -320,7 +373,8 @@ class Engine:
                 req.finish_reason = "error"
                 req._push(err, final=True)
                 return
-            req.seq.constraint = result
+            for i, sq in enumerate(req.seqs):          # n choices: one compile, a matcher each
+                sq.constraint = result if i == 0 else result.copy()
             self._queue.append(req)
             self._cond.notify_all()
 
@@ -331,8 +385,9 @@ class Engine:
                     "tokens_generated": self._n["tokens_generated"], "prompt_tokens": self._n["prompt_tokens"],
                     "prefill_tokens": self._n["prefill_tokens"], "cached_tokens": c.cached_tokens,
                     "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
-                    "idle_caches": len(c.idle), "kv_cache_bytes_used": c.used_bytes(),
-                    "kv_cache_bytes": c.capacity, "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
+                    "idle_caches": c.tree.leaves, "cache_nodes": len(c.tree), "cache_salts": len(c.tree.roots),
+                    "kv_cache_bytes_used": c.used_bytes(), "kv_cache_bytes": c.capacity,
+                    "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
                     "steps": self._n["steps"],
                     "decode_tokens": self._n["decode_tokens"], "max_batch": self._n["max_batch"],
                     "draft_tokens": self._n["draft_tokens"],
@@ -398,23 +453,25 @@ class Engine:
                     self._end_queued(self._queue.popleft())
                 return None
             self._reap(now)
-            while self._queue and len(self._slots) < self.max_slots:
+            while self._queue and (self._queue[0].cancelled or len(self._slots) + self._queue[0].n <= self.max_slots):
                 req = self._queue.popleft()
                 if req.cancelled:
                     self._end_queued(req)
                     continue
-                entry, n = self._cache.acquire(req.seq.prompt)
+                entry, n = self._cache.acquire(req.seq.prompt, req.cache_salt, req.cache_prompt)
                 req.cached_tokens = n
                 self._n["prompt_tokens"] += req.prompt_tokens
-                slot = _Slot(req, entry, n)
-                if self.drafter is not None and req.draft_k != 0:
-                    slot.spec = Speculation(self.drafter, self.max_context, req.draft_k)
-                self._slots.append(slot)
-            prefill = next((s for s in self._slots if s.tok is None), None)
+                lead = _Slot(req, entry, n)
+                if self.drafter is not None and req.draft_k != 0 and req.n == 1:
+                    lead.spec = Speculation(self.drafter, self.max_context, req.draft_k)
+                self._slots.append(lead)
+                self._slots += [_Slot(req, None, 0, i, lead) for i in range(1, req.n)]
+            prefill = next((s for s in self._slots if s.tok is None and s.leader is None), None)
             decode = [s for s in self._slots if s.tok is not None and not s.req._full()]
             for s in self._slots:
                 s.req.paused = s.tok is not None and s.req._full()
             if prefill is not None or decode:
+                self._cache.evict()         # running caches grew by the last step: keep the bound
                 return prefill, decode
             waits = [s.full_since + self.stall_timeout - now for s in self._slots if s.full_since is not None]
             self._cond.wait(max(0.0, min(waits)) + 1e-3 if waits else None)
@@ -436,20 +493,25 @@ class Engine:
     def _end_queued(self, req: Request) -> None:
         self._n["cancelled"] += 1
         req.finish_reason = "cancelled"
-        req._push(self._response(req, "", None, "cancelled", 0.0), final=True)
+        for i in range(req.n):
+            req._push(self._response(req, "", None, "cancelled", 0.0, i), final=True)
 
-    def _response(self, req: Request, text, tok, reason, t_first: float) -> GenerationResponse:
+    def _response(self, req: Request, text, tok, reason, t_first: float, index: int = 0,
+                  logprob=None) -> GenerationResponse:
         now = time.perf_counter()
-        n_gen = req.seq.n_gen
+        n_gen = req.seqs[index].n_gen
         ttft = (t_first - req.t_submit) if t_first else 0.0
         fresh = req.prompt_tokens - req.cached_tokens
         return GenerationResponse(
             text, tok, reason, req.prompt_tokens, n_gen, fresh / ttft if ttft > 0 else 0.0,
             (n_gen - 1) / (now - t_first) if n_gen > 1 and now > t_first else 0.0, ttft,
-            peak_rss_bytes(), req.cached_tokens, req.draft_tokens, req.accepted_draft_tokens)
+            peak_rss_bytes(), req.cached_tokens, logprobs=logprob, index=index,
+            draft_tokens=req.draft_tokens, accepted_draft_tokens=req.accepted_draft_tokens)
 
     def _finish(self, s: _Slot, reason: str, error: BaseException | None = None) -> None:
         """Under the lock: end a slot; its cache goes back to the prompt cache (or away on error)."""
+        if s not in self._slots:        # a choice already ended with its request's error
+            return
         self._slots.remove(s)
         req = s.req
         req.finish_reason = reason
@@ -457,22 +519,29 @@ class Engine:
         if c is not None:
             self._n["grammar_masks"] += c.masks
             self._n["grammar_mask_seconds"] += c.mask_seconds
-        if error is not None:
-            self._cache.discard(s.entry)
+        if error is not None:           # the whole request fails: its other choices go too
+            for o in [o for o in self._slots if o.req is req]:
+                self._slots.remove(o)
+                if o.entry is not None:
+                    self._cache.discard(o.entry)
+            if s.entry is not None:
+                self._cache.discard(s.entry)
             self._n["failed"] += 1
             req._push(error, final=True)
             return
-        self._cache.release(s.entry, s.seq.history)
+        if s.entry is not None:
+            self._cache.release(s.entry, s.seq.history)
         self._n["cancelled" if reason == "cancelled" else "finished"] += 1
         if reason == "cancelled":
-            req._push(self._response(req, "", None, "cancelled", s.t_first), final=True)
+            req._push(self._response(req, "", None, "cancelled", s.t_first, s.index), final=True)
 
     def _emit(self, s: _Slot, tok: int, now: float) -> bool:
         """Hand a sampled token to the consumer; True when the request finished."""
         text, reason = s.seq.accept(tok)
         if s.seq.n_gen == 1:
             s.t_first = now
-        s.req._push(self._response(s.req, text, tok, reason, s.t_first), final=reason is not None)
+        lp = s.seq.last_logprob if s.seq.logprobs else None
+        s.req._push(self._response(s.req, text, tok, reason, s.t_first, s.index, lp), final=reason is not None)
         s.tok = tok
         self._n["tokens_generated"] += 1
         return reason is not None
@@ -531,8 +600,10 @@ class Engine:
                     p_logits = self.model(chunk, s.entry.kv, last_only=True, chunk_size=self.prefill_chunk)
                 s.pos += chunk.size
                 self._n["prefill_tokens"] += chunk.size
-                if s.pos == len(s.seq.prompt) and self._emit(s, s.seq.sample(p_logits), time.perf_counter()):
-                    done.append((s, s.seq.finish_reason, None))
+                if s.pos == len(s.seq.prompt):
+                    done += self._fork(s, p_logits)
+                    if self._emit(s, s.seq.sample(p_logits), time.perf_counter()):
+                        done.append((s, s.seq.finish_reason, None))
             except Exception as e:  # noqa: BLE001
                 done.append((s, "error", e))
         with self._cond:
@@ -590,6 +661,7 @@ class Engine:
                     break
                 if not hit:
                     break
+            s.entry.hwm = max(s.entry.hwm, kv.offset)   # rows written past what is kept stay resident
             kv.trim(kv.offset - (seq.n - 1))       # keep the K/V of every token but the last emitted
             sp.drafter.rollback(sp.state, seq.n - 1)
             sp.record(len(drafts), accepted)
@@ -605,3 +677,16 @@ class Engine:
             if done is not None:
                 self._finish(s, *done)
         return True
+
+    def _fork(self, lead: _Slot, logits: np.ndarray) -> list:
+        """The prompt of `lead` is prefilled: its other choices copy its KV rows (one prefill for n
+        choices) and sample their first token from the same logits. -> finished (slot, reason, None)."""
+        done = []
+        followers = [f for f in self._slots if f.leader is lead]
+        for f in followers:
+            with self._cond:
+                f.entry = self._cache.fork(lead.entry, lead.pos)
+            f.pos, f.leader = lead.pos, None
+            if self._emit(f, f.seq.sample(logits.copy()), time.perf_counter()):
+                done.append((f, f.seq.finish_reason, None))
+        return done

@@ -10,7 +10,7 @@ import numpy as np
 
 from mixqrt.errors import GenerationError
 from mixqrt.platform.perf import peak_rss_bytes
-from mixqrt.sample_utils import _int, make_logits_processors, make_sampler
+from mixqrt.sample_utils import _int, make_logits_processors, make_sampler, token_logprobs
 
 # transformers' GenerationConfig defaults, used when neither the call nor the model says otherwise
 _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -69,6 +69,18 @@ class GenerationResponse:
     cached_tokens: int = 0         # prompt tokens whose KV came from the prompt cache (not recomputed)
     draft_tokens: int = 0          # speculative decoding: tokens drafted for this request so far
     accepted_draft_tokens: int = 0  # ... and accepted by the target (mixqrt.speculative)
+    logprobs: "TokenLogprob | None" = None   # with logprobs=True: the token's log-probability
+    index: int = 0                 # which of a request's n choices this piece belongs to
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model's own distribution (a log-softmax of the
+    raw logits: before penalties, logit_bias, temperature and top-k/p/min-p, as OpenAI reports),
+    and the `top_logprobs` most likely (token id, logprob) pairs."""
+    token: int
+    logprob: float
+    top: list
 
 
 class _OffsetDecoder:
@@ -225,7 +237,8 @@ class Sequence:
     def __init__(self, model, tokenizer, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None,
                  top_p=None, min_p=None, repetition_penalty=None, repetition_context_size: int = 64,
                  seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
-                 do_sample: bool | None = None):
+                 do_sample: bool | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 logit_bias: dict | None = None, logprobs: bool | None = None, top_logprobs: int = 0):
         ids = encode_prompt(tokenizer, prompt_ids)
         if not ids:
             raise GenerationError("the prompt is empty: at least one token is needed")
@@ -241,7 +254,16 @@ class Sequence:
         self.budget = min(max_new_tokens, ctx - len(ids))      # reaching the context end finishes with "length"
         s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty, do_sample)
         self.sampler = make_sampler(s["temperature"], s["top_k"], s["top_p"], s["min_p"], seed)
-        self.procs = make_logits_processors(s["repetition_penalty"], repetition_context_size)
+        self.procs = make_logits_processors(s["repetition_penalty"], repetition_context_size,
+                                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                            prompt_tokens=len(ids), logit_bias=logit_bias, vocab_size=vocab)
+        if logprobs not in (None, True, False):
+            raise GenerationError(f"logprobs must be True, False or None, got {logprobs!r}")
+        self.logprobs = bool(logprobs)
+        self.top_logprobs = _int("top_logprobs", top_logprobs)
+        if self.top_logprobs > 20:
+            raise GenerationError(f"top_logprobs must be <= 20, got {self.top_logprobs}")
+        self.last_logprob: TokenLogprob | None = None
         stops = check_stops(stop)
         if stops and tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
@@ -259,8 +281,11 @@ class Sequence:
         self.constraint = None
 
     def sample(self, logits: np.ndarray) -> int:
-        """logits [vocab] (may be edited in place) -> the next token, recorded in history."""
+        """logits [vocab] (may be edited in place) -> the next token, recorded in history (and with
+        logprobs on, its log-probability under the raw logits in ``last_logprob``: before the
+        grammar's mask and the processors)."""
         c = self.constraint
+        raw = logits.copy() if self.logprobs and (self.procs or c is not None) else logits
         if c is not None:
             logits = c.apply(logits)
         for p in self.procs:
@@ -268,6 +293,9 @@ class Sequence:
         tok = int(self.sampler(logits))
         if c is not None and tok not in self.eos and not c.consume(tok):
             raise GenerationError(f"the sampled token {tok} does not fit the grammar: {c.error()[:200]}")
+        if self.logprobs:
+            lp, top = token_logprobs(raw, tok, self.top_logprobs)
+            self.last_logprob = TokenLogprob(tok, lp, top)
         self.history[self.n] = tok
         self.n += 1
         return tok

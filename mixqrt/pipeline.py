@@ -134,7 +134,8 @@ def load(path_or_name, recipe: str | None = None, *, threads=None, offline=None,
 
 
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-             "do_sample", "return_full_text", "stop_strings", "max_tokens", "draft_k",
+             "do_sample", "return_full_text", "stop_strings", "max_tokens", "n", "logprobs", "top_logprobs",
+             "presence_penalty", "frequency_penalty", "logit_bias", "draft_k",
              "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 
 
@@ -261,10 +262,10 @@ class Pipeline:
     def __call__(self, text_or_messages, **kw):
         full = kw.pop("return_full_text", True)
         pieces = list(self.stream(text_or_messages, **kw))
-        text = "".join(p.text for p in pieces)
+        texts = ["".join(p.text for p in pieces if p.index == i) for i in range(int(kw.get("n", 1)))]
         if isinstance(text_or_messages, str):
-            return [{"generated_text": (text_or_messages + text) if full else text}]
-        return [{"generated_text": list(text_or_messages) + [{"role": "assistant", "content": text}]}]
+            return [{"generated_text": (text_or_messages + t) if full else t} for t in texts]
+        return [{"generated_text": list(text_or_messages) + [{"role": "assistant", "content": t}]} for t in texts]
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:

@@ -5,25 +5,37 @@ import math
 
 import numpy as np
 
-from mixqrt.errors import GenerationError
+from mixqrt.errors import GenerationError, RequestError
 
 
-def _number(name, v, lo=None, hi=None, lo_open=False, hi_open=False):
+def _show(v, limit: int = 60) -> str:
+    """A value for an error message: repr, ASCII only (no surrogate or control character reaches a
+    reply or a log), cut to `limit` characters."""
+    r = ascii(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+# The one numeric argument checker of the Python API and the HTTP API (mixqrt.oai wraps these):
+# a RequestError (a GenerationError) that names the argument.
+def _number(name, v, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-        raise GenerationError(f"{name} must be a finite number, got {v!r}")
-    v = float(v)
+        raise RequestError(name, f"{name} must be a finite number, got {_show(v)}")
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise GenerationError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+        raise RequestError(name, f"{name} must be {'>' if lo_open else '>='} {lo}, got {_show(v)}")
     if hi is not None and (v >= hi if hi_open else v > hi):
-        raise GenerationError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {v}")
-    return v
+        raise RequestError(name, f"{name} must be {'<' if hi_open else '<='} {hi}, got {_show(v)}")
+    return float(v)
 
 
-def _int(name, v, lo=0):
+def _int(name, v, lo=0, hi=None) -> int:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)          # JSON clients sometimes send 64.0
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise GenerationError(f"{name} must be an int, got {v!r}")
-    if v < lo:
-        raise GenerationError(f"{name} must be >= {lo}, got {v}")
+        raise RequestError(name, f"{name} must be an integer, got {_show(v)}")
+    if lo is not None and v < lo:
+        raise RequestError(name, f"{name} must be >= {lo}, got {_show(v)}")
+    if hi is not None and v > hi:
+        raise RequestError(name, f"{name} must be <= {hi}, got {_show(v)}")
     return int(v)
 
 
@@ -114,8 +126,59 @@ def make_repetition_penalty(penalty: float, context_size: int = 64):
     return processor
 
 
-def make_logits_processors(repetition_penalty: float | None = None, repetition_context_size: int = 64) -> list:
-    """-> list of processor(tokens_so_far, logits [vocab]) -> logits (may edit logits in place)."""
+def make_presence_frequency_penalty(presence: float = 0.0, frequency: float = 0.0, start: int = 0):
+    """OpenAI's additive penalties over the generated tokens (tokens[start:], the prompt excluded,
+    as OpenAI and vLLM do): logit[j] -= frequency * count[j] + presence * (count[j] > 0)."""
+    presence = _number("presence_penalty", presence, lo=-2.0, hi=2.0)
+    frequency = _number("frequency_penalty", frequency, lo=-2.0, hi=2.0)
+    start = _int("start", start)
+
+    def processor(tokens: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        out = np.asarray(tokens[start:], dtype=np.int64)
+        if out.size == 0:
+            return logits
+        ids, counts = np.unique(out, return_counts=True)
+        logits[ids] -= (frequency * counts + presence).astype(logits.dtype)
+        return logits
+
+    return processor
+
+
+def make_logit_bias(bias: dict, vocab_size: int):
+    """OpenAI's logit_bias: {token id: value in [-100, 100]} added to the logits (before the
+    temperature); -100 bans a token, +100 all but forces it."""
+    from mixqrt.errors import RequestError
+
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias", f"logit_bias must be a dict {{token id: bias}}, got {type(bias).__name__}")
+    ids = np.empty(len(bias), dtype=np.int64)
+    vals = np.empty(len(bias), dtype=np.float64)
+    for i, (t, b) in enumerate(bias.items()):
+        if isinstance(t, str) and t.isascii() and t.isdigit():
+            t = int(t)
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+            raise RequestError("logit_bias", f"logit_bias: token id {t!r} is not in [0, {vocab_size})")
+        try:
+            vals[i] = _number("logit_bias", b, lo=-100.0, hi=100.0)
+        except GenerationError as e:
+            raise RequestError("logit_bias", str(e)) from None
+        ids[i] = int(t)
+
+    def processor(tokens: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        np.add.at(logits, ids, vals.astype(logits.dtype))
+        return logits
+
+    return processor
+
+
+def make_logits_processors(repetition_penalty: float | None = None, repetition_context_size: int = 64, *,
+                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0, prompt_tokens: int = 0,
+                           logit_bias: dict | None = None, vocab_size: int | None = None) -> list:
+    """-> list of processor(tokens_so_far, logits [vocab]) -> logits (may edit logits in place).
+
+    In this order: the multiplicative repetition penalty (over the last repetition_context_size
+    tokens, prompt included, as transformers), OpenAI's presence/frequency penalties (over the
+    generated tokens: those after prompt_tokens), logit_bias."""
     procs = []
     if repetition_penalty is not None:
         p = make_repetition_penalty(repetition_penalty, repetition_context_size)
@@ -123,4 +186,35 @@ def make_logits_processors(repetition_penalty: float | None = None, repetition_c
             procs.append(p)
     else:
         _int("repetition_context_size", repetition_context_size, lo=1)
+    p = make_presence_frequency_penalty(presence_penalty or 0.0, frequency_penalty or 0.0, prompt_tokens)
+    if presence_penalty or frequency_penalty:
+        procs.append(p)
+    if logit_bias:
+        if vocab_size is None:
+            raise GenerationError("logit_bias needs the vocabulary size")
+        procs.append(make_logit_bias(logit_bias, vocab_size))
     return procs
+
+
+LOGPROB_FLOOR = -9999.0     # OpenAI's value for "impossible": a masked (-inf) logit reports this
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> tuple[float, list]:
+    """The model's log-probability of `token` under `logits` (a log-softmax in float64, before any
+    processor or the temperature) and the `top` most likely (token, logprob) pairs, best first.
+    Never below LOGPROB_FLOOR (JSON has no -inf)."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+
+    def lp(i) -> float:
+        v = float(x[i] - lse)
+        return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR      # also NaN -> the floor
+
+    pairs = []
+    if top > 0:
+        k = min(int(top), x.size)
+        ids = np.argpartition(-x, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -x[ids]))]          # most likely first, ties by id
+        pairs = [(int(i), lp(i)) for i in ids]
+    return lp(int(token)), pairs

@@ -35,6 +35,25 @@ class Running:
         self.app.state.server.engine.close()
 
 
+def tiny_pipeline(d, max_context: int = 256):
+    """A Pipeline over the tiny model (f32) built in folder `d`, its cache there too."""
+    import os
+
+    from tinymodel import make_tiny_hf_model
+
+    from mixqrt.pipeline import Pipeline
+    old = os.environ.get("MIXQRT_CACHE")
+    os.environ["MIXQRT_CACHE"] = str(d / "cache")
+    try:
+        return Pipeline(make_tiny_hf_model(d / "hf"), recipe="f32", progress=False, offline=True,
+                        max_context=max_context)
+    finally:
+        if old is None:
+            os.environ.pop("MIXQRT_CACHE")
+        else:
+            os.environ["MIXQRT_CACHE"] = old
+
+
 @contextlib.contextmanager
 def running(pipe, limits: Limits | None = None, engine_kwargs=None, **kw):
     app = create_app(pipe, model="tiny", limits=limits or Limits(), engine_kwargs=engine_kwargs)

@@ -197,9 +197,9 @@ def test_bad_messages(messages, msg):
     ({"temperature": float("nan")}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": 2.5}, "top_k"), ({"min_p": 2}, "min_p"), ({"repeat_penalty": 0}, "repeat_penalty"),
     ({"max_tokens": "10"}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"seed": 1.5}, "seed"),
-    ({"stop": 3}, "stop"), ({"stop": ["a", 1]}, "stop"), ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"presence_penalty": 1}, "presence_penalty"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"), ({"stream": "yes"}, "stream"), ({"tools": [{}]}, "tools"),
+    ({"stop": 3}, "stop"), ({"stop": ["a", 1]}, "stop"), ({"n": 9}, "n"), ({"logprobs": 1}, "logprobs"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"stream": "yes"}, "stream"), ({"tools": [{}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"), ({"stream_options": 1}, "stream_options"),
 ])
 def test_bad_arguments_are_rejected_before_running(kw, param):
@@ -221,7 +221,7 @@ def test_completion_prompt_forms(prompt, msg):
 
 
 def test_completion_rejects_unsupported():
-    for kw in ({"suffix": "x"}, {"logprobs": 3}, {"best_of": 2}, {"echo": 1}):
+    for kw in ({"suffix": "x"}, {"logprobs": 21}, {"best_of": 2}, {"echo": 1}, {"logprobs": 2, "echo": True}):
         with pytest.raises(RequestError):
             create_completion(FakePipe(), "x", **kw)
 

@@ -30,7 +30,7 @@ LAYERS = [
                   "mixqrt.engine", "mixqrt.engine_cache", "mixqrt.speculative"]),
     ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
-    ("app", ["mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
+    ("app", ["mixqrt.oai", "mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
              "mixqrt.__init__"]),
 ]
 

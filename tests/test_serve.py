@@ -6,8 +6,7 @@ import json
 import urllib.request
 
 import pytest
-from serve_helpers import running
-from tinymodel import make_tiny_hf_model
+from serve_helpers import running, tiny_pipeline
 
 pytest.importorskip("starlette")
 openai = pytest.importorskip("openai")
@@ -17,19 +16,7 @@ MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
-    import os
-
-    from mixqrt.pipeline import Pipeline
-    d = tmp_path_factory.mktemp("serve")
-    old = os.environ.get("MIXQRT_CACHE")
-    os.environ["MIXQRT_CACHE"] = str(d / "cache")
-    try:
-        return Pipeline(make_tiny_hf_model(d / "hf"), recipe="f32", progress=False, offline=True, max_context=256)
-    finally:
-        if old is None:
-            os.environ.pop("MIXQRT_CACHE")
-        else:
-            os.environ["MIXQRT_CACHE"] = old
+    return tiny_pipeline(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +82,8 @@ def test_tiny_temperature_is_greedy(srv):
 
 def test_unsupported_arguments_are_400(srv):
     c = srv.client()
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        c.chat.completions.create(model="x", messages=MSGS, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be <= 8"):
+        c.chat.completions.create(model="x", messages=MSGS, n=9)
     with pytest.raises(openai.BadRequestError, match="tools"):
         c.chat.completions.create(model="x", messages=MSGS, tools=[{"type": "function", "function": {"name": "no spaces"}}])
     with pytest.raises(openai.BadRequestError, match="context"):

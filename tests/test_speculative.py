@@ -199,3 +199,44 @@ def test_draft_with_another_tokenizer_is_refused(models):
         make_drafter(4, models["other"])
     with pytest.raises(GenerationError):
         Engine(lm, speculative="lookup")
+
+
+def test_server_reports_drafts_in_usage_and_metrics(models):
+    """The server with prompt lookup: usage carries OpenAI's predicted-output counts, /metrics the
+    engine's totals."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from mixqrt.serve.app import create_app
+
+    lm = models["target"]
+
+    class Pipe:                       # what create_app needs of a Pipeline
+        model, tokenizer, max_context, path = lm.model, lm.tokenizer, 256, lm.path
+        drafter = NgramDrafter(6)
+
+        def configure_engine(self, **kw):
+            self.engine = Engine(lm, speculative=self.drafter, **kw)
+            return self.engine
+    app = create_app(Pipe(), model="tiny")
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"prompt": REPEAT, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        d = u["completion_tokens_details"]
+        assert d["accepted_prediction_tokens"] + d["rejected_prediction_tokens"] > 0
+        m = c.get("/metrics").text
+        assert "mixqrt_draft_tokens" in m and "mixqrt_accepted_draft_tokens" in m
+
+
+def test_adaptive_k_follows_acceptance():
+    from mixqrt.speculative import Speculation, expected_tokens
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    sp = Speculation(NgramDrafter(8), 64)
+    for _ in range(20):
+        sp.record(8, 8)                  # every draft right: draft the most
+    assert sp.next_k() == 8
+    for _ in range(30):
+        sp.record(4, 0)                  # never right: stop drafting, probe every 16 plain steps
+    ks = [sp.next_k() for _ in range(32)]
+    assert ks.count(0) == 30 and ks.count(8) == 2

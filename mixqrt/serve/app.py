@@ -12,6 +12,7 @@ seconds, or goes away, has its request cancelled. Response objects are OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -24,43 +25,43 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mixqrt import api
-from mixqrt.errors import GenerationError, MixqrtError
-from mixqrt.serve.guard import Guard, HTTPError, Limits, check_limits, read_json
+from mixqrt import api, oai
+from mixqrt.errors import GenerationError, MixqrtError, RequestError
+from mixqrt.generate import encode_prompt
+from mixqrt.tools import chat_ids
+from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.serve.watch import watch_pipeline
 
 from mixqrt.engine import Engine, EngineBusy
 
-# request fields clients send that change nothing here (one model per server, no accounts)
-_IGNORED = {"model", "user", "metadata", "store", "service_tier", "cache_prompt"}
-_ALIASES = {"max_completion_tokens": "max_tokens"}      # OpenAI's newer name in chat
-_INTERNAL = {"pipe", "prompt", "messages", "model", "stats"}
-_GEN_ARGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "stop", "seed",
-             "frequency_penalty", "presence_penalty", "n", "logit_bias")
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a reply never fails to encode (and never 500s) whatever text
+    it carries."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def _params(fn) -> set[str]:
-    import inspect
-    return {p for p in inspect.signature(fn).parameters if p not in _INTERNAL}
-
-
-_ROUTES = {"chat": (api.create_chat_completion, "messages", _params(api.create_chat_completion)),
-           "completion": (api.create_completion, "prompt", _params(api.create_completion))}
+# ============================================================================ prompt-cache isolation
+def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
+    """The engine's cache salt for a request: with API keys configured, a hash of the request's
+    key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
+    never share cached prompts; without keys, the request's salt (None: the shared cache)."""
+    if not api_keys(limits):
+        return salt
+    token = (authorization or "").partition(" ")[2].strip()
+    key = hashlib.sha256(b"mixqrt prompt-cache salt\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{key}:{salt or ''}"
 
 
 def error_response(e: HTTPError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return SafeJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-class _ArgsOnly:
-    """What api.create_* see while they check arguments: a context length and no model to run."""
-
-    def __init__(self, max_context):
-        self.max_context = max_context
-
-    def stream(self, *a, **k):
-        raise RuntimeError("argument check only")
+def _bad_request(e: RequestError) -> HTTPError:
+    return HTTPError(400, str(e), param=e.field, code=e.code)
 
 
 class Server:
@@ -75,38 +76,19 @@ class Server:
 
     # ------------------------------------------------------------------ request -> engine
     def prepare(self, kind: str, body: dict):
-        """Check a request body -> (prompt ids, engine kwargs, Shape); HTTPError for bad ones."""
-        fn, key, allowed = _ROUTES[kind]
-        if key not in body:
-            raise HTTPError(400, f"'{key}' is required", param=key)
-        check_limits(body, self.limits)
-        kwargs = {}
-        for k, v in body.items():
-            if k == key or k in _IGNORED:
-                continue
-            name = _ALIASES.get(k, k)
-            if name not in allowed:
-                raise HTTPError(400, f"unrecognized request argument: {k}", param=k)
-            kwargs[name] = v
+        """Check a request body -> (prompt ids, engine kwargs, oai.Request); HTTPError for bad ones."""
         try:
-            fn(_ArgsOnly(self.context), body[key], model=self.model, **{**kwargs, "stream": True}).close()
-            defaults = {"max_tokens": 16} if kind == "completion" else {}
-            gen = api._gen_kwargs(context=self.context, **{a: kwargs.get(a, defaults.get(a)) for a in _GEN_ARGS})
-            reply = None
-            if kind == "chat":
-                ids, skw, reply = self._structured(body[key], kwargs)
-                gen.update(skw)
-                text = None
+            req = oai.parse(kind, body, max_tokens_cap=self.limits.max_tokens, max_depth=self.limits.max_json_depth)
+            gen = req.gen_kwargs(self.context)
+            if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
+                ids = chat_ids(self.tokenizer, req.messages, req.tools, req.tool_choice)
             else:
-                text = api._prompt_text(body[key])
-                ids = self.tokenizer.encode(text)
-                bos = self.tokenizer.bos_token_id
-                if self.tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-                    ids.insert(0, int(bos))
-        except api.RequestError as e:
-            raise HTTPError(400, str(e), param=e.param, code=e.code) from None
+                ids = encode_prompt(self.tokenizer, req.prompt)
+        except RequestError as e:
+            raise _bad_request(e) from None
         except MixqrtError as e:                    # template refused the messages, ...
-            raise HTTPError(400, str(e)) from None
+            raise HTTPError(400, oai.safe_message(e)) from None
+        key = "messages" if kind == "chat" else "prompt"
         if not ids:
             raise HTTPError(400, "the prompt is empty", param=key)
         if len(ids) + 1 > self.context:
@@ -115,38 +97,30 @@ class Server:
                             param=key, code="context_length_exceeded")
         gen["max_new_tokens"] = min(gen["max_new_tokens"], self.context - len(ids))
         # no temperature: the engine's generate.resolve_sampling applies the greedy default
-        echo = text if kind == "completion" and kwargs.get("echo") else None
-        shape = Shape(kind, api._head("chatcmpl" if kind == "chat" else "cmpl",
-                                      "chat.completion" if kind == "chat" else "text_completion", self.model, None),
-                      api._include_usage(kwargs.get("stream_options")), echo, reply)
-        return ids, gen, shape, kwargs.get("stream", False)
-
-    def _structured(self, messages, kwargs):
-        """Chat: prompt ids with the tools rendered, the engine's structured-output arguments
-        (response_format, tools, tool_choice, parallel_tool_calls) and the tool-aware reply shape."""
-        from mixqrt.tools import chat_ids
-        skw = api.structured_kwargs(kwargs.get("response_format"), kwargs.get("tools"), kwargs.get("tool_choice"),
-                                    kwargs.get("parallel_tool_calls"))
-        ids = chat_ids(self.tokenizer, api.check_messages(messages), skw.get("tools"), skw.get("tool_choice"))
-        return ids, skw, api.chat_reply(self.tokenizer, skw)
+        return ids, gen, req
 
     async def generate(self, request, kind: str):
         route = request.url.path
         try:
             self.check_file()
             body = await read_json(request, self.limits)
-            ids, gen, shape, stream = await run_in_threadpool(self.prepare, kind, body)
+            ids, gen, parsed = await run_in_threadpool(self.prepare, kind, body)
+            salt = cache_salt(parsed.cache_salt, request.headers.get("authorization"), self.limits)
+            use_cache = parsed.cache_prompt
             try:
-                req = self.engine.submit(ids, **gen)
+                req = self.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=use_cache)
             except EngineBusy as e:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None
+            except RequestError as e:
+                raise _bad_request(e) from None
             except GenerationError as e:
-                raise HTTPError(400, str(e), param=getattr(e, "param", None)) from None
+                raise HTTPError(400, oai.safe_message(e)) from None
         except HTTPError as e:
             self.metrics.request(route, e.status)
             return error_response(e)
-        return _Run(self, req, shape, stream, route)
+        return _Run(self, req, oai.Assembler(parsed, oai.Reply(parsed, self.model), self.tokenizer), parsed.stream,
+                    route)
 
     # ------------------------------------------------------------------ routes
     async def chat(self, request):
@@ -156,10 +130,10 @@ class Server:
         return await self.generate(request, "completion")
 
     def card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "mixqrt"}
+        return oai.model_card(self.model, self.created)
 
     async def models(self, request):
-        return JSONResponse({"object": "list", "data": [self.card()]})
+        return JSONResponse(oai.model_list([self.card()]))
 
     async def model_card(self, request):
         name = request.path_params["name"]
@@ -187,74 +161,16 @@ class Server:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
-class Shape:
-    """OpenAI's objects for one request (the same fields api.create_* return)."""
-
-    def __init__(self, kind, head, include_usage, echo, reply=None):
-        from mixqrt.tools import ChatReply
-        self.kind, self.head, self.include_usage, self.echo = kind, head, include_usage, echo
-        self.reply = reply or ChatReply()       # tool calls parsed out of a chat reply
-
-    @staticmethod
-    def usage(last) -> dict:
-        u = api._usage(last)
-        u["prompt_tokens_details"] = {"cached_tokens": int(getattr(last, "cached_tokens", 0) or 0)}
-        return u
-
-    @staticmethod
-    def reason(last) -> str:
-        r = getattr(last, "finish_reason", None)
-        return r if r in ("stop", "length") else "stop"
-
-    def whole(self, text: str, last) -> dict:
-        if self.kind == "chat":
-            message, reason = self.reply.message(text, self.reason(last))
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"text": (self.echo or "") + text, "index": 0, "logprobs": None,
-                      "finish_reason": self.reason(last)}
-        return {**self.head, "choices": [choice], "usage": self.usage(last)}
-
-    def _chunk(self, payload, reason=None) -> dict:
-        if self.kind == "chat":
-            return {**self.head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": payload, "logprobs": None, "finish_reason": reason}]}
-        return {**self.head, "choices": [{"text": payload, "index": 0, "logprobs": None, "finish_reason": reason}]}
-
-    def start(self) -> list:
-        if self.kind == "chat":
-            return [self._chunk({"role": "assistant"})]
-        return [self._chunk(self.echo)] if self.echo else []
-
-    def piece(self, text: str) -> list:
-        if not text:
-            return []
-        if self.kind == "chat":
-            return [self._chunk(d) for d in self.reply.deltas(text)]
-        return [self._chunk(text)]
-
-    def end(self, last) -> list:
-        if self.kind == "chat":
-            tail, reason = self.reply.end(self.reason(last))
-            out = [self._chunk(d) for d in tail] + [self._chunk({}, reason)]
-        else:
-            out = [self._chunk("", self.reason(last))]
-        if self.include_usage:
-            out.append({**self.head, "object": "chat.completion.chunk" if self.kind == "chat" else self.head["object"],
-                        "choices": [], "usage": self.usage(last)})
-        return out
-
-
 def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json.dumps(obj, ensure_ascii=True, allow_nan=False).encode("ascii") + b"\n\n"
 
 
 class _Run(Response):
     """One admitted request: a JSON reply or an SSE stream, cancelled when the client leaves or
     stops reading."""
 
-    def __init__(self, srv: Server, req, shape: Shape, stream: bool, route: str):
-        self.srv, self.req, self.shape, self.stream, self.route = srv, req, shape, stream, route
+    def __init__(self, srv: Server, req, out: oai.Assembler, stream: bool, route: str):
+        self.srv, self.req, self.out, self.stream, self.route = srv, req, out, stream, route
         self.background = None
         self.first, self.last, self.t0 = True, None, time.perf_counter()
 
@@ -288,15 +204,14 @@ class _Run(Response):
     _ttft = None
 
     async def _json(self, send) -> int:
-        pieces = []
         try:
             async for r in self.req:
                 self._seen(r)
-                pieces.append(r.text)
+                self.out.feed(r)
         except GenerationError as e:
-            await error_response(HTTPError(400, str(e), param=getattr(e, "param", None)))(self.scope, None, send)
+            await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
             return 400
-        await JSONResponse(self.shape.whole("".join(pieces), self.last))(self.scope, None, send)
+        await SafeJSONResponse(self.out.whole())(self.scope, None, send)
         return 200
 
     async def _sse(self, send) -> int:
@@ -306,7 +221,7 @@ class _Run(Response):
         except StopAsyncIteration:
             first = None
         except GenerationError as e:                   # before any byte: a plain 400
-            await error_response(HTTPError(400, str(e), param=getattr(e, "param", None)))(self.scope, None, send)
+            await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
             return 400
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -319,20 +234,20 @@ class _Run(Response):
                                        timeout)
 
         try:
-            await out(self.shape.start())
+            await out(self.out.start())
             if first is not None:
                 self._seen(first)
-                await out(self.shape.piece(first.text))
+                await out(self.out.feed(first))
                 async for r in it:
                     self._seen(r)
-                    await out(self.shape.piece(r.text))
-            await out(self.shape.end(self.last))
+                    await out(self.out.feed(r))
+            await out(self.out.finish())
             await asyncio.wait_for(send({"type": "http.response.body", "body": b"data: [DONE]\n\n"}), timeout)
         except (asyncio.TimeoutError, OSError):
             self.req.cancel()                          # the client stopped reading: free the slot
             return 499
         except MixqrtError as e:                       # headers are out: in-band, as OpenAI does
-            body = HTTPError(400, str(e)).body()
+            body = HTTPError(400, oai.safe_message(e)).body()
             await send({"type": "http.response.body", "body": _sse(body) + b"data: [DONE]\n\n"})
         return 200
 

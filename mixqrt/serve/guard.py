@@ -1,6 +1,6 @@
 """What stands between a socket and the engine: connection limits and read deadlines, body and JSON
-limits, Host/Origin/API-key checks, request limits (stop strings, max_tokens), and a request log
-with control, bidi and line-separator characters escaped."""
+limits, Host/Origin/API-key checks, and a request log with control, bidi and line-separator
+characters escaped. Request fields are checked by mixqrt.oai."""
 from __future__ import annotations
 
 import hmac
@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+
+from mixqrt.errors import RequestError
+from mixqrt.oai import MAX_JSON_DEPTH, error_body, loads
+
 log = logging.getLogger("mixqrt.serve")
 
 MAX_BODY_BYTES = 1 << 20            # a 32k-token chat is ~150 KB of JSON
-MAX_JSON_DEPTH = 32                 # OpenAI bodies nest 5 deep (messages -> content parts)
-MAX_STOP = 4                        # OpenAI's limits on stop strings
-MAX_STOP_BYTES = 256
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 HEADER_TIMEOUT = 10.0               # seconds for a request's headers (slowloris)
 BODY_TIMEOUT = 30.0                 # seconds for its whole body after the headers (1 MiB at ~35 KB/s)
@@ -34,12 +35,12 @@ class HTTPError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.param, self.code, self.type)
 
 
 @dataclass
 class Limits:
-    api_key: str | None = None
+    api_key: str | tuple | None = None      # one key, or several (each with its own prompt cache)
     allowed_hosts: tuple = ("*",)
     allowed_origins: tuple = ()             # "*" or exact origins ("https://app.example.com")
     max_body_bytes: int = MAX_BODY_BYTES
@@ -79,7 +80,8 @@ def log_request(scope, status: int, t0: float, extra: str = "") -> None:
 
 # ============================================================================ body
 async def read_json(request, limits: Limits) -> dict:
-    """The request body as a JSON object; 4xx (never 500) for anything else."""
+    """The request body as a JSON object; 4xx (never 500) for anything else (mixqrt.oai.loads: a
+    lone surrogate, NaN, a huge integer, too deep... is a 400 naming the field)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         # also what stops a cross-site form / text/plain POST from a browser (no CORS preflight)
@@ -90,6 +92,7 @@ async def read_json(request, limits: Limits) -> dict:
             raise HTTPError(400, "bad Content-Length")
         if int(length) > limits.max_body_bytes:
             raise HTTPError(413, f"request body of {int(length)} bytes is over the limit of {limits.max_body_bytes}")
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import ClientDisconnect
     chunks, n = [], 0
     try:
@@ -101,51 +104,10 @@ async def read_json(request, limits: Limits) -> dict:
     except ClientDisconnect:                       # nobody to answer: one log line (499), no traceback
         raise HTTPError(499, f"client closed the connection after {n} bytes of the body",
                         code="client_closed") from None
-    raw = b"".join(chunks)
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HTTPError(400, f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise HTTPError(400, f"request body nests deeper than {limits.max_json_depth} levels") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "request body must be a JSON object")
-    if _depth(body, limits.max_json_depth) > limits.max_json_depth:
-        raise HTTPError(400, f"request body nests deeper than {limits.max_json_depth} levels")
-    return body
-
-
-def _depth(obj, limit: int) -> int:
-    """Nesting depth of a parsed JSON value, iteratively (stops counting past `limit`)."""
-    stack, deepest = [(obj, 1)], 0
-    while stack:
-        o, d = stack.pop()
-        deepest = max(deepest, d)
-        if d > limit:
-            return d
-        if isinstance(o, dict):
-            stack.extend((v, d + 1) for v in o.values() if isinstance(v, (dict, list)))
-        elif isinstance(o, list):
-            stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
-    return deepest
-
-
-# ============================================================================ request limits
-def check_limits(body: dict, limits: Limits) -> None:
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if isinstance(stops, list):
-            if len(stops) > MAX_STOP:
-                raise HTTPError(400, f"at most {MAX_STOP} stop strings, got {len(stops)}", param="stop")
-            for s in stops:
-                if isinstance(s, str) and len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
-                    raise HTTPError(400, f"a stop string is at most {MAX_STOP_BYTES} bytes", param="stop")
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if limits.max_tokens is not None and isinstance(v, int) and not isinstance(v, bool) \
-                and v > limits.max_tokens:
-            raise HTTPError(400, f"{key}={v} is over this server's limit of {limits.max_tokens}", param=key)
+    try:       # off the event loop: a 1 MiB body of small values takes a while to parse and check
+        return await run_in_threadpool(loads, b"".join(chunks), limits.max_json_depth)
+    except RequestError as e:
+        raise HTTPError(400, str(e), param=e.field) from None
 
 
 # ============================================================================ who may call
@@ -184,6 +146,18 @@ def _host_ok(host: str, allowed) -> bool:
     if "*" in allowed:
         return True
     return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
+
+
+def api_keys(limits: Limits) -> tuple:
+    """The API keys configured (none: no key needed)."""
+    k = limits.api_key
+    return tuple(x for x in ((k,) if isinstance(k, str) else (k or ())) if x)
+
+
+def key_ok(token: str, keys: tuple) -> bool:
+    """Whether token is one of keys, comparing with every key in constant time."""
+    t = token.encode("latin-1", "replace")
+    return sum(hmac.compare_digest(t, k.encode("utf-8", "surrogatepass")) for k in keys) > 0
 
 
 class Guard:
@@ -236,12 +210,13 @@ class Guard:
             return HTTPError(403, f"Origin {escape(origin)!r} is not allowed (see --allowed-origins)",
                              code="origin_not_allowed")
         path = scope.get("path", "")
-        if self.limits.api_key and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
+        keys = api_keys(self.limits)
+        if keys and (path.startswith("/v1/") or path == "/metrics") and scope.get("method") != "OPTIONS":
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     self.limits.api_key.encode()):
-                return HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>' with the server's "
-                                      "--api-key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if scheme.lower() != "bearer" or not key_ok(token.strip(), keys):
+                return HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>' with one of the "
+                                      "server's --api-key", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
         return None
 
     def _origin_ok(self, origin: str, host: str) -> bool:
