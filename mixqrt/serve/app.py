@@ -64,6 +64,11 @@ def _bad_request(e: RequestError) -> HTTPError:
     return HTTPError(400, str(e), param=e.field, code=e.code)
 
 
+def _engine_error(e: GenerationError) -> HTTPError:
+    """An error a request's iteration raised: a 400 naming the field when it is a RequestError."""
+    return _bad_request(e) if isinstance(e, RequestError) else HTTPError(400, oai.safe_message(e))
+
+
 class Server:
     def __init__(self, pipe, engine, *, model: str, limits: Limits, replica: str | None):
         self.pipe, self.engine, self.model, self.limits = pipe, engine, model, limits
@@ -208,8 +213,8 @@ class _Run(Response):
             async for r in self.req:
                 self._seen(r)
                 self.out.feed(r)
-        except GenerationError as e:
-            await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
+        except GenerationError as e:            # e.g. a grammar the engine could not compile
+            await error_response(_engine_error(e))(self.scope, None, send)
             return 400
         await SafeJSONResponse(self.out.whole())(self.scope, None, send)
         return 200
@@ -221,7 +226,7 @@ class _Run(Response):
         except StopAsyncIteration:
             first = None
         except GenerationError as e:                   # before any byte: a plain 400
-            await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
+            await error_response(_engine_error(e))(self.scope, None, send)
             return 400
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
