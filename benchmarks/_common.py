@@ -162,6 +162,35 @@ def gguf_decode_bytes(path) -> int | None:
     return int(sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight"))
 
 
+# ----------------------------------------------------------------------------------- concurrent requests
+def read_concurrently(reqs) -> list[list[float]]:
+    """Drain engine requests, one reader thread each -> the arrival time of each piece, per request."""
+    import threading
+    times: list[list[float]] = [[] for _ in reqs]
+
+    def read(i):
+        for _ in reqs[i]:
+            times[i].append(time.perf_counter())
+    ts = [threading.Thread(target=read, args=(i,)) for i in range(len(reqs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return times
+
+
+def window_rates(times: list[list[float]], t0: float) -> dict:
+    """Aggregate rates of concurrent requests: decode_tps over the window where every request
+    decodes (after the last first token, until the first one is done), e2e_tps from t0 to the last
+    token, and the slowest first token."""
+    start = max(t[0] for t in times)               # every request has its first token
+    end = min(t[-1] for t in times)                # the first one is done
+    n = sum(sum(1 for x in t if start < x <= end) for t in times)
+    return {"decode_tps": n / (end - start) if end > start else 0.0,
+            "e2e_tps": sum(len(t) for t in times) / (max(t[-1] for t in times) - t0),
+            "ttft_max_s": start - t0, "tokens": sum(len(t) for t in times)}
+
+
 # ----------------------------------------------------------------------------------- docs/ output
 # Benchmarks own only the tables of a docs/ page: each sits between a pair of markers, and the prose
 # around them is written by hand. Raw results go to docs/data/NAME.json next to the page.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import machine_info, update_doc, write_json  # noqa: E402
+from _common import machine_info, read_concurrently, update_doc, window_rates, write_json  # noqa: E402
 
 from mixqrt.engine import Engine  # noqa: E402
 from mixqrt.generate import stream_generate  # noqa: E402
@@ -54,25 +53,10 @@ def single(lm, eng, ids, tokens: int, engine: bool) -> tuple[float, float]:
 
 def concurrent(lm, eng, c: int, tokens: int, offset: int) -> dict:
     ids = [prompt_ids(lm, offset + i) for i in range(c)]
-    times: list[list[float]] = [[] for _ in range(c)]
     t0 = time.perf_counter()
     reqs = [eng.submit(p, max_new_tokens=tokens, temperature=0.0, eos_token_ids=[]) for p in ids]
-
-    def read(i):
-        for _ in reqs[i]:
-            times[i].append(time.perf_counter())
-
-    ts = [threading.Thread(target=read, args=(i,)) for i in range(c)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    start = max(t[0] for t in times)               # every request has its first token
-    end = min(t[-1] for t in times)                # the first one is done
-    n = sum(sum(1 for x in t if start < x <= end) for t in times)
-    return {"decode_tps": n / (end - start) if end > start else 0.0,
-            "e2e_tps": sum(len(t) for t in times) / (max(t[-1] for t in times) - t0),
-            "ttft_max_s": start - t0}
+    r = window_rates(read_concurrently(reqs), t0)
+    return {k: r[k] for k in ("decode_tps", "e2e_tps", "ttft_max_s")}
 
 
 def main():

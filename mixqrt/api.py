@@ -137,7 +137,7 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
                            presence_penalty: float | None = None, stop=None, seed: int | None = None,
                            stream: bool = False, logprobs=None, top_logprobs=None, n: int | None = None,
                            logit_bias=None, response_format=None, tools=None, tool_choice=None,
-                           functions=None, function_call=None, model: str | None = None,
+                           parallel_tool_calls=None, functions=None, function_call=None, model: str | None = None,
                            stream_options=None, stats: Stats | None = None):
     """A "chat.completion" dict, or with stream=True an iterator of "chat.completion.chunk" dicts:
     delta {"role": "assistant"}, then {"content": piece}..., then {} with finish_reason.
@@ -146,12 +146,17 @@ def create_chat_completion(pipe, messages, *, max_tokens: int | None = None, tem
     logprobs=True (top_logprobs <= 20) adds choices[].logprobs.content[] ({token, logprob, bytes,
     top_logprobs}) from the model's raw distribution; n (<= 8) choices share one prefill.
     stream_options={"include_usage": True} adds OpenAI's last chunk (empty choices, usage).
+    response_format (json_object, json_schema, and mixqrt's regex / grammar: mixqrt.grammar)
+    constrains the reply; tools / tool_choice / parallel_tool_calls as OpenAI defines them
+    (mixqrt.tools): the template renders the tools, the reply's calls come back as
+    message.tool_calls with finish_reason "tool_calls" (streamed as tool_calls deltas).
     """
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "min_p": min_p, "repeat_penalty": repeat_penalty,
             "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty, "stop": stop,
             "seed": seed, "stream": stream, "logprobs": logprobs, "top_logprobs": top_logprobs, "n": n,
             "logit_bias": logit_bias, "response_format": response_format, "tools": tools,
-            "tool_choice": tool_choice, "functions": functions, "function_call": function_call,
+            "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+            "functions": functions, "function_call": function_call,
             "stream_options": stream_options}
     return _run(pipe, oai.parse("chat", body), model, stats)

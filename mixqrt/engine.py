@@ -37,6 +37,7 @@ from mixqrt import ops
 from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError, RequestError
 from mixqrt.generate import GenerationResponse, Sequence
+from mixqrt.grammar import compile_async, grammar_from_response_format
 from mixqrt.limits import DEFAULT_MAX_CONTEXT
 from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.sample_utils import _int, _number
@@ -252,11 +253,14 @@ class Engine:
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
+        self._compiling = 0             # requests whose grammar is being compiled (count as queued)
+        self._masker = None             # the thread that computes grammar masks during the forward
         self._closing = False
         self._error: BaseException | None = None
         self._n = dict(steps=0, tokens_generated=0, prompt_tokens=0, prefill_tokens=0, requests=0,
                        finished=0, cancelled=0, stalled=0, failed=0, decode_tokens=0,
-                       max_batch=0, draft_tokens=0, accepted_draft_tokens=0, verify_steps=0)
+                       max_batch=0, draft_tokens=0, accepted_draft_tokens=0, verify_steps=0,
+                       grammar_masks=0, grammar_mask_seconds=0.0)
         self._thread = threading.Thread(target=self._loop, name="mixqrt-engine", daemon=True)
         self._thread.start()
 
@@ -267,7 +271,8 @@ class Engine:
                logprobs: bool | None = None, top_logprobs: int = 0, n: int = 1, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, logit_bias: dict | None = None,
                draft_k: int | None = None, cache_salt: str | None = None,
-               cache_prompt: bool = True) -> Request:
+               cache_prompt: bool = True, response_format=None, tools=None, tool_choice=None,
+               parallel_tool_calls: bool = True) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
         Bad arguments raise GenerationError (RequestError naming the field) here; EngineBusy when
@@ -286,6 +291,13 @@ class Engine:
         cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
         a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
         K/V nor leaves this request's behind.
+
+        response_format (mixqrt.grammar: json_object, json_schema, regex, grammar) or tool_choice
+        "required" / a named function (with tools: mixqrt.tools) constrain the tokens by a grammar.
+        The grammar compiles on mixqrt.grammar's own threads, never on the engine's: the request
+        waits for a slot only once it is compiled, and a grammar that cannot be compiled (or not
+        within mixqrt.grammar.COMPILE_TIMEOUT_S) ends the request with a RequestError, raised
+        from its iteration. The shape of response_format is checked here.
         """
         buffer = _int("buffer", buffer, lo=1)
         if draft_k is not None:
@@ -306,21 +318,65 @@ class Engine:
                          logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, logit_bias=logit_bias)
                 for i in range(int(n))]
+        grammar, field = self._grammar(response_format, tools, tool_choice, parallel_tool_calls)
         with self._cond:
             if self._error is not None:
                 raise GenerationError(f"the engine stopped after an internal error: {self._error!r}")
             if self._closing:
                 raise GenerationError("the engine is closed")
-            if len(self._queue) >= self.max_queue:
-                raise EngineBusy(f"the engine is busy: {len(self._queue)} requests are waiting "
+            if len(self._queue) + self._compiling >= self.max_queue:
+                raise EngineBusy(f"the engine is busy: {len(self._queue) + self._compiling} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seqs, buffer)
             req.cache_salt, req.cache_prompt = salt, bool(cache_prompt)
             req.draft_k = draft_k
-            self._queue.append(req)
             self._n["requests"] += 1
-            self._cond.notify_all()
+            if grammar is None:
+                self._queue.append(req)
+                self._cond.notify_all()
+                return req
+            self._compiling += 1
+        try:
+            compile_async(self.tokenizer, grammar, n_vocab=self.model.args.vocab_size, eos_ids=seqs[0].eos,
+                          field=field, on_done=lambda result: self._compiled(req, result))
+        except BaseException:
+            with self._cond:
+                self._compiling -= 1
+                self._n["requests"] -= 1
+            raise
         return req
+
+    def _grammar(self, response_format, tools, tool_choice, parallel):
+        """-> (grammar text or None, the request field it comes from). Tool calls forced by
+        tool_choice win over response_format."""
+        from mixqrt.tools import check_tool_choice, check_tools, tool_grammar
+        tools = check_tools(tools)
+        choice = check_tool_choice(tool_choice, tools)
+        if not isinstance(parallel, bool):
+            raise GenerationError(f"parallel_tool_calls must be true or false, got {parallel!r}")
+        g = tool_grammar(self.tokenizer, tools, choice, parallel)
+        if g is not None:
+            field = "tools"
+        else:
+            g, field = grammar_from_response_format(response_format), "response_format"
+        if g is not None and self.tokenizer is None:
+            raise GenerationError("structured output needs the model's tokenizer")
+        return g, field
+
+    def _compiled(self, req: Request, result) -> None:
+        """From a grammar thread: the request's grammar is ready (queue it) or failed (end it)."""
+        with self._cond:
+            self._compiling -= 1
+            if isinstance(result, BaseException) or self._closing or self._error is not None:
+                err = result if isinstance(result, BaseException) else GenerationError("the engine is closed")
+                self._n["failed"] += 1
+                req.finish_reason = "error"
+                req._push(err, final=True)
+                return
+            for i, sq in enumerate(req.seqs):          # n choices: one compile, a matcher each
+                sq.constraint = result if i == 0 else result.copy()
+            self._queue.append(req)
+            self._cond.notify_all()
 
     def stats(self) -> dict:
         with self._cond:
@@ -340,6 +396,8 @@ class Engine:
                     "requests": self._n["requests"],
                     "finished": self._n["finished"], "cancelled": self._n["cancelled"],
                     "stalled": self._n["stalled"], "failed": self._n["failed"],
+                    "compiling": self._compiling, "grammar_masks": self._n["grammar_masks"],
+                    "grammar_mask_seconds": self._n["grammar_mask_seconds"],
                     "alive": self._thread.is_alive()}
 
     def close(self, timeout: float = 30.0) -> None:
@@ -349,6 +407,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self._masker is not None:
+            self._masker.shutdown(wait=False)
 
     def __enter__(self):
         return self
@@ -455,6 +515,10 @@ class Engine:
         self._slots.remove(s)
         req = s.req
         req.finish_reason = reason
+        c = s.seq.constraint
+        if c is not None:
+            self._n["grammar_masks"] += c.masks
+            self._n["grammar_mask_seconds"] += c.mask_seconds
         if error is not None:           # the whole request fails: its other choices go too
             for o in [o for o in self._slots if o.req is req]:
                 self._slots.remove(o)
@@ -500,6 +564,7 @@ class Engine:
         if prefill is not None:
             prompt = prefill.seq.prompt
             chunk = np.asarray(prompt[prefill.pos:prefill.pos + self.prefill_chunk], dtype=np.int64)
+        masks = self._masks_during_forward(decode, prefill, chunk)
         if decode:
             try:
                 if chunk is not None:
@@ -514,6 +579,9 @@ class Engine:
                     done.append((prefill, "error", e))
                     prefill = None
             else:
+                if masks is not None:
+                    masks.result()
+                    masks = None
                 now = time.perf_counter()
                 for b, s in enumerate(decode):
                     try:
@@ -523,6 +591,8 @@ class Engine:
                         done.append((s, "error", e))
                 self._n["decode_tokens"] += len(decode)
                 self._n["max_batch"] = max(self._n["max_batch"], len(decode))
+        if masks is not None:
+            masks.result()          # (a failed forward: the masks are simply left computed)
         if prefill is not None:
             s = prefill
             try:
@@ -540,6 +610,29 @@ class Engine:
             self._n["steps"] += 1
             for s, reason, err in done:
                 self._finish(s, reason, err)
+
+    def _masks_during_forward(self, decode: list[_Slot], prefill: _Slot | None, chunk):
+        """Start computing the grammar masks of the constrained slots that sample after this
+        step's forward, on the masker thread (llguidance releases the GIL, the kernels too): the
+        masks are ready when the logits are, and unconstrained slots never wait for them.
+        -> a future, or None when no slot of the step is constrained."""
+        cons = [s.seq.constraint for s in decode if s.seq.constraint is not None]
+        if prefill is not None and prefill.seq.constraint is not None and \
+                prefill.pos + chunk.size == len(prefill.seq.prompt):
+            cons.append(prefill.seq.constraint)
+        if not cons:
+            return None
+        if self._masker is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="mixqrt-mask")
+
+        def run():
+            for c in cons:
+                try:
+                    c.compute_mask()
+                except Exception:  # noqa: BLE001 — apply() recomputes and reports it to the request
+                    pass
+        return self._masker.submit(run)
 
     def _step_speculative(self, s: _Slot) -> bool:
         """A lone decoding slot: draft up to k tokens, verify them in one forward of k+1 rows, emit

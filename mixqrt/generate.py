@@ -276,14 +276,23 @@ class Sequence:
         self.n = len(ids)
         self.n_gen = 0
         self.finish_reason: str | None = None
+        # a mixqrt.grammar.Constraint (set by the Engine once the request's grammar is compiled):
+        # forbidden tokens are masked before the processors; eos only where the grammar accepts
+        self.constraint = None
 
     def sample(self, logits: np.ndarray) -> int:
         """logits [vocab] (may be edited in place) -> the next token, recorded in history (and with
-        logprobs on, its log-probability under the raw logits in ``last_logprob``)."""
-        raw = logits.copy() if self.logprobs and self.procs else logits
+        logprobs on, its log-probability under the raw logits in ``last_logprob``: before the
+        grammar's mask and the processors)."""
+        c = self.constraint
+        raw = logits.copy() if self.logprobs and (self.procs or c is not None) else logits
+        if c is not None:
+            logits = c.apply(logits)
         for p in self.procs:
             logits = p(self.history[:self.n], logits)
         tok = int(self.sampler(logits))
+        if c is not None and tok not in self.eos and not c.consume(tok):
+            raise GenerationError(f"the sampled token {tok} does not fit the grammar: {c.error()[:200]}")
         if self.logprobs:
             lp, top = token_logprobs(raw, tok, self.top_logprobs)
             self.last_logprob = TokenLogprob(tok, lp, top)
@@ -307,6 +316,10 @@ class Sequence:
         if stopped:
             self.finish_reason = "stop"
             return text, "stop"
+        if self.constraint is not None and self.constraint.is_stopped():    # the grammar's end
+            text2, _ = self.stops.feed(self._flush())
+            self.finish_reason = "stop"
+            return text + text2 + self.stops.flush(), "stop"
         if self.n_gen >= self.budget:
             text2, stopped = self.stops.feed(self._flush())
             text += text2

@@ -47,7 +47,7 @@ MAX_NAME = 64                       # a function / schema name (OpenAI: ^[a-zA-Z
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SEED_RANGE = (-(1 << 63), 1 << 64)  # int64 or uint64 seeds; negative = random (llama.cpp's -1)
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")   # the last two: mixqrt's
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 
@@ -232,8 +232,8 @@ def _content(i, m) -> str:
                                                f"got {_show(kind)}")
             out.append(part["text"])
         return "".join(out)
-    if c is None and m.get("tool_calls"):
-        raise RequestError("messages", f"messages[{i}]: tool calls are not supported")
+    if c is None and (m.get("tool_calls") or m.get("role") == "assistant"):
+        return ""                   # an assistant turn that only called tools
     raise RequestError("messages", f"messages[{i}].content must be a string or a list of text parts, "
                                    f"got {_show(c)}")
 
@@ -241,8 +241,9 @@ def _content(i, m) -> str:
 def check_messages(messages) -> list[dict]:
     """OpenAI chat messages -> [{"role", "content"}] for the model's chat template.
 
-    "developer" (OpenAI's newer name for the system role) becomes "system"; other fields
-    (name, ...) are dropped; tool/function messages are refused.
+    "developer" (OpenAI's newer name for the system role) becomes "system"; an assistant message
+    keeps its tool_calls and a "tool" message its tool_call_id (mixqrt.tools renders them for the
+    template); other fields (name, ...) are dropped; "function" messages are refused.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise RequestError("messages", "messages must be a non-empty list of {'role': ..., 'content': ...} objects")
@@ -253,11 +254,33 @@ def check_messages(messages) -> list[dict]:
                                            f"got {_show(m)}")
         role = m.get("role")
         if role not in ROLES:
-            what = "tool results are not supported" if role in ("tool", "function") else \
+            what = "the deprecated 'function' role is not supported (use 'tool')" if role == "function" else \
                 f"unknown role {_show(role)} (expected one of {', '.join(ROLES)})"
             raise RequestError("messages", f"messages[{i}]: {what}")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(i, m)})
+        msg = {"role": "system" if role == "developer" else role, "content": _content(i, m)}
+        _tool_fields(i, m, msg)
+        out.append(msg)
     return out
+
+
+def _tool_fields(i: int, m: dict, msg: dict) -> None:
+    """An assistant message's tool_calls and a tool message's tool_call_id, checked, into msg."""
+    calls = m.get("tool_calls")
+    if msg["role"] == "assistant" and calls:
+        if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+            raise RequestError("messages", f"messages[{i}].tool_calls must be a list of at most {MAX_TOOLS} calls")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                    not isinstance(fn.get("arguments", "{}"), (str, dict)):
+                raise RequestError("messages", f"messages[{i}].tool_calls[{j}] must be {{'type': 'function', "
+                                               "'id': ..., 'function': {'name': ..., 'arguments': '<JSON text>'}}")
+        msg["tool_calls"] = calls
+    if msg["role"] == "tool":
+        tid = m.get("tool_call_id")
+        if tid is not None and not isinstance(tid, str):
+            raise RequestError("messages", f"messages[{i}].tool_call_id must be a string")
+        msg["tool_call_id"] = tid
 
 
 def check_prompt(prompt) -> str:
@@ -413,7 +436,10 @@ class Request:
               "min_p": self.min_p, "repetition_penalty": self.repeat_penalty, "stop": self.stop, "seed": self.seed,
               "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
               "logit_bias": self.logit_bias, "n": self.n if self.n != 1 else None,
-              "logprobs": True if self.logprobs else None, "top_logprobs": self.top_logprobs or None}
+              "logprobs": True if self.logprobs else None, "top_logprobs": self.top_logprobs or None,
+              "response_format": self.response_format, "tools": self.tools,
+              "tool_choice": self.tool_choice if self.tools else None,
+              "parallel_tool_calls": self.parallel_tool_calls if self.tools else None}
         return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -512,14 +538,14 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
 
 
 def _not_yet(r: Request) -> None:
-    """Fields parsed above that the engine cannot honour yet: a 400 naming them, not silence."""
-    if r.response_format is not None:
-        raise RequestError("response_format", "response_format: JSON mode, schemas and grammars are not "
-                                              "supported yet (only {'type': 'text'})")
-    if r.tools:
-        raise RequestError("tools", "tools (function calling) is not supported yet")
-    if r.tool_choice not in (None, "none", "auto"):
-        raise RequestError("tool_choice", f"tool_choice={_show(r.tool_choice)} is not supported (no tools yet)")
+    """response_format and tools beyond their shape (mixqrt.grammar / mixqrt.tools): the kind of
+    format, the tool names tool_choice refers to. The grammar itself compiles in the engine, off
+    the request's path; one that cannot is a 400 from there."""
+    from mixqrt.grammar import grammar_from_response_format
+    from mixqrt.tools import check_tool_choice, check_tools
+
+    grammar_from_response_format(r.response_format)
+    check_tool_choice(r.tool_choice, check_tools(r.tools))
 
 
 # ============================================================================ replies
@@ -556,6 +582,7 @@ class Choice:
     text: str
     finish_reason: str | None = "stop"
     logprobs: dict | None = None
+    message: dict | None = None             # chat with tools: content and tool_calls (mixqrt.tools)
 
 
 class Reply:
@@ -575,7 +602,7 @@ class Reply:
         out = []
         for i, c in enumerate(choices):
             if self.kind == "chat":
-                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                out.append({"index": i, "message": c.message or {"role": "assistant", "content": c.text},
                             "logprobs": c.logprobs, "finish_reason": finish_reason(c.finish_reason)})
             else:
                 out.append({"text": (self.echo or "") + c.text, "index": i, "logprobs": c.logprobs,
@@ -647,6 +674,7 @@ class Assembler:
         self.lps = [[] for _ in range(self.n)]              # chat entries, or (text, lp, top) for completions
         self.offset = [len(reply.echo or "")] * self.n
         self.ended = set()
+        self.tool_replies = _tool_replies(req, tokenizer)
 
     def start(self) -> list:
         return [c for i in range(self.n) for c in self.reply.start(i)]
@@ -681,15 +709,27 @@ class Assembler:
             e = self._entry(lp)
             self.lps[i].append(e)
             piece_lp = {"content": [e]} if self.kind == "chat" else self._legacy([e], i)
-        out = self.reply.piece(r.text, i, piece_lp)
+        tr = self.tool_replies[i] if self.tool_replies else None
+        if tr is None:
+            out = self.reply.piece(r.text, i, piece_lp)
+        else:                                   # tool calls parsed out of the text as it comes
+            deltas = tr.deltas(r.text) or ([{}] if piece_lp is not None else [])
+            out = [self.reply.chunk(d, i, logprobs=piece_lp if k == 0 else None) for k, d in enumerate(deltas)]
         if getattr(r, "finish_reason", None) is not None and i not in self.ended:
             self.ended.add(i)
-            out += self.reply.end(r.finish_reason, i)
+            out += self._end(r.finish_reason, i)
         return out
+
+    def _end(self, reason, i: int) -> list:
+        tr = self.tool_replies[i] if self.tool_replies else None
+        if tr is None:
+            return self.reply.end(reason, i)
+        tail, reason = tr.end(finish_reason(reason))
+        return [self.reply.chunk(d, i) for d in tail] + self.reply.end(reason, i)
 
     def finish(self) -> list:
         """After the last piece: the end chunks not sent yet, then the usage chunk (when asked)."""
-        out = [c for i in range(self.n) if i not in self.ended for c in self.reply.end(self.lasts[i], i)]
+        out = [c for i in range(self.n) if i not in self.ended for c in self._end(self.lasts[i], i)]
         self.ended.update(range(self.n))
         return out + self.reply.usage_chunk(usage_of(self.lasts))
 
@@ -703,5 +743,20 @@ class Assembler:
                 else:
                     self.offset[i] = len(self.reply.echo or "")
                     lps = self._legacy(self.lps[i], i)
-            choices.append(Choice("".join(self.texts[i]), finish_reason(self.lasts[i]), lps))
+            text, reason, message = "".join(self.texts[i]), finish_reason(self.lasts[i]), None
+            if self.tool_replies:
+                message, reason = self.tool_replies[i].message(text, reason)
+            choices.append(Choice(text, reason, lps, message))
         return self.reply.whole(choices, usage_of(self.lasts))
+
+
+def _tool_replies(req: Request, tokenizer) -> list | None:
+    """One mixqrt.tools.ChatReply per choice when a chat request has tools in play, else None."""
+    if req.kind != "chat" or not req.tools:
+        return None
+    from mixqrt.tools import ChatReply, check_tool_choice, check_tools, tool_format
+    tools = check_tools(req.tools)
+    choice = check_tool_choice(req.tool_choice, tools)
+    if choice == "none":
+        return None
+    return [ChatReply(tools, choice, tool_format(tokenizer)) for _ in range(req.n)]

@@ -180,11 +180,11 @@ def test_messages_are_normalised():
     ("hi", "non-empty list"),
     ([["user", "hi"]], "must be an object"),
     ([{"role": "wizard", "content": "hi"}], "unknown role 'wizard'"),
-    ([{"role": "tool", "content": "42"}], "tool results are not supported"),
+    ([{"role": "function", "content": "42"}], "'function' role is not supported"),
     ([{"role": "user"}], "content must be a string"),
     ([{"role": "user", "content": 5}], "content must be a string"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "only text parts"),
-    ([{"role": "assistant", "content": None, "tool_calls": [{}]}], "tool calls are not supported"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{}]}], r"tool_calls\[0\] must be"),
 ])
 def test_bad_messages(messages, msg):
     with pytest.raises(RequestError, match=msg) as e:
@@ -200,7 +200,7 @@ def test_bad_messages(messages, msg):
     ({"stop": 3}, "stop"), ({"stop": ["a", 1]}, "stop"), ({"n": 9}, "n"), ({"logprobs": 1}, "logprobs"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
     ({"logit_bias": {"5": 101}}, "logit_bias"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"stream": "yes"}, "stream"), ({"tools": [{}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"stream_options": 1}, "stream_options"),
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"stream_options": 1}, "stream_options"),
 ])
 def test_bad_arguments_are_rejected_before_running(kw, param):
     pipe = FakePipe()

@@ -25,8 +25,9 @@ LAYERS = [
     ("models", ["mixqrt.models", "mixqrt.cache"]),      # spec, base, the graphs; the KV cache
     ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template"]),
     ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler
-    ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate", "mixqrt.engine",
-                  "mixqrt.engine_cache", "mixqrt.speculative"]),
+    ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
+                  "mixqrt.grammar", "mixqrt.tools",     # constrained decoding, tool calls
+                  "mixqrt.engine", "mixqrt.engine_cache", "mixqrt.speculative"]),
     ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.oai", "mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",

@@ -81,16 +81,24 @@ def test_parse_refuses_bad_fields_naming_them(body, field):
     assert e.value.field == field, str(e.value)
 
 
-def test_fields_of_later_layers_are_shape_checked_then_refused_in_one_place():
-    # the grammar layer turns these on (oai._not_yet); until then a 400 naming the field
-    ok = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
-                                                                     "strict": True}},
-          "tools": [{"type": "function", "function": {"name": "get_w", "parameters": {"type": "object"}}}],
-          "tool_choice": {"type": "function", "function": {"name": "get_w"}}}
-    for k, v in ok.items():
-        with pytest.raises(RequestError, match="not supported") as e:
-            oai.parse("chat", {"messages": MSGS, k: v})
-        assert e.value.field == k
+def test_structured_fields_are_parsed_and_checked_beyond_their_shape():
+    # shapes here; the kind of format and the tool named by tool_choice through grammar/tools
+    r = oai.parse("chat", {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}},
+        "tools": [{"type": "function", "function": {"name": "get_w", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_w"}}, "parallel_tool_calls": False})
+    kw = r.gen_kwargs(100)
+    assert kw["response_format"]["type"] == "json_schema" and kw["tools"][0]["function"]["name"] == "get_w"
+    assert kw["tool_choice"]["function"]["name"] == "get_w" and kw["parallel_tool_calls"] is False
+    bad = {"tool_choice": ({"type": "function", "function": {"name": "other"}}, "tool_choice"),
+           "response_format": ({"type": "grammar", "grammar": "x", "syntax": "peg"}, "response_format")}
+    for k, (v, field) in bad.items():
+        body = {"messages": MSGS, k: v}
+        if k == "tool_choice":
+            body["tools"] = [{"type": "function", "function": {"name": "get_w"}}]
+        with pytest.raises(RequestError) as e:
+            oai.parse("chat", body)
+        assert e.value.field == field
 
 
 # ============================================================================ hostile JSON over HTTP

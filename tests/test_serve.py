@@ -85,7 +85,7 @@ def test_unsupported_arguments_are_400(srv):
     with pytest.raises(openai.BadRequestError, match="n must be <= 8"):
         c.chat.completions.create(model="x", messages=MSGS, n=9)
     with pytest.raises(openai.BadRequestError, match="tools"):
-        c.chat.completions.create(model="x", messages=MSGS, tools=[{"type": "function", "function": {"name": "f"}}])
+        c.chat.completions.create(model="x", messages=MSGS, tools=[{"type": "function", "function": {"name": "no spaces"}}])
     with pytest.raises(openai.BadRequestError, match="context"):
         c.completions.create(model="x", prompt="hello " * 400)
 

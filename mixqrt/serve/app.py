@@ -28,6 +28,7 @@ from starlette.routing import Route
 from mixqrt import api, oai
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
 from mixqrt.generate import encode_prompt
+from mixqrt.tools import chat_ids
 from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.serve.watch import watch_pipeline
@@ -63,6 +64,11 @@ def _bad_request(e: RequestError) -> HTTPError:
     return HTTPError(400, str(e), param=e.field, code=e.code)
 
 
+def _engine_error(e: GenerationError) -> HTTPError:
+    """An error a request's iteration raised: a 400 naming the field when it is a RequestError."""
+    return _bad_request(e) if isinstance(e, RequestError) else HTTPError(400, oai.safe_message(e))
+
+
 class Server:
     def __init__(self, pipe, engine, *, model: str, limits: Limits, replica: str | None):
         self.pipe, self.engine, self.model, self.limits = pipe, engine, model, limits
@@ -79,8 +85,8 @@ class Server:
         try:
             req = oai.parse(kind, body, max_tokens_cap=self.limits.max_tokens, max_depth=self.limits.max_json_depth)
             gen = req.gen_kwargs(self.context)
-            if kind == "chat":
-                ids = self.tokenizer.encode_chat(req.messages)
+            if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
+                ids = chat_ids(self.tokenizer, req.messages, req.tools, req.tool_choice)
             else:
                 ids = encode_prompt(self.tokenizer, req.prompt)
         except RequestError as e:
@@ -207,8 +213,8 @@ class _Run(Response):
             async for r in self.req:
                 self._seen(r)
                 self.out.feed(r)
-        except GenerationError as e:
-            await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
+        except GenerationError as e:            # e.g. a grammar the engine could not compile
+            await error_response(_engine_error(e))(self.scope, None, send)
             return 400
         await SafeJSONResponse(self.out.whole())(self.scope, None, send)
         return 200
@@ -220,7 +226,7 @@ class _Run(Response):
         except StopAsyncIteration:
             first = None
         except GenerationError as e:                   # before any byte: a plain 400
-            await error_response(HTTPError(400, oai.safe_message(e)))(self.scope, None, send)
+            await error_response(_engine_error(e))(self.scope, None, send)
             return 400
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
