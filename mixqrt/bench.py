@@ -61,10 +61,11 @@ def decode_bytes_per_token(model, ctx_tokens: int) -> int:
     """Bytes a decode step must read: every weight but the embedding table (one row is gathered;
     a tied table is read whole as the lm_head), plus the K and V cache rows attended to."""
     from mixqrt.models.base import is_qtensor
+    from mixqrt.models.spec import EMBED
     total = 0
     tied = model.lm_head is model.embed_tokens
     for name, t in _weights(model):
-        if name == "embed" and not tied:
+        if name == EMBED and not tied:
             continue
         total += t.nbytes if is_qtensor(t) or hasattr(t, "nbytes") else 0
     a = model.args
@@ -73,16 +74,12 @@ def decode_bytes_per_token(model, ctx_tokens: int) -> int:
 
 
 def _weights(model):
+    """(name, tensor) for each distinct runtime tensor (Model.named_weights; a tied lm_head once)."""
     seen = set()
-    if model.lm_head is not model.embed_tokens:
-        yield "lm_head", model.lm_head
-    yield "embed", model.embed_tokens
-    for L in model.layers:
-        for k, v in vars(L).items():
-            for t in (v if isinstance(v, list) else [v]):
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    yield k, t
+    for name, t in model.named_weights().items():
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            yield name, t
 
 
 def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_prompt: int = 128,

@@ -110,10 +110,14 @@ def test_unfusable_models_decode_op_by_op(fused_switch, monkeypatch):
     want16, _ = fused_switch(model, [1, 2, 3], 6, False, dtype=np.float16)
     got16, _ = fused_switch(model, [1, 2, 3], 6, True, dtype=np.float16)
     np.testing.assert_array_equal(got16, want16)
-    calls = []
-    cache = model.make_cache(8)
-    x = model._forward_hidden(np.array([4]), cache, 0, before_layer=calls.append)
-    assert calls == [0, 1] and x.shape == (1, 64)
+    from types import SimpleNamespace
+
+    from mixqrt.runtime.scheduler import RowSplitRunner
+    calls = []     # a runner with a prefetcher walks the layers itself (the layer API), one call each
+    runner = RowSplitRunner(model, prefetcher=SimpleNamespace(advance=calls.append))
+    lg = runner.prefill(np.array([4]), model.make_cache(8))
+    assert calls == [0, 1] and lg.shape == (model.vocab_size,)
+    np.testing.assert_array_equal(lg, model(np.array([4]), model.make_cache(8), last_only=True))
 
 
 def test_decode_layer_rejects_bad_arguments():

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 from mixqrt.errors import ModelError
-
-_ARCHS = {"qwen2": "mixqrt.models.qwen2", "llama": "mixqrt.models.llama"}
+from mixqrt.models.spec import ARCHS
 
 
 def _module(arch: str):
+    """The graph of architecture `arch` (an HF model_type listed in spec.ARCHS): module mixqrt.models.<arch>."""
     import importlib
-    if not isinstance(arch, str) or arch not in _ARCHS:
-        raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(sorted(_ARCHS))}")
-    return importlib.import_module(_ARCHS[arch])
+    if not isinstance(arch, str) or arch not in ARCHS:
+        raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(sorted(ARCHS))}")
+    return importlib.import_module(f"mixqrt.models.{arch}")
 
 
 def get_model_class(arch: str):
-    """'qwen2' | 'llama' -> the Model class (its config dataclass is Model.args_class)."""
+    """An architecture name (spec.ARCHS) -> the Model class (its config dataclass is Model.args_class)."""
     return _module(arch).Model
 
 

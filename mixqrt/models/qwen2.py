@@ -119,6 +119,22 @@ class Layer:
     down: object                    # [D, I]
 
 
+# Layer field -> its tensor in models/spec.py (suffix after "model.layers.{i}."; a fusion group's target
+# for the fields that hold one). The one link between this graph's fields and the checkpoint's names:
+# the layer is built from it (load_layer) and named by it (layer_weights).
+LAYER_FIELDS = (
+    ("input_norm", "input_layernorm.weight"),
+    ("qkv", "self_attn.qkv_proj.weight"),
+    ("qkv_bias", "self_attn.qkv_proj.bias"),
+    ("o_proj", "self_attn.o_proj.weight"),
+    ("o_bias", "self_attn.o_proj.bias"),
+    ("post_norm", "post_attention_layernorm.weight"),
+    ("gate_up", "mlp.gate_up_proj.weight"),
+    ("down", "mlp.down_proj.weight"),
+)
+_OPTIONAL = {"qkv_bias", "o_bias"}
+
+
 def _proj(ws: list, x: np.ndarray, then=None) -> np.ndarray:
     """x @ [W1; W2; ...]^T; then: the weight multiplied next (ops.matmul's decode prefetch)."""
     if len(ws) == 1:
@@ -142,84 +158,164 @@ def _hot_max_t() -> int:
 HOT_MAX_T = _hot_max_t()
 
 
+class Step:
+    """One batched decode step (Model.begin_batch): whose rows x holds. Rows 0..B-1 are one token of each
+    decoding sequence (caches[b], at position pos[b]); rows B.. a prompt chunk of one more sequence
+    (p_cache, from position p0), when the step carries one."""
+    __slots__ = ("caches", "pos", "n_decode", "p_cache", "p0", "p_n", "att")
+
+    def __init__(self, caches, pos, p_cache, p0, p_n, att):
+        self.caches, self.pos, self.n_decode = caches, pos, len(caches)
+        self.p_cache, self.p0, self.p_n, self.att = p_cache, p0, p_n, att
+
+    @property
+    def rows(self) -> int:
+        return self.n_decode + self.p_n
+
+
 class Model:
-    """Decoder-only transformer. ``model(tokens, cache, pos0)`` -> logits."""
+    """Decoder-only transformer. ``model(tokens, cache, pos0)`` -> logits.
+
+    The public layer API (models/base.py describes the contract) is what every client uses: the
+    forward, decode_batch, runtime/scheduler's runners, GPTQ calibration and the imatrix. There is
+    one implementation of each layer, here."""
 
     args_class = ModelArgs
     kv_dtype = np.float32          # set to np.float16 to halve the KV cache (ops.attention reads both)
+    # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
+    # another model_type (another graph) decodes op by op through layer_forward, never through it
+    native_decode_types = ("qwen2", "llama")
 
     def __init__(self, args: ModelArgs, weights: dict, generation_config: dict | None = None):
+        self._setup(args, generation_config)
+        w = self.sanitize(dict(weights))
+        self.embed_tokens = w.pop(spec.EMBED)                   # [V, D]
+        self.norm = w.pop(spec.FINAL_NORM)                      # [D] float32
+        self.lm_head = w.pop(spec.LM_HEAD)                      # [V, D]
+        self.layers = [self._layer_from(i, w) for i in range(self.args.num_hidden_layers)]
+        self.unused_weights = sorted(w)   # e.g. rotary inv_freq buffers; kept for inspection
+
+    def _setup(self, args, generation_config) -> None:
         if not isinstance(args, ModelArgs):
             args = self.args_class.from_dict(args)
         self.args = args
         self.generation_config = dict(generation_config or {})
-        a = args
-        self.n_q = a.num_attention_heads * a.head_dim           # width of q
-        self.n_kv = a.num_key_value_heads * a.head_dim          # width of k and of v
-        w = self.sanitize(dict(weights))
-        self.embed_tokens = w.pop("model.embed_tokens.weight")  # [V, D]
-        self.norm = w.pop("model.norm.weight")                  # [D] float32
-        self.lm_head = w.pop("lm_head.weight")                  # [V, D]
-        self.layers = []
-        for i in range(a.num_hidden_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(Layer(
-                input_norm=w.pop(p + "input_layernorm.weight"),
-                qkv=w.pop(p + "self_attn.qkv_proj.weight"),
-                qkv_bias=w.pop(p + "self_attn.qkv_proj.bias", None),
-                o_proj=w.pop(p + "self_attn.o_proj.weight"),
-                o_bias=w.pop(p + "self_attn.o_proj.bias", None),
-                post_norm=w.pop(p + "post_attention_layernorm.weight"),
-                gate_up=w.pop(p + "mlp.gate_up_proj.weight"),
-                down=w.pop(p + "mlp.down_proj.weight"),
-            ))
-        self.unused_weights = sorted(w)   # e.g. rotary inv_freq buffers; kept for inspection
+        self.n_q = args.num_attention_heads * args.head_dim         # width of q
+        self.n_kv = args.num_key_value_heads * args.head_dim        # width of k and of v
+
+    @classmethod
+    def empty(cls, args) -> "Model":
+        """A model with no weights yet (embedding, head and every layer None), filled tensor by tensor
+        with load_layer / load_global: GPTQ calibration builds and runs it one layer at a time."""
+        m = cls.__new__(cls)
+        m._setup(args, None)
+        m.embed_tokens = m.norm = m.lm_head = None
+        m.layers = [None] * m.args.num_hidden_layers
+        m.unused_weights = []
+        return m
 
     # ------------------------------------------------------------------ load-time layout
+    def _spec(self):
+        a = self.args
+        ms = spec.ModelSpec(vars(a), a.model_type)
+        return ms, ms.shapes(with_lm_head=True)   # a tied .mxq holds its own lm_head copy
+
     def sanitize(self, w: dict) -> dict:
         """Checkpoint layout -> runtime layout, by models/spec.py: every tensor checked against the
         config's shape, each fusion group taken as stored (a .mxq stores it fused when spec.fuse
         allows, so loading stays zero-copy) or fused here with the same spec.fuse. A group that
         cannot be fused (formats differ, q5g) stays a list of parts: one matmul each."""
-        a = self.args
-        ms = spec.ModelSpec(vars(a), a.model_type)
-        shapes = ms.shapes(with_lm_head=True)   # a tied .mxq holds its own lm_head copy
-
-        def take(name, vector=False):
-            if name not in w:
-                raise ModelError(f"missing tensor {name!r}")
-            t = w.pop(name)
-            got, want = tensor_shape(t), shapes.get(name) or ms.fused_shape(name)
-            if got != tuple(want):
-                raise ModelError(f"tensor {name!r} has shape {got}, expected {tuple(want)}")
-            return to_f32(t, name) if (vector or isinstance(t, np.ndarray)) else t
-
-        out = {spec.EMBED: take(spec.EMBED)}
+        ms, shapes = self._spec()
+        out = {spec.EMBED: _take(w, spec.EMBED, shapes, ms)}
         if spec.LM_HEAD in w:
-            out[spec.LM_HEAD] = take(spec.LM_HEAD)
-        elif a.tie_word_embeddings:
+            out[spec.LM_HEAD] = _take(w, spec.LM_HEAD, shapes, ms)
+        elif self.args.tie_word_embeddings:
             out[spec.LM_HEAD] = out[spec.EMBED]
         else:
             raise ModelError("missing tensor 'lm_head.weight' (tie_word_embeddings is false)")
-        grouped = {}
-        for i in range(a.num_hidden_layers):
-            for target, parts in ms.groups(i):
-                vector = len(ms.fused_shape(target)) == 1     # biases: float32, so they always fuse
-                if target in w:                                # stored fused: the mmap view as is
-                    t = take(target, vector)
-                    out[target] = t if vector else [t]
-                else:
-                    ts = [take(p, vector) for p in parts]
-                    fused = spec.fuse(ts)
-                    out[target] = fused if vector else ([fused] if fused is not None else ts)
-                grouped.update(dict.fromkeys(parts))
-        for name, shape in shapes.items():
-            if name not in grouped and name not in out:
-                out[name] = take(name, vector=len(shape) == 1)
+        for i in range(self.args.num_hidden_layers):
+            out.update(_sanitize_layer(i, w, ms, shapes))
+        out[spec.FINAL_NORM] = _take(w, spec.FINAL_NORM, shapes, ms, vector=True)
         out.update(w)   # leftovers (ignored by the graph)
         return out
 
+    def _layer_from(self, i: int, w: dict) -> Layer:
+        """Layer i's fields from runtime-layout tensors (sanitize's output), popped from w."""
+        p, kw = f"model.layers.{i}.", {}
+        for fld, suffix in LAYER_FIELDS:
+            if fld in _OPTIONAL:
+                kw[fld] = w.pop(p + suffix, None)
+            elif p + suffix not in w:
+                raise ModelError(f"missing tensor {p + suffix!r}")
+            else:
+                kw[fld] = w.pop(p + suffix)
+        return Layer(**kw)
+
+    def load_layer(self, i: int, weights: dict) -> None:
+        """(Re)build layer i from HF-named tensors of that layer (fusion groups as parts or fused),
+        checked and fused exactly as at load (sanitize)."""
+        self._check_layer_index(i)
+        ms, shapes = self._spec()
+        w = dict(weights)
+        out = _sanitize_layer(i, w, ms, shapes)
+        if w:
+            raise ModelError(f"tensor {sorted(w)[0]!r} is not part of layer {i}")
+        self.layers[i] = self._layer_from(i, out)
+        self.__dict__.pop("_fused", None)
+
+    def unload_layer(self, i: int) -> None:
+        """Drop layer i's weights (a model built piece by piece keeps one layer at a time)."""
+        self._check_layer_index(i)
+        self.layers[i] = None
+        self.__dict__.pop("_fused", None)
+
+    def load_global(self, name: str, tensor) -> None:
+        """Set the embedding, final norm or lm_head (models/spec.py names), shape-checked."""
+        ms, shapes = self._spec()
+        attr = {spec.EMBED: "embed_tokens", spec.FINAL_NORM: "norm", spec.LM_HEAD: "lm_head"}.get(name)
+        if attr is None:
+            raise ModelError(f"{name!r} is not a global tensor of the model")
+        setattr(self, attr, _take({name: tensor}, name, shapes, ms, vector=name == spec.FINAL_NORM))
+        self.__dict__.pop("_fused", None)
+
+    def _check_layer_index(self, i) -> None:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(self.layers):
+            raise ModelError(f"layer index {i!r} outside 0..{len(self.layers) - 1}")
+
+    # ------------------------------------------------------------------ names of the weights
+    def layer_weights(self, i: int) -> dict:
+        """Layer i's runtime tensors by name: a fused group under its target name (spec.FUSION_GROUPS),
+        an unfused one as its parts, the rest under their HF names. The objects are the ones the
+        graph multiplies (imatrix and calibration recognise a product by its weight object)."""
+        self._check_layer_index(i)
+        L, p, out = self.layers[i], f"model.layers.{i}.", {}
+        if L is None:
+            return out
+        for fld, suffix in LAYER_FIELDS:
+            v = getattr(L, fld)
+            if v is None:
+                continue
+            if isinstance(v, list):
+                out.update(zip((p + suffix,) if len(v) == 1 else spec.parts_of(p + suffix), v))
+            else:
+                out[p + suffix] = v
+        return out
+
+    def named_weights(self) -> dict:
+        """Every runtime tensor by name: embedding, the layers (layer_weights), final norm, lm_head (the
+        embedding's object again when tied)."""
+        out = {spec.EMBED: self.embed_tokens}
+        for i in range(len(self.layers)):
+            out.update(self.layer_weights(i))
+        out[spec.FINAL_NORM] = self.norm
+        out[spec.LM_HEAD] = self.lm_head
+        return out
+
     # ------------------------------------------------------------------ helpers
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
     @property
     def context_length(self) -> int:
         return self.args.max_position_embeddings
@@ -273,7 +369,7 @@ class Model:
         out = None if last_only else np.empty((t, self.args.vocab_size), dtype=np.float32)   # [T, V]
         for s in range(0, t, chunk_size):
             e = min(t, s + chunk_size)
-            h = self._forward_hidden(ids[s:e], cache, pos0 + s)                 # [t, D]
+            h = self.forward_hidden(ids[s:e], cache, pos0 + s)                  # [t, D]
             if last_only:
                 if e == t:
                     return self.head(h[-1:])[0]
@@ -281,40 +377,44 @@ class Model:
                 out[s:e] = self.head(h)
         return out
 
-    def _forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int, before_layer=None) -> np.ndarray:
-        """Hidden states [t, D] of ids at positions pos0..; writes the KV cache and advances it.
-        before_layer(li), if given, runs before each layer (RowSplitRunner's prefetcher)."""
+    def forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int) -> np.ndarray:
+        """Hidden states [t, D] of checked ids at positions pos0..; writes the KV cache and advances it.
+        A single token runs the fused native layers where the model has them (the same bits)."""
         x = self.embed(ids)                                                     # [t, D]
-        if ids.size == 1 and before_layer is None and ops.FUSED_DECODE and cache.dtype == np.float32:
+        if ids.size == 1 and ops.FUSED_DECODE and cache.dtype == np.float32:
             fused = self.fused_layers()
             if fused is not None:                      # one native call per layer, same bits
                 ops.run_decode_layers(fused, x, cache.keys, cache.values, pos0)
                 cache.advance(pos0 + 1)
                 return x
-        positions = np.arange(pos0, pos0 + ids.size, dtype=np.int64)          # [t]
+        positions = self.positions(pos0, ids.size)
         for li in range(len(self.layers)):
-            if before_layer is not None:
-                before_layer(li)
-            self.attn_stage(li, x, cache, pos0, positions)
-            self.ffn_stage(li, x)
+            self.layer_forward(li, x, cache, pos0, positions)
         cache.advance(pos0 + ids.size)
         return x
+
+    @staticmethod
+    def positions(pos0: int, t: int) -> np.ndarray:
+        return np.arange(pos0, pos0 + t, dtype=np.int64)                       # [t]
 
     def fused_layers(self):
         """The layers as ops.decode_layer objects (single-token forward in one native call each), built
         on first use; None where a layer does not fit them (a projection left in parts because its
-        formats differ): that model decodes op by op."""
+        formats differ): that model decodes op by op. An architecture without such a native layer
+        returns None here and decodes op by op through layer_forward."""
+        if self.args.model_type not in self.native_decode_types:
+            return None
         got = self.__dict__.get("_fused")
         if got is None:
             a, out = self.args, []
             for li, L in enumerate(self.layers):
-                if len(L.qkv) != 1 or len(L.gate_up) != 1:
+                if L is None or len(L.qkv) != 1 or len(L.gate_up) != 1:
                     out = False
                     break
-                nxt = self.layers[li + 1].qkv[0] if li + 1 < len(self.layers) else self.lm_head
                 out.append(ops.decode_layer((L.qkv[0], L.o_proj, L.gate_up[0], L.down), L.input_norm, L.post_norm,
                                             L.qkv_bias, L.o_bias, a.rms_norm_eps, a.rope_theta,
-                                            a.num_attention_heads, a.num_key_value_heads, a.head_dim, nxt))
+                                            a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                            self._next_weight(li)))
             got = self._fused = out
         return got or None
 
@@ -327,20 +427,20 @@ class Model:
         prefill=(ids, cache): a prompt chunk of another sequence rides in the same sweep (its rows
         are appended to the products; its attention is causal on its own cache from cache.offset).
         Its cache advances by len(ids) and the logits of its last position are row B of the result
-        ([B + 1, V]): the engine interleaves prefill with decode without a second weight sweep."""
-        ids, caches = self.check_batch(tokens, caches)
-        if prefill is not None:
-            p_ids, p_cache = prefill
-            p_ids = self.check_tokens(p_ids)
-            if not isinstance(p_cache, KVCache) or any(p_cache is c for c in caches):
-                raise GenerationError("decode_batch: prefill wants its own KVCache, not one of the decoding sequences'")
-            p_cache.check_room(p_cache.offset, p_ids.size)
-            prefill = (p_ids, p_cache)
-        t = ids.size + (0 if prefill is None else prefill[0].size)
-        if t <= HOT_MAX_T and not ops.is_hot():
+        ([B + 1, V]): the engine interleaves prefill with decode without a second weight sweep.
+
+        The same as begin_batch, layer_batch for every layer, end_batch (what runtime/scheduler's
+        RowSplitRunner runs, with its prefetcher between layers)."""
+        x, st = self.begin_batch(tokens, caches, prefill)
+        if st.rows <= HOT_MAX_T and not ops.is_hot():
             with ops.hot():
-                return self._decode_batch(ids, caches, prefill=prefill)
-        return self._decode_batch(ids, caches, prefill=prefill)
+                return self._batch(x, st)
+        return self._batch(x, st)
+
+    def _batch(self, x, st):
+        for li in range(len(self.layers)):
+            self.layer_batch(li, x, st)
+        return self.end_batch(x, st)
 
     def check_batch(self, tokens, caches) -> tuple[np.ndarray, list]:
         """-> (ids int64 [B], caches) for decode_batch: B >= 1 distinct caches, each with room for one more."""
@@ -357,42 +457,67 @@ class Model:
             c.check_room(c.offset, 1)
         return ids, caches
 
-    def _decode_batch(self, ids: np.ndarray, caches: list, before_layer=None, prefill=None) -> np.ndarray:
-        b_n = ids.size
-        pos = np.asarray([c.offset for c in caches], dtype=np.int64)          # [B]
+    def begin_batch(self, tokens, caches, prefill=None) -> tuple[np.ndarray, Step]:
+        """Check a decode step (decode_batch's arguments) -> (x [rows, D] embedded, its Step)."""
+        ids, caches = self.check_batch(tokens, caches)
+        pos = np.asarray([c.offset for c in caches], dtype=np.int64)           # [B]
+        p_cache, p0, p_n = None, 0, 0
         if prefill is not None:
             p_ids, p_cache = prefill
-            p0 = p_cache.offset
+            p_ids = self.check_tokens(p_ids)
+            if not isinstance(p_cache, KVCache) or any(p_cache is c for c in caches):
+                raise GenerationError("decode_batch: prefill wants its own KVCache, not one of the decoding sequences'")
+            p_cache.check_room(p_cache.offset, p_ids.size)
+            p0, p_n = p_cache.offset, p_ids.size
             ids = np.concatenate([ids, p_ids])
-            pos = np.concatenate([pos, np.arange(p0, p0 + p_ids.size, dtype=np.int64)])
-        x = self.embed(ids)                                                    # [B (+P), D]
+            pos = np.concatenate([pos, self.positions(p0, p_n)])
         att = np.empty((ids.size, self.args.num_attention_heads, self.args.head_dim), dtype=np.float32)
-        for li in range(len(self.layers)):
-            if before_layer is not None:
-                before_layer(li)
-            q, k, v = self.qkv(li, x, pos)                                     # row b at position pos[b]
-            for b, c in enumerate(caches):
-                c.write(li, k[b:b + 1], v[b:b + 1], int(pos[b]))
-            ops.attention_batch(q[:b_n], [c.keys[li] for c in caches], [c.values[li] for c in caches], pos[:b_n],
-                                out=att[:b_n])
-            if prefill is not None:
-                p_cache.write(li, k[b_n:], v[b_n:], p0)
-                att[b_n:] = ops.attention(q[b_n:], p_cache.keys[li], p_cache.values[li], p0)
-            self.attn_out(li, x, att)
-            self.ffn_stage(li, x)
+        return self.embed(ids), Step(caches, pos, p_cache, p0, p_n, att)     # x [B (+P), D]
+
+    def layer_batch(self, li: int, x: np.ndarray, st: Step) -> None:
+        """Layer li over a decode step's rows (begin_batch), x updated in place: one product per weight
+        for every row, attention per sequence on its own cache."""
+        b_n, caches, pos, att = st.n_decode, st.caches, st.pos, st.att
+        q, k, v = self.qkv(li, x, pos)                                         # row b at position pos[b]
         for b, c in enumerate(caches):
-            c.advance(int(pos[b]) + 1)
-        if prefill is None:
+            c.write(li, k[b:b + 1], v[b:b + 1], int(pos[b]))
+        ops.attention_batch(q[:b_n], [c.keys[li] for c in caches], [c.values[li] for c in caches], pos[:b_n],
+                            out=att[:b_n])
+        if st.p_cache is not None:
+            st.p_cache.write(li, k[b_n:], v[b_n:], st.p0)
+            att[b_n:] = ops.attention(q[b_n:], st.p_cache.keys[li], st.p_cache.values[li], st.p0)
+        self.attn_out(li, x, att)
+        self.ffn_stage(li, x)
+
+    def end_batch(self, x: np.ndarray, st: Step) -> np.ndarray:
+        """Advance every cache of the step and return its logits ([B, V], or [B + 1, V] with a prompt chunk)."""
+        b_n = st.n_decode
+        for b, c in enumerate(st.caches):
+            c.advance(int(st.pos[b]) + 1)
+        if st.p_cache is None:
             return self.head(x)
-        p_cache.advance(p0 + p_ids.size)
-        return self.head(x[np.r_[0:b_n, ids.size - 1]])
+        st.p_cache.advance(st.p0 + st.p_n)
+        return self.head(x[np.r_[0:b_n, x.shape[0] - 1]])
 
     # ------------------------------------------------------------------ layer functions
-    # The one layer graph: the forward, decode_batch and the runners of runtime/scheduler.py (which
-    # run "stage A" = attn_stage and "stage B" = ffn_stage of a layer on separate cores) call these.
-    # x [T, D] float32 is the residual stream, updated in place.
+    # The one layer graph: forward_hidden, decode_batch, the runners of runtime/scheduler.py (which
+    # run "stage A" = attn_stage and "stage B" = ffn_stage of a layer on separate cores) and GPTQ
+    # calibration call these. x [T, D] float32 is the residual stream, updated in place.
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return ops.embed(self.embed_tokens, ids)                                # [T, D]
+
+    def layer_forward(self, li: int, x: np.ndarray, cache: KVCache, pos0: int, positions=None) -> None:
+        """Layer li over T rows of one sequence at positions pos0.. (x [T, D], in place); writes
+        layer li of the KV cache (the caller advances it after the last layer)."""
+        self.attn_stage(li, x, cache, pos0, positions)
+        self.ffn_stage(li, x)
+
+    def _next_weight(self, li: int):
+        """The weight multiplied after layer li's last product (ops.matmul's gap prefetch), or None."""
+        if li + 1 < len(self.layers):
+            nxt = self.layers[li + 1]
+            return None if nxt is None else nxt.qkv[0]
+        return self.lm_head
 
     def qkv(self, li: int, x: np.ndarray, positions: np.ndarray):
         """-> q [T, Hq, Dh], k [T, Hkv, Dh] (both rotated at positions [T]), v [T, Hkv, Dh]."""
@@ -414,7 +539,7 @@ class Model:
     def attn_stage(self, li: int, x: np.ndarray, cache: KVCache, pos0: int, positions=None) -> None:
         """Stage A of layer li: norm, qkv, rope, KV write at pos0.., attention, o_proj, residual."""
         if positions is None:
-            positions = np.arange(pos0, pos0 + x.shape[0], dtype=np.int64)
+            positions = self.positions(pos0, x.shape[0])
         q, k, v = self.qkv(li, x, positions)
         cache.write(li, k, v, pos0)
         self.attn_out(li, x, ops.attention(q, cache.keys[li], cache.values[li], pos0))
@@ -423,10 +548,19 @@ class Model:
         """The FFN's input: post-attention norm of x."""
         return ops.rmsnorm(x, self.layers[li].post_norm, self.args.rms_norm_eps)
 
+    def ffn_halves(self, li: int) -> tuple:
+        """(gate, up) weights of layer li: row views of a fused gate_up (spec.row_slice), or its two
+        parts (the scheduler's balanced split runs them on different cores; ffn_out joins them)."""
+        gu = self.layers[li].gate_up
+        if len(gu) == 1:
+            inter = self.args.intermediate_size
+            return spec.row_slice(gu[0], 0, inter), spec.row_slice(gu[0], inter, 2 * inter)
+        return gu[0], gu[1]
+
     def ffn_out(self, li: int, x: np.ndarray, gate: np.ndarray, up: np.ndarray | None = None) -> None:
         """x += down(silu(gate) * up); up None: gate is the fused gate-up output [T, 2I], whose SiLU
         product the down projection makes row by row (ops.matmul silu: the same bits)."""
-        nxt = self.layers[li + 1].qkv[0] if li + 1 < len(self.layers) else self.lm_head
+        nxt = self._next_weight(li)
         if up is None:
             x += ops.matmul(self.layers[li].down, gate, then=nxt, silu=True)
         else:
@@ -439,9 +573,42 @@ class Model:
 
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final norm and lm_head: logits [T, V]."""
-        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps), then=self.layers[0].qkv[0])
+        first = self.layers[0].qkv[0] if self.layers and self.layers[0] is not None else None
+        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps), then=first)
 
     def logits(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] float32 of every position, from position 0 with a fresh cache."""
         ids = np.asarray(token_ids)
         return self(ids, self.make_cache(max(1, ids.size)), 0, last_only=False)
+
+
+def _take(w: dict, name: str, shapes: dict, ms, vector: bool = False):
+    """Pop tensor `name` from w, its shape checked against the spec (a fused target's too); vectors and
+    float matrices as float32 arrays, QTensors as they are."""
+    if name not in w:
+        raise ModelError(f"missing tensor {name!r}")
+    t = w.pop(name)
+    got, want = tensor_shape(t), shapes.get(name) or ms.fused_shape(name)
+    if got != tuple(want):
+        raise ModelError(f"tensor {name!r} has shape {got}, expected {tuple(want)}")
+    return to_f32(t, name) if (vector or isinstance(t, np.ndarray)) else t
+
+
+def _sanitize_layer(i: int, w: dict, ms, shapes: dict) -> dict:
+    """Layer i's tensors popped from w in runtime layout: each fusion group under its target name
+    (a vector fused, a matrix as [fused] or its parts), the other tensors under their own names."""
+    out, grouped = {}, set()
+    for target, parts in ms.groups(i):
+        vector = len(ms.fused_shape(target)) == 1     # biases: float32, so they always fuse
+        if target in w:                                # stored fused: the mmap view as is
+            t = _take(w, target, shapes, ms, vector)
+            out[target] = t if vector else [t]
+        else:
+            ts = [_take(w, p, shapes, ms, vector) for p in parts]
+            fused = spec.fuse(ts)
+            out[target] = fused if vector else ([fused] if fused is not None else ts)
+        grouped.update(parts)
+    for name, shape in ms.layer_shapes(i).items():
+        if name not in grouped:
+            out[name] = _take(w, name, shapes, ms, vector=len(shape) == 1)
+    return out

@@ -7,7 +7,8 @@ Every layer that needs to know what a checkpoint holds reads it here:
     quantize/auto               tensors fused at run time get one format together (a fusion group)
     quantize/convert            write order, and which groups are written as one fused tensor
     models/qwen2.sanitize       shapes checked at load, groups fused at load
-    runtime/scheduler           row views of a fused tensor (row_slice, the inverse of fuse)
+    models/qwen2.ffn_halves     row views of a fused tensor (row_slice, the inverse of fuse)
+    quantize/calibrate, imatrix    which HF tensors a runtime tensor holds (parts_of), norm folding (norm_feeds)
 
 Names and layouts are Hugging Face's ([out, in] matrices). Qwen2 and Llama share one graph; they
 differ only in which attention biases exist (Qwen2: q/k/v always; Llama: q/k/v/o when
@@ -77,6 +78,15 @@ _GROUP_OF_PART = {p: g for g in FUSION_GROUPS for p in g.parts}
 _GROUP_BY_TARGET = {g.target: g for g in FUSION_GROUPS}
 
 
+# Norm folding (quantize/calibrate.py): the linear weights of a layer whose input is this norm's output,
+# so a quantized norm vector can be undone exactly in their columns.
+NORM_FEEDS = {
+    "input_layernorm.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "post_attention_layernorm.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+FINAL_NORM_FEEDS = (LM_HEAD,)
+
+
 def split_layer(name: str) -> tuple[int | None, str]:
     """'model.layers.3.mlp.up_proj.weight' -> (3, 'mlp.up_proj.weight'); other names -> (None, name)."""
     m = _LAYER.match(name)
@@ -102,6 +112,25 @@ def group_of(name: str) -> tuple[str, tuple[str, ...]] | None:
         return None
     p = f"model.layers.{layer}."
     return p + g.target, tuple(p + x for x in g.parts)
+
+
+def parts_of(name: str) -> tuple[str, ...]:
+    """The HF tensors a runtime tensor holds: a fused target's parts (full names), else (name,)."""
+    layer, rest = split_layer(name)
+    g = _GROUP_BY_TARGET.get(rest) if layer is not None else None
+    if g is None:
+        return (name,)
+    return tuple(f"model.layers.{layer}.{x}" for x in g.parts)
+
+
+def norm_feeds(name: str) -> tuple[str, ...]:
+    """The linear weights (full HF names) that take norm `name`'s output as their input; () for none."""
+    if name == FINAL_NORM:
+        return FINAL_NORM_FEEDS
+    layer, rest = split_layer(name)
+    if layer is None:
+        return ()
+    return tuple(f"model.layers.{layer}.{x}" for x in NORM_FEEDS.get(rest, ()))
 
 
 def arch_biases(arch: str, config: dict) -> tuple[bool, bool]:

@@ -2,14 +2,22 @@
 
 The quantizer (convert.quantize_model) asks for tensors in file order: embedding, then layer by
 layer, then the final norm and lm_head. On the first request for a layer this module quantizes the
-whole layer, in the order its inputs need:
+whole layer, product by product in the order the layer multiplies them, running the model's own
+layer function (Model.layer_forward; models/base.py's layer API) on the calibration hidden states:
 
-  input norm -> q/k/v (Hessian of the normed layer input) -> attention -> o_proj (Hessian of the
-  attention output) -> post norm -> gate/up (shared Hessian) -> SiLU*up -> down (its own Hessian)
+  the layer's vectors (norms, biases) first, with plain quantization; then, until every product is
+  quantized: run the layer with what is quantized so far and record, through models.base's
+  product_inputs hook, the input of the first product whose weight is not quantized yet (its
+  Hessian), stopping the layer there; quantize that weight with GPTQ (a fusion group's parts share
+  that input and that Hessian).
 
-and then advances the calibration hidden states through the *quantized* layer, so every layer's
-Hessians come from inputs that already carry the previous layers' quantization error (GPTQ's
-sequential mode). lm_head gets the Hessian of the final norm's output.
+For the qwen2 graph that is q/k/v (Hessian of the normed layer input), o_proj (of the attention
+output, which already goes through the quantized q/k/v and their biases), gate/up, down (of SiLU*up).
+The hidden states then advance through the *quantized* layer, so every layer's Hessians come from
+inputs that already carry the previous layers' quantization error (GPTQ's sequential mode). lm_head
+gets the Hessian of the final norm's output (Model.head). Nothing here knows the layer's structure:
+which products exist, in which order, with which input, is the model's; which norm feeds which
+weights (for folding) is models/spec.py's.
 
 Norm folding: a quantized norm vector ĝ scales the next linear layer's input columns by ĝ instead of
 g, which W diag(g/ĝ) undoes exactly, so the linear weights that follow are quantized as
@@ -17,7 +25,7 @@ W diag(g/ĝ) (ratios outside [0.5, 2] are left at 1: a norm weight rounded to ~0
 The norm's 5-bit error then costs nothing beyond the linear layer's own rounding.
 
 Memory: the hidden states of the calibration tokens ([T, D] float32), one layer's weights and its
-Hessians (diagonal blocks, gptq.Hessian); the SiLU*up activations of one chunk at a time. The
+Hessians (diagonal blocks, gptq.Hessian), one chunk's copy of the hidden states and its activations. The
 vocabulary-sized lm_head is the largest single weight: it is scaled in place and GPTQ works on it in
 row slabs (gptq.ROWS), so its float32 source is the only full-size copy.
 """
@@ -27,13 +35,12 @@ import time
 
 import numpy as np
 
-from mixqrt import ops
 from mixqrt.errors import QuantError
+from mixqrt.models import get_model_class, spec
+from mixqrt.models.base import product_inputs
 from mixqrt.formats import rotation
-from mixqrt.formats.codec import dequantize, dequantize_rows
+from mixqrt.formats.codec import dequantize
 from mixqrt.quantize.gptq import GPTQ_FORMATS, Hessian, gptq_quantize
-
-_ATTN = ("q", "k", "v")
 
 
 def calibration_ids(tokenizer, text: str, tokens: int, ctx: int) -> list[np.ndarray]:
@@ -53,6 +60,23 @@ def _fold_ratio(g: np.ndarray, gq: np.ndarray) -> np.ndarray:
     return np.where((r >= 0.5) & (r <= 2.0), r, np.float32(1)).astype(np.float32)
 
 
+class _Pending:
+    """A linear weight not quantized yet, in the model's layer: its shape only. It is never multiplied:
+    the recording hook stops the layer at the first product that takes one. Each has its own format
+    name, so spec.fuse leaves a group of them as parts."""
+
+    def __init__(self, name: str, shape):
+        self.name, self.shape = name, tuple(shape)
+        self.fmt, self.raw, self.meta = f"pending:{name}", None, {}
+
+    def dequantize(self):
+        raise QuantError(f"calibration: {self.name} was used before it was quantized")
+
+
+class _Stop(Exception):
+    """Raised by the recording hook at the product being calibrated: the rest of the layer waits."""
+
+
 class Calibrator:
     """Quantizes tensors on request (quantize(name, fmt, plain)); see the module docstring.
 
@@ -61,8 +85,14 @@ class Calibrator:
 
     def __init__(self, args, chunks: list[np.ndarray], load, plain, *, damp: float = 0.01,
                  hblock: int = 1024, fold_norms: bool = True, refit: int = 0, progress: bool = True,
-                 rotation_for=None):
+                 rotation_for=None, observe=None):
+        if not chunks or any(np.ndim(c) != 1 or np.size(c) < 1 for c in chunks):
+            raise QuantError("calibration needs at least one non-empty chunk of token ids")
         self.a = args
+        self.model = get_model_class(args.model_type).empty(args)   # filled and run one layer at a time
+        self.spec = spec.ModelSpec(vars(args), args.model_type)
+        self.observe = observe        # observe(names, x): every recorded product input (tests)
+        self._cache = self.model.make_cache(max(int(c.size) for c in chunks))
         self.chunks = chunks
         self.load, self.plain = load, plain
         self.damp, self.hblock, self.fold, self.refit = float(damp), int(hblock), bool(fold_norms), int(refit)
@@ -77,20 +107,22 @@ class Calibrator:
 
     # ------------------------------------------------------------------ entry point
     def quantize(self, name: str, fmt: str, arr: np.ndarray):
-        if name == "model.embed_tokens.weight":
+        if name == spec.EMBED:
             qt = self.plain(name, fmt, arr)
-            self.x = [dequantize_rows(qt, c) for c in self.chunks]
+            self.model.load_global(spec.EMBED, qt)
+            self.x = [self.model.embed(c) for c in self.chunks]
+            self.model.embed_tokens = None
             return qt
         if name in self.out:
             return self.out.pop(name)
         if self.x is None:
             raise QuantError(f"calibration needs the embedding quantized before {name}")
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
+        i, _ = spec.split_layer(name)
+        if i is not None:
             if i not in self.done:
                 self._layer(i)
                 self.done.add(i)
-        elif name in ("model.norm.weight", "lm_head.weight") and "final" not in self.done:
+        elif name in (spec.FINAL_NORM, spec.LM_HEAD) and "final" not in self.done:
             self._final()
             self.done.add("final")
         if name in self.out:
@@ -132,64 +164,80 @@ class Calibrator:
         return Hessian(k, 64, self.hblock)
 
     # ------------------------------------------------------------------ one decoder layer
+    def _vectors(self, names) -> tuple[dict, dict]:
+        """Quantize norms and biases (plain) -> ({name: stored QTensor}, {linear weight: fold ratio})."""
+        vec, ratios = {}, {}
+        for n in names:
+            feeds = spec.norm_feeds(n)
+            if feeds:
+                _, ratio = self._norm(n, self.fmts[n])
+                ratios.update(dict.fromkeys(feeds, ratio))
+            else:
+                self.out[n] = self.plain(n, self.fmts[n], self.load(n))
+            vec[n] = self.out[n]
+        return vec, ratios
+
+    def _record(self, weights: dict, run) -> tuple[tuple, Hessian]:
+        """Run run(x) on a copy of every chunk's hidden states, recording the input of the first product
+        whose weight is still _Pending -> (the HF names that weight stands for, with the rest of its fusion
+        group: one input; the Hessian of that input)."""
+        pending = {}
+        for name, w in weights.items():
+            if isinstance(w, _Pending):
+                g = spec.group_of(name)
+                pending[id(w)] = g[1] if g is not None else (name,)
+        got: list = []
+
+        def hook(w, x):
+            names = pending.get(id(w))
+            if names is None:
+                return
+            x = np.asarray(x, dtype=np.float32).reshape(-1, np.shape(x)[-1])
+            if not got:
+                got[:] = [names, self._hess(x.shape[1])]
+            if names != got[0]:
+                raise QuantError(f"calibration: the graph multiplies {names[0]} where {got[0][0]} came before")
+            got[1].add(x)
+            if self.observe is not None:
+                self.observe(names, x)
+            raise _Stop
+
+        with product_inputs(hook, prefetch=False):
+            for x in self.x:
+                try:
+                    run(x.copy())
+                except _Stop:
+                    pass
+        if not got:
+            raise QuantError(f"calibration: the graph never multiplies {sorted(weights[n].name for n in weights if isinstance(weights[n], _Pending))}")
+        return got[0], got[1]
+
     def _layer(self, i: int) -> None:
         self._hrot.clear()
-        a, fmts = self.a, self.fmts
-        p = f"model.layers.{i}."
-        eps = a.rms_norm_eps
-        nq, nkv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-        hq, hkv, dh = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        m, shapes = self.model, self.spec.layer_shapes(i)
+        cur, ratios = self._vectors([n for n, shp in shapes.items() if len(shp) == 1])
+        cur.update({n: _Pending(n, shp) for n, shp in shapes.items() if len(shp) != 1})
 
-        gq, ratio = self._norm(p + "input_layernorm.weight", fmts[p + "input_layernorm.weight"])
-        H = self._hess(a.hidden_size)
+        def run(x):
+            m.layer_forward(i, x, self._cache, 0)
+
+        while any(isinstance(w, _Pending) for w in cur.values()):
+            m.load_layer(i, cur)
+            names, h = self._record(m.layer_weights(i), run)
+            for n in names:
+                cur[n] = self._linear(n, self.fmts[n], h, ratios.get(n))
+        m.load_layer(i, cur)
         for x in self.x:
-            H.add(ops.rmsnorm(x, gq, eps))
-        ws = [self._linear(p + f"self_attn.{n}_proj.weight", fmts[p + f"self_attn.{n}_proj.weight"], H, ratio)
-              for n in _ATTN]
-        bias = None
-        if a.attention_bias:
-            bias = np.concatenate([self.load(p + f"self_attn.{n}_proj.bias") for n in _ATTN]).astype(np.float32)
-        atts = []
-        Ho = self._hess(nq)
-        for x in self.x:
-            t = x.shape[0]
-            qkv = np.concatenate([ops.matmul(w, ops.rmsnorm(x, gq, eps)) for w in ws], axis=-1)
-            if bias is not None:
-                qkv += bias
-            qk = ops.rope(qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), np.arange(t, dtype=np.int64), a.rope_theta)
-            keys = np.ascontiguousarray(qk[:, hq:].transpose(1, 0, 2))                  # [Hkv, t, Dh]
-            vals = np.ascontiguousarray(qkv[:, nq + nkv:].reshape(t, hkv, dh).transpose(1, 0, 2))
-            att = ops.attention(qk[:, :hq], keys, vals, 0).reshape(t, nq)
-            Ho.add(att)
-            atts.append(att)
-        o = self._linear(p + "self_attn.o_proj.weight", fmts[p + "self_attn.o_proj.weight"], Ho)
-        o_bias = self.load(p + "self_attn.o_proj.bias") if (p + "self_attn.o_proj.bias") in fmts else None
-        for x, att in zip(self.x, atts):
-            x += ops.matmul(o, att)
-            if o_bias is not None:
-                x += o_bias
-        del atts
-        gq2, ratio2 = self._norm(p + "post_attention_layernorm.weight", fmts[p + "post_attention_layernorm.weight"])
-        Hg = self._hess(a.hidden_size)
-        for x in self.x:
-            Hg.add(ops.rmsnorm(x, gq2, eps))
-        gate = self._linear(p + "mlp.gate_proj.weight", fmts[p + "mlp.gate_proj.weight"], Hg, ratio2)
-        up = self._linear(p + "mlp.up_proj.weight", fmts[p + "mlp.up_proj.weight"], Hg, ratio2)
-        Hd = self._hess(a.intermediate_size)
-        for x in self.x:
-            h = ops.rmsnorm(x, gq2, eps)
-            Hd.add(ops.silu_mul(ops.matmul(gate, h), ops.matmul(up, h)))
-        down = self._linear(p + "mlp.down_proj.weight", fmts[p + "mlp.down_proj.weight"], Hd)
-        for x in self.x:   # recomputed rather than kept: [T, I] activations are the largest buffer
-            h = ops.rmsnorm(x, gq2, eps)
-            x += ops.matmul(down, ops.silu_mul(ops.matmul(gate, h), ops.matmul(up, h)))
+            run(x)
+        m.unload_layer(i)
 
     def _final(self) -> None:
         self._hrot.clear()
-        gq, ratio = self._norm("model.norm.weight", self.fmts["model.norm.weight"])
-        H = self._hess(self.a.hidden_size)
-        for x in self.x:
-            H.add(ops.rmsnorm(x, gq, self.a.rms_norm_eps))
-        if "lm_head.weight" in self.fmts:   # absent when the recipe ties it to the (RTN) embedding
-            self._linear("lm_head.weight", self.fmts["lm_head.weight"], H, ratio)
+        m = self.model
+        vec, ratios = self._vectors([spec.FINAL_NORM])
+        m.load_global(spec.FINAL_NORM, vec[spec.FINAL_NORM])
+        if spec.LM_HEAD in self.fmts:   # absent when the recipe ties it to the (RTN) embedding
+            m.load_global(spec.LM_HEAD, _Pending(spec.LM_HEAD, self.spec.shapes(with_lm_head=True)[spec.LM_HEAD]))
+            names, h = self._record({spec.LM_HEAD: m.lm_head}, m.head)
+            self._linear(spec.LM_HEAD, self.fmts[spec.LM_HEAD], h, ratios.get(spec.LM_HEAD))
         self.x = None

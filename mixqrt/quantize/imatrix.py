@@ -6,7 +6,7 @@ square is ~ sum_j dW_j^2 E[x_j^2] when activations are uncorrelated, so E[x_j^2]
 column j in the quantizer's error (formats.quantize(..., importance=)).
 
 Collection: the model's own forward (mixqrt.load(...).logits) with ``mixqrt.ops.matmul`` wrapped for
-the duration, recording x for every weight object the graph owns (fused q/k/v and gate/up share
+the duration (models.base.product_inputs), recording x for every weight object the graph owns (fused q/k/v and gate/up share
 their input, so each part gets the same vector). Storage: plain JSON (no pickle):
 
     {"format": "mixqrt-imatrix", "version": 1, "text": ..., "chunks": N, "ctx": C, "tokens": T,
@@ -22,34 +22,21 @@ from contextlib import contextmanager
 import numpy as np
 
 from mixqrt.errors import QuantError
-from mixqrt.models.spec import group_of
+from mixqrt.models import spec
+from mixqrt.models.base import product_inputs
 
 FORMAT = "mixqrt-imatrix"
 MAX_BYTES = 1 << 30
 
 
 def _targets(model) -> dict[int, list[str]]:
-    """id(weight object) -> the HF tensor names whose input it sees."""
+    """id(weight object) -> the HF tensor names whose input it sees: the model names its runtime
+    tensors (Model.named_weights) and a fused target holds its group's parts (models/spec.py), which
+    all see one input. Vectors (norms, biases) are listed too; no product takes them."""
     out: dict[int, list[str]] = {}
-
-    def add(w, names):
-        out.setdefault(id(w), []).extend(names)
-
-    for i, L in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        # the parts of a fusion group (models/spec.py) see one input, fused or not
-        for ws, part in ((L.qkv, "self_attn.q_proj.weight"), (L.gate_up, "mlp.gate_proj.weight")):
-            names = list(group_of(p + part)[1])
-            if len(ws) == 1:
-                add(ws[0], names)
-            else:
-                for w, n in zip(ws, names):
-                    add(w, [n])
-        add(L.o_proj, [p + "self_attn.o_proj.weight"])
-        add(L.down, [p + "mlp.down_proj.weight"])
-    if id(model.lm_head) in out:      # never: lm_head is not a layer weight
-        raise QuantError("lm_head shares a weight object with a layer")
-    add(model.lm_head, ["lm_head.weight"])
+    for name, w in model.named_weights().items():
+        if w is not None and name != spec.EMBED:      # the embedding's rows are gathered, not multiplied
+            out.setdefault(id(w), []).extend(spec.parts_of(name))
     return out
 
 
@@ -84,23 +71,9 @@ class Collector:
 
     @contextmanager
     def hooked(self):
-        from mixqrt import ops
-        orig = ops.matmul
-
-        def matmul(w, x, *a, **kw):
-            silu = kw.get("silu", a[2] if len(a) > 2 else False)    # matmul(w, x, out, then, silu)
-            if silu and id(w) in self.targets:   # x is [gate | up]: the weight's input is their SiLU product
-                k = np.shape(x)[-1] // 2
-                self.record(w, ops.silu_mul(np.asarray(x)[..., :k], np.asarray(x)[..., k:]))
-            elif not silu:
-                self.record(w, x)
-            return orig(w, x, *a, **kw)
-
-        ops.matmul = matmul
-        try:
+        """Record every product's input while the model runs (models.base.product_inputs)."""
+        with product_inputs(self.record):
             yield self
-        finally:
-            ops.matmul = orig
 
 
 def collect(m, text: str, *, chunks: int = 8, ctx: int = 512, progress: bool = True, source_label: str = "",

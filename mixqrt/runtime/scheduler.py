@@ -21,8 +21,10 @@ so core-slicing cannot beat one core on it. ``split="balanced"`` moves the gate 
 gate_up projection into stage A (A: attention + gate, B: up + silu + down), because the FFN holds
 ~7x the attention's weights and the plain attention/FFN cut leaves stage A idle.
 
-Both runners are clients of the model's own layer functions (``Model.embed / attn_stage / ffn_stage /
-head``, and ``ffn_in`` / ``ffn_out`` for the balanced cut): there is one layer graph, in models/qwen2.py.
+Both runners are clients of the model's public layer API (models/base.py): ``embed``, ``layer_forward``
+and ``begin_batch / layer_batch / end_batch`` (row-split, which walks the layers itself and advances its
+prefetcher between them), ``attn_stage / ffn_stage / head``, and ``ffn_in / ffn_halves / ffn_out`` for the
+balanced cut. There is one layer graph, in the model module; nothing here reaches into its privates.
 Stage threads run their kernels on themselves (``ops.local_threads(1)``), leaving the pool alone.
 """
 from __future__ import annotations
@@ -35,23 +37,10 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.errors import GenerationError, KernelError
-from mixqrt.models.spec import row_slice as _row_slice   # the inverse of spec.fuse
 
 __all__ = ["RowSplitRunner", "CoreSlicingRunner", "OP_ATTN", "OP_FFN", "OP_HEAD", "OP_DONE", "OP_STOP"]
 
 OP_ATTN, OP_FFN, OP_HEAD, OP_DONE, OP_STOP, OP_ERROR = 1, 2, 3, 4, 5, 6
-
-
-# ============================================================================ balanced split
-def _gate_up_halves(model):
-    """Per layer (gate, up) weights: row views of a fused gate_up, or its two unfused parts."""
-    inter, out = model.args.intermediate_size, []
-    for L in model.layers:
-        if len(L.gate_up) == 1:
-            out.append((_row_slice(L.gate_up[0], 0, inter), _row_slice(L.gate_up[0], inter, 2 * inter)))
-        else:
-            out.append((L.gate_up[0], L.gate_up[1]))
-    return out
 
 
 def _check_seqs(model, seqs) -> tuple[np.ndarray, list]:
@@ -101,7 +90,12 @@ class RowSplitRunner:
         chunk = int(chunk or self.chunk)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
-            x = m._forward_hidden(ids[s:e], cache, pos0 + s, before_layer=self._advance)
+            x = m.embed(ids[s:e])
+            positions = m.positions(pos0 + s, e - s)
+            for li in range(m.n_layers):
+                self._advance(li)
+                m.layer_forward(li, x, cache, pos0 + s, positions)
+            cache.advance(pos0 + e)
             if not last_only:
                 outs.append(m.head(x))
             elif e == t:
@@ -117,7 +111,12 @@ class RowSplitRunner:
         ids, caches = _check_seqs(self.model, seqs)
         if not self.batch:
             return np.stack([self.prefill(ids[b:b + 1], c) for b, c in enumerate(caches)])
-        return self.model._decode_batch(ids, caches, before_layer=self._advance)
+        m = self.model
+        x, step = m.begin_batch(ids, caches)
+        for li in range(m.n_layers):
+            self._advance(li)
+            m.layer_batch(li, x, step)
+        return m.end_batch(x, step)
 
     def close(self) -> None:
         pass
@@ -159,8 +158,8 @@ class CoreSlicingRunner:
             raise KernelError(f"CoreSlicingRunner: chunk must be a positive int, got {chunk!r}")
         self.model, self.split, self.chunk, self.prefetcher = model, split, chunk, prefetcher
         self.cores_a, self.cores_b = tuple(cores_a), tuple(cores_b)
-        self._halves = _gate_up_halves(model) if split == "balanced" else None
-        self.n_layers = len(model.layers)
+        self.n_layers = model.n_layers
+        self._halves = [model.ffn_halves(li) for li in range(self.n_layers)] if split == "balanced" else None
         self._spin = float(spin_us)
         self._ring = _ring
         self.max_items = ring_capacity // 2
