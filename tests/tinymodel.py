@@ -1,7 +1,7 @@
 """Tiny, deterministic model checkpoints for tests (no downloads).
 
-    make_tiny_hf_model(dir, arch="qwen2"|"llama", tied=True, seed=0, dtype="bf16"|"f16"|"f32",
-                       sharded=False) -> Path
+    make_tiny_hf_model(dir, arch="qwen2"|"llama"|"qwen3"|"gemma3", tied=True, seed=0,
+                       dtype="bf16"|"f16"|"f32", sharded=False, config_extra=None) -> Path
         config.json, model.safetensors (or 2 shards + index), tokenizer.json (byte-level BPE
         trained here on a few KB of text), tokenizer_config.json (ChatML template),
         generation_config.json.
@@ -12,7 +12,9 @@
         a raw writer (BF16 too, without torch/ml_dtypes) for building good and bad files by hand.
 
 Dimensions: hidden 64, 2 layers, 4 heads / 2 kv heads (head_dim 16), intermediate 128,
-vocab 448 (tokenizer ~400 + padding rows, as real checkpoints pad).
+vocab 448 (tokenizer ~400 + padding rows, as real checkpoints pad). qwen3 and gemma3 have
+head_dim 32 (independent of hidden / heads, as theirs is) and q/k norms; gemma3 has a sliding
+window of 4 on layer 0 (layer 1 is global) and its four norms per layer.
 """
 from __future__ import annotations
 
@@ -111,17 +113,32 @@ def write_safetensors(path, tensors: dict, dtype: str = "F32", metadata: dict | 
     return path
 
 
+ARCHS = ("qwen2", "llama", "qwen3", "gemma3")
+_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM"}
+
+
+def head_dim_of(arch: str) -> int:
+    return 32 if arch in ("qwen3", "gemma3") else HEAD_DIM
+
+
 def tiny_config(arch: str = "qwen2", tied: bool = True) -> dict:
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": arch, "hidden_act": "silu", "hidden_size": HIDDEN, "intermediate_size": INTER,
+        "architectures": [_CLASSES[arch]],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_act": "silu", "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": 1e6 if arch == "qwen2" else 1e4,
+        "head_dim": head_dim_of(arch), "rms_norm_eps": 1e-6, "rope_theta": 1e6 if arch == "qwen2" else 1e4,
         "max_position_embeddings": 256, "vocab_size": VOCAB, "tie_word_embeddings": tied,
         "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         cfg["attention_bias"] = False
+    if arch == "gemma3":
+        del cfg["hidden_act"]
+        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                    "query_pre_attn_scalar": 24, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": None})
     return cfg
 
 
@@ -132,16 +149,27 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
     def lin(out, inp):
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
 
+    one = 0.0 if arch == "gemma3" else 1.0          # gemma's norms multiply by (1 + weight)
+
+    def norm(n):
+        return (one + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    hd = head_dim_of(arch)
     w = {"model.embed_tokens.weight": (rng.standard_normal((VOCAB, HIDDEN)) * 0.05).astype(np.float32),
-         "model.norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)}
+         "model.norm.weight": norm(HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
-        w[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
-        w[p + "self_attn.q_proj.weight"] = lin(HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.k_proj.weight"] = lin(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.v_proj.weight"] = lin(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.o_proj.weight"] = lin(HIDDEN, HEADS * HEAD_DIM)
+        w[p + "input_layernorm.weight"] = norm(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = norm(HIDDEN)
+        w[p + "self_attn.q_proj.weight"] = lin(HEADS * hd, HIDDEN)
+        w[p + "self_attn.k_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
+        w[p + "self_attn.v_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
+        w[p + "self_attn.o_proj.weight"] = lin(HIDDEN, HEADS * hd)
+        if arch in ("qwen3", "gemma3"):
+            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
+        if arch == "gemma3":
+            w[p + "pre_feedforward_layernorm.weight"] = norm(HIDDEN)
+            w[p + "post_feedforward_layernorm.weight"] = norm(HIDDEN)
         if arch == "qwen2":
             w[p + "self_attn.q_proj.bias"] = (0.3 * rng.standard_normal(HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
@@ -155,14 +183,15 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
 
 
 def make_tiny_hf_model(dir, arch: str = "qwen2", tied: bool = True, seed: int = 0, dtype: str = "bf16",
-                       sharded: bool = False) -> Path:
-    """Write a complete tiny HF model folder and return its path."""
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+                       sharded: bool = False, config_extra: dict | None = None) -> Path:
+    """Write a complete tiny HF model folder and return its path (config_extra: keys set in config.json,
+    e.g. a Llama 3 rope_scaling)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     st_dtype = {"bf16": "BF16", "f16": "F16", "f32": "F32"}[dtype]
     d = Path(dir)
     d.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(arch, tied)
+    cfg = {**tiny_config(arch, tied), **(config_extra or {})}
     cfg["torch_dtype"] = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[dtype]
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = tiny_weights(arch, tied, seed)

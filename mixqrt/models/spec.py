@@ -12,7 +12,8 @@ Every layer that needs to know what a checkpoint holds reads it here:
 
 Names and layouts are Hugging Face's ([out, in] matrices). Qwen2 and Llama share one graph; they
 differ only in which attention biases exist (Qwen2: q/k/v always; Llama: q/k/v/o when
-config.attention_bias). A fusion group is a set of tensors of one layer that the graph multiplies
+config.attention_bias). Qwen3 adds a per-head RMSNorm on q and k; Gemma 3 adds those and norms
+after attention and around the FFN (pre_feedforward / post_feedforward_layernorm). A fusion group is a set of tensors of one layer that the graph multiplies
 with the same input, stacked by rows into one tensor (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 
 fuse() is the one rule for stacking, used when a .mxq is written (convert) and when a model is
@@ -29,7 +30,9 @@ import numpy as np
 from mixqrt.errors import ModelError
 from mixqrt.models.base import is_qtensor
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "llama", "qwen3", "gemma3")
+# HF model_type spellings of an architecture above (Gemma 3's text-only checkpoints say gemma3_text)
+ARCH_ALIASES = {"gemma3_text": "gemma3"}
 
 ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
          "norm", "bias", "lm_head")
@@ -52,6 +55,10 @@ _LAYER_ROLES = {
     "mlp.gate_proj.weight": "ffn_gate",
     "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
+    "self_attn.q_norm.weight": "norm",                   # qwen3, gemma3: RMSNorm per head on q and k
+    "self_attn.k_norm.weight": "norm",
+    "pre_feedforward_layernorm.weight": "norm",          # gemma3: norms before and after the FFN
+    "post_feedforward_layernorm.weight": "norm",
 }
 # buffers some checkpoints carry that are not weights of the graph (recomputed from the config)
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -85,6 +92,11 @@ NORM_FEEDS = {
     "post_attention_layernorm.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 FINAL_NORM_FEEDS = (LM_HEAD,)
+# architectures whose norms multiply by (1 + weight) or sit where NORM_FEEDS does not say (gemma3's
+# post_attention_layernorm normalises the attention output): no norm is folded into a weight
+NO_NORM_FOLDING = ("gemma3",)
+# architectures with an RMSNorm per head on q and k (self_attn.q_norm / k_norm, [head_dim])
+QK_NORM_ARCHS = ("qwen3", "gemma3")
 
 
 def split_layer(name: str) -> tuple[int | None, str]:
@@ -100,7 +112,7 @@ def role_of(name: str) -> str:
     if role is None and layer is not None and rest in _GROUP_BY_TARGET:
         role = _GROUP_BY_TARGET[rest].role
     if role is None:
-        raise ModelError(f"tensor {name!r} is not part of the qwen2/llama graph (no known role)")
+        raise ModelError(f"tensor {name!r} is not part of any supported graph (no known role)")
     return role
 
 
@@ -123,8 +135,11 @@ def parts_of(name: str) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{x}" for x in g.parts)
 
 
-def norm_feeds(name: str) -> tuple[str, ...]:
-    """The linear weights (full HF names) that take norm `name`'s output as their input; () for none."""
+def norm_feeds(name: str, arch: str | None = None) -> tuple[str, ...]:
+    """The linear weights (full HF names) that take norm `name`'s output as their input; () for none
+    (and for every norm of an architecture in NO_NORM_FOLDING)."""
+    if arch in NO_NORM_FOLDING:
+        return ()
     if name == FINAL_NORM:
         return FINAL_NORM_FEEDS
     layer, rest = split_layer(name)
@@ -138,7 +153,7 @@ def arch_biases(arch: str, config: dict) -> tuple[bool, bool]:
     config.attention_bias says (transformers ignores it); Llama has all four or none."""
     if arch == "qwen2":
         return True, False
-    if arch == "llama":
+    if arch in ("llama", "qwen3", "gemma3"):
         b = bool(config.get("attention_bias", False))
         return b, b
     raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHS)}")
@@ -163,7 +178,7 @@ class ModelSpec:
         h, nh = _pos_int(config, "hidden_size"), _pos_int(config, "num_attention_heads")
         nkv = _pos_int(config, "num_key_value_heads", nh)
         hd = _pos_int(config, "head_dim", h // nh)
-        self.hidden, self.n_layers = h, _pos_int(config, "num_hidden_layers")
+        self.hidden, self.n_layers, self.head_dim = h, _pos_int(config, "num_hidden_layers"), hd
         self.n_q, self.n_kv = nh * hd, nkv * hd
         self.inter, self.vocab = _pos_int(config, "intermediate_size"), _pos_int(config, "vocab_size")
         self.tied = bool(config.get("tie_word_embeddings", False))
@@ -181,10 +196,16 @@ class ModelSpec:
         s[p + "self_attn.o_proj.weight"] = (h, nq)
         if self.o_bias:
             s[p + "self_attn.o_proj.bias"] = (h,)
-        s.update({p + "post_attention_layernorm.weight": (h,),
-                  p + "mlp.gate_proj.weight": (inter, h),
+        if self.arch in QK_NORM_ARCHS:
+            s.update({p + "self_attn.q_norm.weight": (self.head_dim,), p + "self_attn.k_norm.weight": (self.head_dim,)})
+        s[p + "post_attention_layernorm.weight"] = (h,)
+        if self.arch == "gemma3":
+            s[p + "pre_feedforward_layernorm.weight"] = (h,)
+        s.update({p + "mlp.gate_proj.weight": (inter, h),
                   p + "mlp.up_proj.weight": (inter, h),
                   p + "mlp.down_proj.weight": (h, inter)})
+        if self.arch == "gemma3":
+            s[p + "post_feedforward_layernorm.weight"] = (h,)
         return s
 
     def shapes(self, *, with_lm_head: bool = False) -> dict[str, tuple[int, ...]]:
@@ -224,7 +245,9 @@ class ModelSpec:
                 raise ModelError(f"{where}: missing tensor {name!r} ({self.arch}, {self.n_layers} layers)")
             got = tuple(shapes[name])
             if got != shape:
-                raise ModelError(f"{where}: tensor {name!r} has shape {got}, config says {shape}")
+                hint = f" (head_dim={self.head_dim} x {self.n_q // self.head_dim} q / {self.n_kv // self.head_dim} " \
+                       f"kv heads)" if ".self_attn." in name else ""
+                raise ModelError(f"{where}: tensor {name!r} has shape {got}, config says {shape}{hint}")
         extra = sorted(n for n in shapes if n not in want and not _IGNORED.match(n)
                        and not (n == LM_HEAD and self.tied))
         if extra:

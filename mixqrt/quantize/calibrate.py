@@ -168,7 +168,7 @@ class Calibrator:
         """Quantize norms and biases (plain) -> ({name: stored QTensor}, {linear weight: fold ratio})."""
         vec, ratios = {}, {}
         for n in names:
-            feeds = spec.norm_feeds(n)
+            feeds = spec.norm_feeds(n, self.spec.arch)
             if feeds:
                 _, ratio = self._norm(n, self.fmts[n])
                 ratios.update(dict.fromkeys(feeds, ratio))

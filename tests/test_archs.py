@@ -1,0 +1,156 @@
+"""Qwen3, Llama 3 (rope_scaling "llama3") and Gemma 3 from tiny random-weight HF folders: mixqrt's
+float32 logits against a numpy forward written here from the Hugging Face formulas (float64), the
+decode paths (one token at a time, decode_batch) against the prompt forward, and bad configs."""
+import math
+
+import numpy as np
+import pytest
+
+from mixqrt.errors import ModelError
+from mixqrt.io.hf import HFSource
+from mixqrt.models import load_f32
+from tinymodel import make_tiny_hf_model, tiny_weights
+
+LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}, "rope_theta": 5e5}
+CASES = {"qwen3": ("qwen3", {}), "llama3": ("llama", LLAMA3), "gemma3": ("gemma3", {}),
+         "gemma3_softcap": ("gemma3", {"final_logit_softcapping": 3.0})}
+IDS = np.array([5, 77, 3, 200, 41, 9, 123, 300, 7, 64, 18, 250, 99, 1], dtype=np.int64)
+
+
+def _rms(x, w, eps, plus_one=False):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * ((1.0 + w) if plus_one else w)
+
+
+def _inv_freq(cfg, theta, scaled=True):
+    d = cfg["head_dim"]
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    rs = cfg.get("rope_scaling") if scaled else None
+    if rs and rs.get("rope_type") == "llama3":          # transformers' _compute_llama3_parameters
+        f, lo, hi, old = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"], \
+            rs["original_max_position_embeddings"]
+        wl = 2 * math.pi / inv
+        il = np.where(wl > old / lo, inv / f, inv)
+        sm = (old / wl - lo) / (hi - lo)
+        smoothed = (1 - sm) * il / f + sm * il
+        medium = ~(wl < old / hi) & ~(wl > old / lo)
+        inv = np.where(medium, smoothed, il)
+    return inv
+
+
+def _rope(x, inv):                                   # x [T, H, D], rotate-half
+    ang = np.arange(x.shape[0])[:, None, None] * inv[None, None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return np.concatenate([a * c - b * s, b * c + a * s], -1)
+
+
+def reference(cfg, w, ids):
+    """HF's forward in float64: Qwen3Model / LlamaModel / Gemma3TextModel."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    gemma = cfg["model_type"] == "gemma3_text"
+    eps, nh, nkv, hd = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    n = len(ids)
+    x = w["model.embed_tokens.weight"][ids]
+    if gemma:
+        x = x * np.float32(math.sqrt(cfg["hidden_size"]))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = _rms(x, w[p + "input_layernorm.weight"], eps, gemma)
+        q, k, v = (a @ w[p + f"self_attn.{c}_proj.weight"].T for c in "qkv")
+        q, k, v = q.reshape(n, nh, hd), k.reshape(n, nkv, hd), v.reshape(n, nkv, hd)
+        if p + "self_attn.q_norm.weight" in w:
+            q = _rms(q, w[p + "self_attn.q_norm.weight"], eps, gemma)
+            k = _rms(k, w[p + "self_attn.k_norm.weight"], eps, gemma)
+        local = gemma and cfg["layer_types"][i] == "sliding_attention"
+        inv = _inv_freq(cfg, cfg["rope_local_base_freq"], False) if local else _inv_freq(cfg, cfg["rope_theta"])
+        q, k = _rope(q, inv), _rope(k, inv)
+        k, v = np.repeat(k, nh // nkv, 1), np.repeat(v, nh // nkv, 1)
+        scale = cfg["query_pre_attn_scalar"] ** -0.5 if gemma else hd ** -0.5
+        s = np.einsum("ihd,jhd->hij", q, k) * scale
+        dist = np.arange(n)[:, None] - np.arange(n)[None, :]
+        mask = (dist < 0) | ((dist >= cfg["sliding_window"]) if local else False)
+        s = np.where(mask[None], -np.inf, s)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        o = np.einsum("hij,jhd->ihd", s, v).reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+        if gemma:
+            o = _rms(o, w[p + "post_attention_layernorm.weight"], eps, True)
+        x = x + o
+        f = _rms(x, w[p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")],
+                 eps, gemma)
+        g, u = f @ w[p + "mlp.gate_proj.weight"].T, f @ w[p + "mlp.up_proj.weight"].T
+        act = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) if gemma \
+            else g / (1 + np.exp(-g))
+        y = (act * u) @ w[p + "mlp.down_proj.weight"].T
+        if gemma:
+            y = _rms(y, w[p + "post_feedforward_layernorm.weight"], eps, True)
+        x = x + y
+    x = _rms(x, w["model.norm.weight"], eps, gemma)
+    logits = x @ w.get("lm_head.weight", w["model.embed_tokens.weight"]).T
+    cap = cfg.get("final_logit_softcapping")
+    return np.tanh(logits / cap) * cap if cap else logits
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    arch, extra = CASES[request.param]
+    d = make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=arch, dtype="f32", config_extra=extra)
+    with HFSource(d) as src:
+        model = load_f32(src)
+        cfg = dict(src.config)
+    return request.param, model, cfg, tiny_weights(arch, True, 0)
+
+
+def test_logits_match_hf_formulas(case):
+    name, model, cfg, w = case
+    got = model.logits(IDS)
+    ref = reference(cfg, w, IDS)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < 2e-5, (name, err)
+    assert model.args.model_type == CASES[name][0]
+
+
+def test_decode_one_token_at_a_time_equals_prompt(case):
+    """The decode paths (sliding window over the cache for Gemma's local layers, batched decode)
+    give the prompt forward's logits."""
+    name, model, cfg, w = case
+    full = model.logits(IDS)
+    cache = model.make_cache(len(IDS))
+    step = np.stack([model(IDS[i:i + 1], cache, last_only=True) for i in range(len(IDS))])
+    np.testing.assert_allclose(step, full, rtol=0, atol=2e-5 * np.abs(full).max())
+    c1, c2 = model.make_cache(len(IDS)), model.make_cache(len(IDS))
+    model(IDS[:6], c1)
+    model(IDS[:9], c2)
+    out = model.decode_batch(np.array([IDS[6], IDS[9]]), [c1, c2])
+    np.testing.assert_allclose(out, full[[6, 9]], rtol=0, atol=2e-5 * np.abs(full).max())
+
+
+def test_qwen3_head_dim_is_independent():
+    from mixqrt.models import build_model
+    cfg = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
+           "head_dim": 128, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 8}
+    m = build_model(cfg, {}, arch="qwen3") if False else None     # shapes only: the spec
+    from mixqrt.models.spec import ModelSpec
+    s = ModelSpec(cfg, "qwen3").layer_shapes(0)
+    assert s["model.layers.0.self_attn.q_proj.weight"] == (2048, 1024)
+    assert s["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert m is None
+
+
+@pytest.mark.parametrize("arch,extra,field", [
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": -1, "low_freq_factor": 1, "high_freq_factor": 4,
+                                "original_max_position_embeddings": 64}}, "rope_scaling.factor"),
+    ("gemma3", {"layer_types": ["full_attention"]}, "layer_types"),
+    ("gemma3", {"sliding_window": 0}, "sliding_window"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("qwen3", {"head_dim": 7}, "head_dim"),
+])
+def test_bad_config_names_the_field(tmp_path, arch, extra, field):
+    d = make_tiny_hf_model(tmp_path, arch=arch, dtype="f32", config_extra=extra)
+    with pytest.raises(ModelError, match=field.replace(".", r"\.")):
+        with HFSource(d) as src:
+            load_f32(src)
