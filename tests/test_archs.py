@@ -9,7 +9,7 @@ import pytest
 from mixqrt.errors import ModelError
 from mixqrt.io.hf import HFSource
 from mixqrt.models import load_f32
-from tinymodel import make_tiny_hf_model, tiny_weights
+from tinymodel import make_tiny_gguf, make_tiny_hf_model, tiny_weights
 
 LLAMA3 = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64}, "rope_theta": 5e5}
@@ -48,7 +48,7 @@ def _rope(x, inv):                                   # x [T, H, D], rotate-half
 def reference(cfg, w, ids):
     """HF's forward in float64: Qwen3Model / LlamaModel / Gemma3TextModel."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
-    gemma = cfg["model_type"] == "gemma3_text"
+    gemma = cfg["model_type"] in ("gemma3_text", "gemma3")
     eps, nh, nkv, hd = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     n = len(ids)
     x = w["model.embed_tokens.weight"][ids]
@@ -62,7 +62,8 @@ def reference(cfg, w, ids):
         if p + "self_attn.q_norm.weight" in w:
             q = _rms(q, w[p + "self_attn.q_norm.weight"], eps, gemma)
             k = _rms(k, w[p + "self_attn.k_norm.weight"], eps, gemma)
-        local = gemma and cfg["layer_types"][i] == "sliding_attention"
+        local = gemma and (cfg["layer_types"][i] == "sliding_attention" if cfg.get("layer_types")
+                           else (i + 1) % cfg["sliding_window_pattern"] != 0)
         inv = _inv_freq(cfg, cfg["rope_local_base_freq"], False) if local else _inv_freq(cfg, cfg["rope_theta"])
         q, k = _rope(q, inv), _rope(k, inv)
         k, v = np.repeat(k, nh // nkv, 1), np.repeat(v, nh // nkv, 1)
@@ -99,11 +100,11 @@ def case(request, tmp_path_factory):
     with HFSource(d) as src:
         model = load_f32(src)
         cfg = dict(src.config)
-    return request.param, model, cfg, tiny_weights(arch, True, 0)
+    return request.param, model, cfg, tiny_weights(arch, True, 0), d
 
 
 def test_logits_match_hf_formulas(case):
-    name, model, cfg, w = case
+    name, model, cfg, w, _ = case
     got = model.logits(IDS)
     ref = reference(cfg, w, IDS)
     err = np.abs(got - ref).max() / np.abs(ref).max()
@@ -114,7 +115,7 @@ def test_logits_match_hf_formulas(case):
 def test_decode_one_token_at_a_time_equals_prompt(case):
     """The decode paths (sliding window over the cache for Gemma's local layers, batched decode)
     give the prompt forward's logits."""
-    name, model, cfg, w = case
+    name, model, cfg, w, _ = case
     full = model.logits(IDS)
     cache = model.make_cache(len(IDS))
     step = np.stack([model(IDS[i:i + 1], cache, last_only=True) for i in range(len(IDS))])
@@ -124,6 +125,24 @@ def test_decode_one_token_at_a_time_equals_prompt(case):
     model(IDS[:9], c2)
     out = model.decode_batch(np.array([IDS[6], IDS[9]]), [c1, c2])
     np.testing.assert_allclose(out, full[[6, 9]], rtol=0, atol=2e-5 * np.abs(full).max())
+
+
+def test_gguf_loads_the_same_model(case, tmp_path):
+    """The folder written as llama.cpp's converter writes it (GGUF names, Gemma's norms + 1, Llama 3's
+    rope_freqs.weight, llama's q/k permutation) gives the folder's logits; for Gemma 3, whose GGUF
+    says less (attention scale 1/sqrt(head_dim), every 6th layer global), the HF formulas' logits
+    under the config the file gives."""
+    name, model, cfg, w, d = case
+    if cfg.get("final_logit_softcapping"):
+        pytest.skip("llama.cpp's Gemma 3 files carry no final softcapping")
+    from mixqrt.io.gguf import GGUFSource
+    path = make_tiny_gguf(d, tmp_path / "m.gguf")
+    with GGUFSource(path) as src:
+        assert src.arch == CASES[name][0]
+        g = load_f32(src)
+        gcfg = dict(src.config)
+    full = model.logits(IDS) if name != "gemma3" else reference(gcfg, w, IDS)
+    np.testing.assert_allclose(g.logits(IDS), full, rtol=0, atol=1e-5 * np.abs(full).max())
 
 
 def test_qwen3_head_dim_is_independent():

@@ -231,7 +231,7 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch, arch_override = cfg["model_type"], arch
+    arch, arch_override = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"]), arch
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     from mixqrt.io.hf import SafetensorsFile
     files = [SafetensorsFile(p) for p in sorted(hf_dir.glob("*.safetensors"))]
@@ -243,6 +243,17 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     w = gguf.GGUFWriter(str(path), arch if arch_override is None else arch_override)
     add_config_to_gguf(w, cfg)
+    if arch in ("qwen3", "gemma3"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+    rs = cfg.get("rope_scaling") or {}
+    if rs.get("rope_type") == "llama3":             # the converter's rope_freqs.weight: HF inv / this
+        from mixqrt.models.qwen2 import rope_inv_freq
+        d = cfg["head_dim"]
+        plain = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2) / d)
+        w.add_tensor("rope_freqs.weight", (plain / rope_inv_freq(rs, cfg["rope_theta"], d)).astype(np.float32))
     # vocabulary padded to the embedding rows with unused [PAD] tokens, as the converter does
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok["added_tokens"]}
@@ -268,7 +279,9 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     for name, a in weights.items():
-        gname = hf_to_gguf_name(name)
+        gname = hf_to_gguf_name(name, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + np.float32(1.0)                     # llama.cpp's Gemma converter stores 1 + w
         if arch == "llama" and ".self_attn.q_proj." in name:
             a = permute_qk(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in name:
