@@ -173,3 +173,58 @@ def test_bad_config_names_the_field(tmp_path, arch, extra, field):
     with pytest.raises(ModelError, match=field.replace(".", r"\.")):
         with HFSource(d) as src:
             load_f32(src)
+
+
+# ----------------------------------------------------------------------------- SentencePiece GGUF vocabularies
+def _spm_meta():
+    """A small Gemma-style vocabulary: controls, 256 byte tokens, pieces with scores (higher merges first)."""
+    pieces = ["\u2581", "a", "b", "c", "\u2581a", "ab", "bc", "abc", "\u2581ab", "ca", "\u2581\u2581", "cab", "bb"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces)
+    rng = np.random.default_rng(0)
+    scores = [-1000.0] * 4 + [0.0] * 256 + list(-rng.permutation(len(pieces)).astype(float) - 1)
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": np.array(types, dtype=np.int32),
+            "tokenizer.ggml.scores": np.array(scores, dtype=np.float32), "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+
+
+def _spm_reference(meta, text):
+    """llama.cpp's SPM tokenizer: join the adjacent pair whose join is a normal token of the highest
+    score (leftmost on ties) until none is; pieces not in the vocabulary as their UTF-8 bytes."""
+    tokens, types, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], \
+        meta["tokenizer.ggml.scores"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    sym = list(text.replace(" ", "\u2581"))
+    while True:
+        best = None
+        for j in range(len(sym) - 1):
+            i = vocab.get(sym[j] + sym[j + 1])
+            if i is not None and types[i] == 1 and (best is None or scores[i] > best[0]):
+                best = (scores[i], j)
+        if best is None:
+            break
+        j = best[1]
+        sym[j:j + 2] = [sym[j] + sym[j + 1]]
+    out = []
+    for s in sym:
+        out.extend([vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()])
+    return out
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abc é", max_size=24))
+def test_spm_gguf_tokenizer_is_llama_cpps(text):
+    from mixqrt.tokenizer import Tokenizer
+    meta = _spm_meta()
+    tok = _SPM.get("tok") or _SPM.setdefault("tok", Tokenizer.from_gguf_metadata(meta))
+    assert tok.encode(text, parse_special=False) == _spm_reference(meta, text)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode(text, add_special_tokens=True)[:1] == [2]
+
+
+_SPM: dict = {}
