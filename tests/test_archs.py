@@ -145,16 +145,30 @@ def test_gguf_loads_the_same_model(case, tmp_path):
     np.testing.assert_allclose(g.logits(IDS), full, rtol=0, atol=1e-5 * np.abs(full).max())
 
 
+@pytest.mark.parametrize("arch,tensor,values,match", [
+    ("gemma3", "rope_freqs.weight", np.ones(16), "rope_freqs"),             # no Llama 3 scaling in Gemma
+    ("llama", "rope_factors_long.weight", np.ones(8), "rope_factors_long"),  # longrope: not supported
+    ("llama", "rope_freqs.weight", np.ones(5), "head_dim / 2"),
+    ("llama", "rope_freqs.weight", -np.ones(8), "positive"),
+])
+def test_gguf_rope_factor_tensors_refused(tmp_path, arch, tensor, values, match):
+    from mixqrt.io.gguf import GGUFSource
+    d = make_tiny_hf_model(tmp_path / "hf", arch=arch, dtype="f32")
+    path = make_tiny_gguf(d, tmp_path / "m.gguf", extra_tensors={tensor: values})
+    with pytest.raises(ModelError, match=match):
+        GGUFSource(path)
+
+
 def test_qwen3_head_dim_is_independent():
-    from mixqrt.models import build_model
+    """Qwen3-0.6B's shapes: hidden 1024, 16 heads of 128 (q is 2048 wide), q/k norms of 128."""
+    from mixqrt.models.spec import ModelSpec
     cfg = {"model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8,
            "head_dim": 128, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 8}
-    m = build_model(cfg, {}, arch="qwen3") if False else None     # shapes only: the spec
-    from mixqrt.models.spec import ModelSpec
     s = ModelSpec(cfg, "qwen3").layer_shapes(0)
     assert s["model.layers.0.self_attn.q_proj.weight"] == (2048, 1024)
+    assert s["model.layers.0.self_attn.o_proj.weight"] == (1024, 2048)
     assert s["model.layers.0.self_attn.q_norm.weight"] == (128,)
-    assert m is None
+    assert "model.layers.0.self_attn.q_proj.bias" not in s
 
 
 @pytest.mark.parametrize("arch,extra,field", [

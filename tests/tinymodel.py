@@ -219,11 +219,13 @@ def make_tiny_hf_model(dir, arch: str = "qwen2", tied: bool = True, seed: int = 
     return d
 
 
-def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None = None) -> Path:
+def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None = None,
+                   extra_tensors: dict | None = None) -> Path:
     """Convert a tiny HF folder to GGUF the way llama.cpp's convert_hf_to_gguf.py does.
 
     edit(weights) may change the HF-named float32 dict first (tests drop or poison tensors);
-    arch overrides general.architecture (tests write unknown ones).
+    arch overrides general.architecture (tests write unknown ones); extra_tensors: GGUF-named
+    float32 arrays written as they are.
     """
     import gguf
 
@@ -292,6 +294,8 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
             w.add_tensor(gname, a.astype(np.float16))
         else:
             w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)
+    for gname, a in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.asarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
