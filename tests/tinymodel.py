@@ -113,13 +113,16 @@ def write_safetensors(path, tensors: dict, dtype: str = "F32", metadata: dict | 
     return path
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "gemma3")
+ARCHS = ("qwen2", "llama", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe")
 _CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma3": "Gemma3ForCausalLM"}
+            "gemma3": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# MoE: 4 experts, top 2, expert width 32 (qwen2_moe: a shared expert of 48; layer 1 sparse only
+# through decoder_sparse_step 1, mlp_only_layers [] -> both layers sparse)
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def head_dim_of(arch: str) -> int:
-    return 32 if arch in ("qwen3", "gemma3") else HEAD_DIM
+    return 32 if arch in ("qwen3", "gemma3", "qwen3_moe") else HEAD_DIM
 
 
 def tiny_config(arch: str = "qwen2", tied: bool = True) -> dict:
@@ -132,8 +135,12 @@ def tiny_config(arch: str = "qwen2", tied: bool = True) -> dict:
         "max_position_embeddings": 256, "vocab_size": VOCAB, "tie_word_embeddings": tied,
         "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
+    if arch == "qwen3_moe":
+        cfg.update(MOE, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        cfg.update(MOE, norm_topk_prob=False, shared_expert_intermediate_size=48)
     if arch == "gemma3":
         del cfg["hidden_act"]
         cfg.update({"hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
@@ -165,15 +172,28 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
         w[p + "self_attn.k_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
         w[p + "self_attn.v_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
         w[p + "self_attn.o_proj.weight"] = lin(HIDDEN, HEADS * hd)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
         if arch == "gemma3":
             w[p + "pre_feedforward_layernorm.weight"] = norm(HIDDEN)
             w[p + "post_feedforward_layernorm.weight"] = norm(HIDDEN)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             w[p + "self_attn.q_proj.bias"] = (0.3 * rng.standard_normal(HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.v_proj.bias"] = (0.05 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
+        if arch.endswith("_moe"):
+            mi = MOE["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = lin(MOE["num_experts"], HIDDEN)
+            for e in range(MOE["num_experts"]):
+                w[f"{p}mlp.experts.{e}.gate_proj.weight"] = lin(mi, HIDDEN)
+                w[f"{p}mlp.experts.{e}.up_proj.weight"] = lin(mi, HIDDEN)
+                w[f"{p}mlp.experts.{e}.down_proj.weight"] = lin(HIDDEN, mi)
+            if arch == "qwen2_moe":
+                w[p + "mlp.shared_expert.gate_proj.weight"] = lin(48, HIDDEN)
+                w[p + "mlp.shared_expert.up_proj.weight"] = lin(48, HIDDEN)
+                w[p + "mlp.shared_expert.down_proj.weight"] = lin(HIDDEN, 48)
+                w[p + "mlp.shared_expert_gate.weight"] = lin(1, HIDDEN)
+            continue
         w[p + "mlp.gate_proj.weight"] = lin(INTER, HIDDEN)
         w[p + "mlp.up_proj.weight"] = lin(INTER, HIDDEN)
         w[p + "mlp.down_proj.weight"] = lin(HIDDEN, INTER)

@@ -31,7 +31,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # HF `architectures` entries we know, for configs whose model_type is missing or odd.
 _ARCH_CLASSES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma3ForCausalLM": "gemma3"}
+                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 class Source:

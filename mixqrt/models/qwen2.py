@@ -99,7 +99,7 @@ class ModelArgs:
         self.inv_freq = rope_inv_freq(self.rope_scaling, self.rope_theta, self.head_dim)
         self.tie_word_embeddings = bool(self.tie_word_embeddings)
         if self.attention_bias is None:
-            self.attention_bias = self.model_type == "qwen2"
+            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe")
         self.attention_bias = bool(self.attention_bias)
 
 

@@ -18,7 +18,7 @@ _FFN = {"ffn_gate": None, "ffn_up": None, "ffn_down": None}
 
 
 def _fill(**kw) -> dict:
-    table = {"bias": "f32", "norm": "f32"}
+    table = {"bias": "f32", "norm": "f32", "router": "f32"}   # a router is small and picks the experts
     for role in _ATTN:
         table[role] = kw.get("attn")
     for role in _FFN:
@@ -166,7 +166,7 @@ class Recipe:
     def format_for(self, name: str, role: str | None = None, n_layers: int | None = None) -> str:
         role = self._role(name, role)
         table = {**self.table, **self.tied_table} if (self.tie and self.tie_source) else self.table
-        fmt = self.per_tensor.get(name, table[role])
+        fmt = self.per_tensor.get(name, table.get(role, "f32") if role == "router" else table[role])
         if self.layer_rules and n_layers and name.startswith("model.layers."):
             i = int(name.split(".")[2])
             for roles, rfmt, layers in self.rule_layers(n_layers):
