@@ -271,3 +271,62 @@ def test_spm_gguf_tokenizer_is_llama_cpps(text):
 
 
 _SPM: dict = {}
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 8), st.data())
+def test_route_top_k_with_ties(t, e, data):
+    """route(): the k largest softmax probabilities, lower expert index first among equal ones,
+    weights renormalised only with norm_topk_prob; logits drawn from few values so ties are common."""
+    from mixqrt.models.moe import route
+    k = data.draw(st.integers(1, e))
+    logits = np.array(data.draw(st.lists(st.lists(st.sampled_from([-2.0, 0.0, 0.5, 3.0]), min_size=e, max_size=e),
+                                         min_size=t, max_size=t)), dtype=np.float32)
+    top, w = route(logits, k, False)
+    top_n, w_n = route(logits, k, True)
+    assert top.shape == (t, k) and np.array_equal(top, top_n)
+    for r in range(t):
+        order = sorted(range(e), key=lambda i: (-logits[r, i], i))[:k]     # exact ties: by index
+        assert list(top[r]) == order
+        p = np.exp(logits[r].astype(np.float64) - logits[r].max())
+        p /= p.sum()
+        np.testing.assert_allclose(w[r], p[order], rtol=1e-6)
+        np.testing.assert_allclose(w_n[r].sum(), 1.0, rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.sampled_from([(4, 1), (4, 2), (4, 4), (3, 2)]), st.booleans(), st.integers(0, 1000))
+def test_moe_grouped_by_expert_equals_token_by_token(t, ek, shared, seed):
+    """Tokens that share experts are run together (one product per expert over its tokens): the same
+    result as each token through its own experts."""
+    from mixqrt.models.moe import Experts, moe_ffn, route
+    e, k = ek
+    rng = np.random.default_rng(seed)
+    d, i = 16, 8
+    ex = Experts(rng.standard_normal((e, d)).astype(np.float32),
+                 [rng.standard_normal((i, d)).astype(np.float32) for _ in range(e)],
+                 [rng.standard_normal((i, d)).astype(np.float32) for _ in range(e)],
+                 [rng.standard_normal((d, i)).astype(np.float32) for _ in range(e)],
+                 tuple(rng.standard_normal(s).astype(np.float32) for s in ((i, d), (i, d), (d, i))) if shared else None,
+                 rng.standard_normal((1, d)).astype(np.float32) if shared else None)
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    got = moe_ffn(ex, h, k, True)
+    for r in range(t):
+        one = moe_ffn(ex, h[r:r + 1], k, True)
+        np.testing.assert_allclose(got[r], one[0], rtol=1e-5, atol=1e-5)
+    top, _ = route(h @ ex.router.T, k, True)
+    assert top.shape == (t, k)
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"num_experts": 0}, "num_experts"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+    ({"mlp_only_layers": "all"}, "mlp_only_layers"),
+])
+def test_bad_moe_config_names_the_field(tmp_path, extra, field):
+    d = make_tiny_hf_model(tmp_path, arch="qwen3_moe", dtype="f32", config_extra=extra)
+    with pytest.raises(ModelError, match=field):
+        with HFSource(d) as src:
+            load_f32(src)

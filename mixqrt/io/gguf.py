@@ -56,6 +56,16 @@ _ARCH_LAYER_NAMES = {
                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
 }
+_MOE_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+              "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+              "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+              "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+_ARCH_LAYER_NAMES["qwen2_moe"] = {**_LAYER_NAMES, **_MOE_NAMES}
+_ARCH_LAYER_NAMES["qwen3_moe"] = {**_LAYER_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES}
+# routed experts: one GGUF tensor [experts, out, in] per kind, seen as one HF tensor per expert
+_EXPS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# GGUF architecture names that differ from the HF model_type
+_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # architectures whose GGUF norm weights are HF's plus one (llama.cpp multiplies by the stored weight)
 _NORM_PLUS_ONE = ("gemma3",)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -284,10 +294,11 @@ def meta_str(meta: dict, key: str, path, default=None):
 
 
 def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
-    arch = meta.get("general.architecture")
+    garch = meta.get("general.architecture")
+    arch = _GGUF_ARCHS.get(garch, garch) if isinstance(garch, str) else garch
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: unknown architecture {str(arch)[:40]} (supported: {', '.join(SUPPORTED_ARCHS)})")
-    names = {hf: f"{arch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()}
+        raise ModelError(f"{path}: unknown architecture {str(garch)[:40]} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    names = {hf: f"{garch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()}
 
     def key_int(hf, default=None, required=True):
         return meta_int(meta, names[hf], path, default, required)
@@ -307,10 +318,10 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
     else:
         vocab = meta_int(meta, f"{arch}.vocab_size", path)
     k_len = key_int("head_dim", hidden // n_head)
-    v_len = meta_int(meta, f"{arch}.attention.value_length", path, k_len)
+    v_len = meta_int(meta, f"{garch}.attention.value_length", path, k_len)
     if v_len != k_len:
-        raise ModelError(f"{path}: GGUF metadata {arch}.attention.value_length={v_len} differs from "
-                         f"{arch}.attention.key_length={k_len} (head_dim mismatch; not supported)")
+        raise ModelError(f"{path}: GGUF metadata {garch}.attention.value_length={v_len} differs from "
+                         f"{garch}.attention.key_length={k_len} (head_dim mismatch; not supported)")
     cfg = {
         "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                            "gemma3": "Gemma3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
@@ -329,6 +340,15 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        # llama.cpp renormalises the top-k weights for qwen3moe and not for qwen2moe
+        cfg.update(num_experts=meta_int(meta, f"{garch}.expert_count", path),
+                   num_experts_per_tok=meta_int(meta, f"{garch}.expert_used_count", path),
+                   moe_intermediate_size=meta_int(meta, f"{garch}.expert_feed_forward_length", path),
+                   shared_expert_intermediate_size=meta_int(
+                       meta, f"{garch}.expert_shared_feed_forward_length", path, 0),
+                   norm_topk_prob=arch == "qwen3_moe")
+        cfg["architectures"] = ["Qwen2MoeForCausalLM" if arch == "qwen2_moe" else "Qwen3MoeForCausalLM"]
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
     else:
@@ -346,11 +366,11 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
             v = meta_float(meta, f"{arch}.{key}", path, required=False)
             if v:
                 cfg[key] = v
-    scaling = meta_str(meta, f"{arch}.rope.scaling.type", path)
+    scaling = meta_str(meta, f"{garch}.rope.scaling.type", path)
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"type": scaling, "rope_type": scaling,
-                               "factor": meta_float(meta, f"{arch}.rope.scaling.factor", path, 1.0)}
-        orig = meta_int(meta, f"{arch}.rope.scaling.original_context_length", path, required=False)
+                               "factor": meta_float(meta, f"{garch}.rope.scaling.factor", path, 1.0)}
+        orig = meta_int(meta, f"{garch}.rope.scaling.original_context_length", path, required=False)
         if orig:
             cfg["rope_scaling"]["original_max_position_embeddings"] = orig
     for tok in ("bos", "eos", "padding"):
@@ -397,10 +417,18 @@ class GGUFSource(Source):
             self.arch = self.config["model_type"]
             self._rope_factors()
             check_config(self.config, str(self.path),
-                         {hf: f"{self.arch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()})
+                         {hf: f"{self.metadata['general.architecture']}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()})
             self._names = {}                        # HF name -> GGUF name
+            self._expert = {}                       # HF name of a routed expert -> its index in the GGUF tensor
             self.unmapped = []                      # GGUF tensors the graphs do not use
             for gname, (dims, qtype, _, _) in self._gguf.items():
+                m = _EXPS_RE.fullmatch(gname) if self.arch in ("qwen2_moe", "qwen3_moe") else None
+                if m is not None and len(dims) == 3:
+                    for e in range(int(dims[2])):
+                        hname = f"model.layers.{int(m.group(1))}.mlp.experts.{e}.{m.group(2)}_proj.weight"
+                        self._names[hname], self._expert[hname] = gname, e
+                        self._info[hname] = ((int(dims[1]), int(dims[0])), qtype.name)
+                    continue
                 hname = gguf_to_hf_name(gname, self.arch)
                 if hname is None and gname in _ROPE_FACTOR_TENSORS:
                     continue                         # read below
@@ -408,7 +436,9 @@ class GGUFSource(Source):
                     self.unmapped.append(gname)
                     continue
                 self._names[hname] = gname
-                self._info[hname] = (tuple(int(d) for d in reversed(dims)), qtype.name)
+                shape = tuple(int(d) for d in reversed(dims))
+                self._info[hname] = ((1,) + shape if hname.endswith("shared_expert_gate.weight") else shape,
+                                     qtype.name)
             check_layout(self)
             from mixqrt.tokenizer import eos_ids_from_gguf
             self.generation_config = generation_config_from_metadata(
@@ -441,9 +471,20 @@ class GGUFSource(Source):
         from mixqrt.tokenizer import Tokenizer
         return Tokenizer.from_gguf_metadata(self.metadata, where=str(self.path))
 
+    def _span(self, name: str):
+        """(GGUF name, ggml type, start, nbytes, HF shape) of an HF tensor: one expert's slice of a
+        stacked expert tensor, else the whole GGUF tensor."""
+        gname = self._names[name]
+        dims, qtype, start, nbytes = self._gguf[gname]
+        e = self._expert.get(name)
+        if e is None:
+            return gname, qtype, start, nbytes, tuple(int(d) for d in reversed(dims))
+        per = nbytes // int(dims[2])
+        return gname, qtype, start + e * per, per, (int(dims[1]), int(dims[0]))
+
     def raw(self, name: str) -> tuple[np.ndarray, str]:
         """(raw bytes of the GGUF tensor as a read-only uint8 view, ggml type name), HF name in."""
-        dims, qtype, start, nbytes = self._gguf[self._names[name]]
+        _, qtype, start, nbytes, _ = self._span(name)
         return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start), qtype.name
 
     def _decode(self, gname: str, raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:
@@ -463,9 +504,7 @@ class GGUFSource(Source):
 
     def rows(self, name: str, idx) -> np.ndarray:
         """Only the rows asked for are read and dequantized (GGUF rows are contiguous blocks)."""
-        gname = self._names[name]
-        dims, qtype, start, nbytes = self._gguf[gname]
-        shape = tuple(int(d) for d in reversed(dims))
+        gname, qtype, start, nbytes, shape = self._span(name)
         idx = np.asarray(idx, dtype=np.int64)
         if len(shape) != 2 or (self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight"))) \
                 or idx.size == 0 or idx.min() < 0 or idx.max() >= shape[0]:
@@ -476,11 +515,11 @@ class GGUFSource(Source):
         return np.ascontiguousarray(w, dtype=np.float32)
 
     def _read(self, name: str) -> np.ndarray:
-        gname = self._names[name]
-        dims, qtype, start, nbytes = self._gguf[gname]
-        shape = tuple(int(d) for d in reversed(dims))
+        gname, qtype, start, nbytes, shape = self._span(name)
         raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
         w = self._decode(gname, raw, qtype, shape)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)                      # GGUF stores the one-row gate as a vector
         if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, self.config["num_attention_heads"])
         elif self.arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
