@@ -16,7 +16,6 @@ import numpy as np
 from mixqrt import ops
 from mixqrt.errors import ModelError
 from mixqrt.models import qwen2, spec
-from mixqrt.models.base import to_f32
 
 
 @dataclass
@@ -42,7 +41,7 @@ class Experts:
     up: list                        # E x [I, D]
     down: list                      # E x [D, I]
     shared: tuple | None            # (gate [S, D], up [S, D], down [D, S]) or None
-    shared_gate: np.ndarray | None  # [1, D] float32
+    shared_gate: object             # [1, D] (a one-row router)
 
 
 def route(logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +96,7 @@ class MoEMixin:
                          None, None)
             if m.shared_inter:
                 ex.shared = tuple(w.pop(f"{p}mlp.shared_expert.{n}_proj.weight") for n in ("gate", "up", "down"))
-                ex.shared_gate = to_f32(w.pop(p + "mlp.shared_expert_gate.weight"))
+                ex.shared_gate = w.pop(p + "mlp.shared_expert_gate.weight")
         except KeyError as e:
             raise ModelError(f"missing tensor {e.args[0]!r}") from None
         w[p + "mlp.gate_up_proj.weight"], w[p + "mlp.down_proj.weight"] = [None], None
