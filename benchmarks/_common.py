@@ -75,7 +75,30 @@ def machine_info() -> dict:
         info["llama_cpp_python"] = llama_cpp.__version__
     except ImportError:
         info["llama_cpp_python"] = None
+    info["llama_cpp_bin"] = os.environ.get(LLAMA_CPP_BIN_ENV)
     return info
+
+
+LLAMA_CPP_BIN_ENV = "MIXQRT_LLAMA_CPP_BIN"
+
+
+def llama_cpp_bin(tool: str) -> Path:
+    """Path of a llama.cpp command-line tool (llama-server, llama-quantize, llama-perplexity): the
+    folder $MIXQRT_LLAMA_CPP_BIN first (benchmarks/llamacpp_build.sh prints it), then $PATH.
+    FileNotFoundError saying how to build it otherwise. The Python bindings need no variable:
+    `import llama_cpp` finds the package the same script installs."""
+    import shutil
+
+    folder = os.environ.get(LLAMA_CPP_BIN_ENV)
+    if folder:
+        p = Path(folder).expanduser() / tool
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    found = shutil.which(tool)
+    if found:
+        return Path(found)
+    raise FileNotFoundError(f"{tool} not found in ${LLAMA_CPP_BIN_ENV} ({folder or 'unset'}) or on PATH: "
+                            f"build it with benchmarks/llamacpp_build.sh and export {LLAMA_CPP_BIN_ENV}")
 
 
 def peak_rss_bytes() -> int:

@@ -30,7 +30,8 @@ LAYERS = [
     ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.oai", "mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
-             "mixqrt.__init__"]),
+             "mixqrt.__init__",
+             "mixqrt.testing"]),                            # synthetic GGUFs for the llama.cpp oracle
 ]
 
 

@@ -431,7 +431,7 @@ class GGUFSource(Source):
                     continue
                 hname = gguf_to_hf_name(gname, self.arch)
                 if hname is None and gname in _ROPE_FACTOR_TENSORS:
-                    continue                         # read below
+                    continue                         # read (or refused) by _rope_factors above
                 if hname is None:
                     self.unmapped.append(gname)
                     continue

@@ -1,0 +1,1 @@
+"""Helpers for mixqrt's own tests and benchmarks (synthetic model files)."""
