@@ -154,16 +154,17 @@ def test_decode_one_token_at_a_time_equals_prompt(case):
     np.testing.assert_allclose(out, full[[6, 9]], rtol=0, atol=2e-5 * np.abs(full).max())
 
 
-def test_gguf_loads_the_same_model(case, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "gemma3"])   # MoE GGUFs: tests/test_oracle.py
+def test_gguf_loads_the_same_model(name, tmp_path):
     """The folder written as llama.cpp's converter writes it (GGUF names, Gemma's norms + 1, Llama 3's
     rope_freqs.weight, llama's q/k permutation) gives the folder's logits; for Gemma 3, whose GGUF
     says less (attention scale 1/sqrt(head_dim), every 6th layer global), the HF formulas' logits
     under the config the file gives."""
-    name, model, cfg, w, d = case
-    if cfg.get("final_logit_softcapping"):
-        pytest.skip("llama.cpp's Gemma 3 files carry no final softcapping")
-    if name.endswith("_moe"):
-        pytest.skip("MoE GGUFs are checked against llama.cpp in test_oracle (stacked expert tensors)")
+    arch, extra = CASES[name]
+    d = make_tiny_hf_model(tmp_path / "hf", arch=arch, dtype="f32", config_extra=extra)
+    w = tiny_weights(arch, True, 0)
+    with HFSource(d) as src:
+        model = load_f32(src)
     from mixqrt.io.gguf import GGUFSource
     path = make_tiny_gguf(d, tmp_path / "m.gguf")
     with GGUFSource(path) as src:
