@@ -352,3 +352,29 @@ def test_calibration_rounds_experts_no_token_chose(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     import mixqrt
     assert np.isfinite(mixqrt.load(str(out)).model.logits(IDS[:4])).all()
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_gemma3_multimodal_folder_loads_its_text_decoder(tmp_path, prefix):
+    """A Gemma 3 folder with its vision tower (Gemma3ForConditionalGeneration: config.text_config,
+    the decoder's tensors under language_model.model. or, since transformers 4.52,
+    model.language_model.) loads as the text model; the vision tensors are skipped."""
+    import json
+
+    from tinymodel import write_safetensors
+    d = make_tiny_hf_model(tmp_path / "text", arch="gemma3", dtype="f32")
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    text_cfg = json.loads((d / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text_cfg,
+        "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106]}))
+    w = {(prefix + n[len("model."):] if n.startswith("model.") else n): a for n, a in tiny_weights("gemma3").items()}
+    w["vision_tower.vision_model.post_layernorm.weight"] = np.ones(8, np.float32)
+    w["multi_modal_projector.mm_input_projection_weight"] = np.ones((8, 64), np.float32)
+    write_safetensors(mm / "model.safetensors", w, "F32", {"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (mm / f).write_text((d / f).read_text())
+    with HFSource(d) as a, HFSource(mm) as b:
+        assert b.arch == "gemma3"
+        np.testing.assert_array_equal(load_f32(b).logits(IDS[:5]), load_f32(a).logits(IDS[:5]))
