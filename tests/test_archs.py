@@ -378,3 +378,17 @@ def test_gemma3_multimodal_folder_loads_its_text_decoder(tmp_path, prefix):
     with HFSource(d) as a, HFSource(mm) as b:
         assert b.arch == "gemma3"
         np.testing.assert_array_equal(load_f32(b).logits(IDS[:5]), load_f32(a).logits(IDS[:5]))
+
+
+@pytest.mark.parametrize("arch,want", [("gemma3", "f32"), ("qwen3", "q5g")])
+def test_gemma_norms_stay_float_in_2356(tmp_path, arch, want):
+    """Gemma's (1 + weight) norms stay float32 where a recipe says q5g (recipes.FLOAT_NORM_ARCHS);
+    other architectures' norms keep the recipe's q5g; an explicit override still wins."""
+    from mixqrt.quantize.recipes import get_recipe, parse_overrides, tensor_plan
+    d = make_tiny_hf_model(tmp_path, arch=arch, dtype="f32")
+    with HFSource(d) as src:
+        plan = tensor_plan(src, get_recipe("2356"))
+        assert {fmt for _, role, fmt, _ in plan if role == "norm"} == {want}
+        rec = get_recipe("2356")
+        rec.overrides = parse_overrides(["norm=q8"])
+        assert {fmt for _, role, fmt, _ in tensor_plan(src, rec) if role == "norm"} == {"q8"}
