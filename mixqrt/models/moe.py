@@ -29,6 +29,12 @@ class MoEArgs(qwen2.ModelArgs):
     decoder_sparse_step: int = 1
     mlp_only_layers: list | None = None
 
+    arch = "qwen3_moe"              # a subclass names its architecture (not a dataclass field)
+
+    @classmethod
+    def from_dict(cls, config, model_type=None):
+        return super().from_dict(config, model_type=cls.arch)
+
     def validate(self) -> None:
         super().validate()
         spec.moe_layout(vars(self), self.num_hidden_layers)

@@ -6,9 +6,7 @@ from mixqrt.models import moe, qwen2
 
 
 class ModelArgs(moe.MoEArgs):
-    @classmethod
-    def from_dict(cls, config, model_type=None):
-        return super().from_dict(config, model_type="qwen2_moe")
+    arch = "qwen2_moe"
 
 
 class Model(moe.MoEMixin, qwen2.Model):

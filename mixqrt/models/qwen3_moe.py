@@ -6,9 +6,7 @@ from mixqrt.models import moe, qwen3
 
 
 class ModelArgs(moe.MoEArgs):
-    @classmethod
-    def from_dict(cls, config, model_type=None):
-        return super().from_dict(config, model_type="qwen3_moe")
+    arch = "qwen3_moe"
 
 
 class Model(moe.MoEMixin, qwen3.Model):
