@@ -1,10 +1,11 @@
 """Smoke test of an installed mixqrt wheel, run from outside the source tree with no compiler on PATH.
 
-    python wheel_smoke.py TESTS_DIR      (TESTS_DIR: the repo's tests/, for tinymodel.py only)
+    python wheel_smoke.py
 
 Checks: mixqrt imports from site-packages (not a source checkout), nothing can compile, every ISA
 tier this CPU offers runs the packed matmul and agrees with the float product, `mixqrt doctor`
-runs, and the CLI and the Python API generate from the tiny test model.
+runs, and the CLI and the Python API generate from the tiny test model (mixqrt.testing.tiny, from the
+installed wheel).
 """
 import json
 import os
@@ -21,7 +22,7 @@ def step(msg):
     print(f"[smoke {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def main(tests_dir: str) -> int:
+def main() -> int:
     import numpy as np
 
     import mixqrt
@@ -60,8 +61,7 @@ def main(tests_dir: str) -> int:
     if doc.returncode != 0 or "ISA tier" not in doc.stdout:
         raise SystemExit(f"mixqrt doctor failed (rc {doc.returncode}): {doc.stderr[-2000:]}")
 
-    sys.path.insert(0, tests_dir)
-    from tinymodel import make_tiny_hf_model
+    from mixqrt.testing.tiny import make_tiny_hf_model
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_hf_model(Path(tmp) / "tiny")
         env = {**os.environ, "MIXQRT_CACHE": str(Path(tmp) / "cache"), "HF_HUB_OFFLINE": "1"}
@@ -81,4 +81,4 @@ def main(tests_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

@@ -10,7 +10,6 @@ identical, and writes docs/tokenizer.md. Decode round trips are checked on the s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mixqrt.io import open_source  # noqa: E402
+from mixqrt.testing import model_path  # noqa: E402
 
-MODELS_DIR = Path(os.environ.get("MIXQRT_TEST_MODELS", Path.home() / ".cache" / "mixqrt-test-models"))
-MODELS = {"qwen2.5-coder-0.5b (qwen2 pre)": MODELS_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-          "smollm2-135m (smollm pre)": MODELS_DIR / "smollm2-135m-instruct-q4_1.gguf"}
-WIKI = ROOT.parent / "shared" / "data" / "wikitext-2-test.txt"
+MODELS = {"qwen2.5-coder-0.5b (qwen2 pre)": model_path("qwen"),      # the test models (mixqrt.testing)
+          "smollm2-135m (smollm pre)": model_path("smol")}
+WIKI = ROOT / "tests" / "data" / "wikitext-2-test.txt"
 
 CASES = {
     "english": "The quick brown fox jumps over the lazy dog. It's 2024; we'll see what they've done, isn't it?",

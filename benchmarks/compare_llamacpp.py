@@ -39,8 +39,7 @@ from mixqrt.quantize.recipes import DEFAULT_RECIPE  # noqa: E402
 from _common import (CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree_hash,  # noqa: E402
                      update_doc, write_json)
 
-DEFAULT_MODEL = os.path.expanduser("~/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-DEFAULT_TEXT = "/work/shared/data/wikitext-2-test.txt"
+DEFAULT_TEXT = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-test.txt")
 MIXQRT_RECIPES = ["f32", "q8", "q4", "2356t", "2356", "2356-q3u", "2356-q8embed", "2356-f32norm", "2356-bound"]
 LCPP_FTYPES = {"F32": 0, "Q8_0": 7, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12, "Q2_K": 10}
 RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the 2356 mix",
@@ -885,8 +884,8 @@ def write_plot(path, systems, results, title: str = "") -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="source GGUF for every system (default: fetch.sh's "
-                   "Qwen2.5-Coder-0.5B-Instruct Q4_K_M)")
+    p.add_argument("--model", default=None, help="source GGUF for every system (default: the test model "
+                   "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, mixqrt.testing)")
     p.add_argument("--text", default=DEFAULT_TEXT, help="perplexity text (default wikitext-2 test)")
     p.add_argument("--chunks", type=int, default=8, help="512-token chunks scored per system (default 8; "
                    "wikitext-2 test has ~600)")
@@ -916,6 +915,9 @@ def main(argv=None) -> int:
     p.add_argument("--task", default=None, help=argparse.SUPPRESS)
     p.add_argument("--settings", default="{}", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.model is None:
+        from mixqrt.testing import model_path
+        a.model = str(model_path("qwen"))
     if a.worker:
         return worker_main(a.worker, a.task, a.settings)
     for f in (a.model, a.text):

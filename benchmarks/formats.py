@@ -31,8 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import update_doc, write_json  # noqa: E402
 
 F32 = np.float32
-MODEL = Path.home() / ".cache" / "mixqrt-test-models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-TEXT = ROOT.parent / "shared" / "data" / "wikitext-2-test.txt"
+TEXT = ROOT / "tests" / "data" / "wikitext-2-test.txt"
 QFMTS = ["q2c", "q3p", "q3u", "q4", "q5g", "q6", "q8", "f16", "bf16"]
 ROLES = ["token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "norms"]
 
@@ -180,7 +179,7 @@ def table_levels(samples) -> list[str]:
 def tokens_for(model: Model, text: str, n: int) -> tuple[np.ndarray, str]:
     try:
         from mixqrt.io import open_source
-        tok = open_source(str(MODEL)).tokenizer
+        tok = open_source(str(model.path)).tokenizer
         ids = tok.encode(text)[:n]
         if len(ids) == n:
             return np.array(ids), "mixqrt.tokenizer (from the GGUF)"
@@ -307,11 +306,14 @@ def table_speed(w: np.ndarray) -> list[str]:
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--model", type=Path, default=None, help="source GGUF (default: the Qwen test model, mixqrt.testing)")
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "quant-formats.md")
     ap.add_argument("--quick", action="store_true", help="fewer rows and tokens (smoke test)")
     args = ap.parse_args(argv)
+    if args.model is None:
+        from mixqrt.testing import model_path
+        args.model = model_path("qwen")
     rows, ntok = (16, 16) if args.quick else (128, 128)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()

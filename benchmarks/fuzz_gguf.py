@@ -1,6 +1,6 @@
 """Long mutation fuzz of the GGUF reader (outside CI): N mutated files through GGUFSource, every
 tensor, the tokenizer and the model; each must end in FormatError/ModelError or a load that runs.
-Crashes, hangs and any other exception are failures (see benchmarks/_fuzz.py).
+Crashes, hangs and any other exception are failures (see mixqrt/testing/fuzz.py).
 
     python benchmarks/fuzz_gguf.py -n 100000 [--seed 0] [--timeout 5] [--json out.json]
 
@@ -12,12 +12,12 @@ import os
 import sys
 import tempfile
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
-import _fuzz  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree, as the other benchmarks
+from mixqrt.testing import fuzz as _fuzz  # noqa: E402
 
 
 def make_runner():
-    from model_fuzz import N_GGUF_OPS, check_gguf, gguf_seeds, mutate_gguf
+    from mixqrt.testing.fuzz_files import N_GGUF_OPS, check_gguf, gguf_seeds, mutate_gguf
     seeds = gguf_seeds()
     d = tempfile.mkdtemp(prefix="ggufzz-")  # under the harness's scratch folder
     path = os.path.join(d, "case.gguf")
@@ -32,7 +32,7 @@ def make_runner():
 
 
 def describe(seed, i):
-    from model_fuzz import N_GGUF_OPS
+    from mixqrt.testing.fuzz_files import N_GGUF_OPS
     s, ops = _fuzz.case_ops(seed, i, 3, N_GGUF_OPS)
     return {"seed_file": s, "ops": ops}
 

@@ -21,10 +21,10 @@ import time
 import traceback
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "benchmarks")]
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 from test_mxq_fuzz import INTERESTING, N_OPS, check, mutate, seed_files  # noqa: E402
 
-from _fuzz import Hang, _alarm  # noqa: E402  (the GGUF/safetensors fuzzers' per-case time limit)
+from mixqrt.testing.fuzz import Hang, _alarm  # noqa: E402  (the GGUF/safetensors fuzzers' per-case time limit)
 
 from mixqrt.errors import FormatError  # noqa: E402
 from mixqrt.io.mxq import MxqFile  # noqa: E402

@@ -1,7 +1,7 @@
 """Long mutation fuzz of the safetensors / HF-folder reader (outside CI): N mutated folders (config,
 index, generation config and safetensors headers and bytes) through HFSource, every tensor, the
 tokenizer and the model; each must end in FormatError/ModelError or a load that runs. Crashes, hangs
-and any other exception are failures (see benchmarks/_fuzz.py).
+and any other exception are failures (see mixqrt/testing/fuzz.py).
 
     python benchmarks/fuzz_safetensors.py -n 100000 [--seed 0] [--timeout 5] [--json out.json]
 
@@ -13,12 +13,12 @@ import os
 import sys
 import tempfile
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
-import _fuzz  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the source tree, as the other benchmarks
+from mixqrt.testing import fuzz as _fuzz  # noqa: E402
 
 
 def make_runner():
-    from model_fuzz import N_HF_OPS, check_hf, hf_seeds, mutate_hf, write_folder
+    from mixqrt.testing.fuzz_files import N_HF_OPS, check_hf, hf_seeds, mutate_hf, write_folder
     seeds = hf_seeds()
     root = tempfile.mkdtemp(prefix="stfuzz-")  # under the harness's scratch folder
     folder = os.path.join(root, "model")
@@ -32,7 +32,7 @@ def make_runner():
 
 
 def describe(seed, i):
-    from model_fuzz import N_HF_OPS
+    from mixqrt.testing.fuzz_files import N_HF_OPS
     s, ops = _fuzz.case_ops(seed, i, 3, N_HF_OPS)
     return {"seed_file": s, "ops": ops}
 

@@ -25,14 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sensitivity import chunk_runner, load_source  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from mixqrt.formats import layout, quantize  # noqa: E402
 from mixqrt.quantize.recipes import get_recipe, role_of  # noqa: E402
+from mixqrt.testing import model_path  # noqa: E402
 
-GGUF = "/root/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+GGUF = str(model_path("qwen"))     # the Qwen test model (mixqrt.testing)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=GGUF)
-    ap.add_argument("--text", default="/work/shared/data/tinyshakespeare.txt")
+    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "tests" / "data" / "tinyshakespeare.txt"))
     ap.add_argument("--offset", type=int, default=400000)
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=512)

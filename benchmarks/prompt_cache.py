@@ -25,7 +25,7 @@ from _common import machine_info, update_doc, write_json  # noqa: E402
 
 import mixqrt  # noqa: E402
 
-TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+TEXT = ROOT / "tests" / "data" / "tinyshakespeare.txt"
 
 
 def conversation(tok, n_tokens: int, text: str):

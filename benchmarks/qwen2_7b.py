@@ -30,7 +30,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks")]
 
-import synthetic_checkpoint as sc  # noqa: E402
+import mixqrt.testing.synthetic as sc  # noqa: E402
 from _common import gguf_decode_bytes, update_doc, write_json  # noqa: E402
 
 RECIPES = ("2356", "q8", "q4")
@@ -229,7 +229,7 @@ def step_pipeline(work: Path, recipe: str, res: dict, a, log) -> None:
 
 # -- llama.cpp on the same weights (stretch) ---------------------------------------------------
 
-def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc.DEFAULT_GGUF) -> None:
+def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path | None = None) -> None:
     """The checkpoint as llama.cpp's converter writes it (F16 or Q8_0 matrices, F32 vectors), streamed: the
     header and tensor table first, then one tensor at a time; the tokenizer metadata comes from a Qwen GGUF."""
     import gguf
@@ -238,7 +238,8 @@ def write_base_gguf(ck: Path, out: Path, qtype: str = "F16", tok_gguf: Path = sc
     from mixqrt.io import open_source
     from mixqrt.io.gguf import GGUFSource, add_config_to_gguf, hf_to_gguf_name
 
-    tsrc = GGUFSource(tok_gguf)
+    from mixqrt.testing import model_path
+    tsrc = GGUFSource(tok_gguf or model_path("qwen"))       # the Qwen tokenizer: the test model's
     meta = tsrc.metadata
     src = open_source(ck)
     cfg = src.config

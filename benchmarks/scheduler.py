@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from mixqrt import ops  # noqa: E402
 from mixqrt.runtime.scheduler import CoreSlicingRunner, RowSplitRunner  # noqa: E402
+from mixqrt.testing import model_path  # noqa: E402
 
-GGUF = "/root/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+GGUF = str(model_path("qwen"))     # the Qwen test model (mixqrt.testing)
 CONFIGS = [("plain mmap", False, False), ("prefetch thread", False, True),
            ("hugepages + willneed", True, False), ("hugepages + willneed + prefetch", True, True)]
 

@@ -31,9 +31,10 @@ from mixqrt.formats import dequantize, layout, quantize  # noqa: E402
 from mixqrt.formats.codec import SEARCH_FORMATS  # noqa: E402
 from mixqrt.quantize.imatrix import importance_for, load_imatrix  # noqa: E402
 from mixqrt.quantize.recipes import role_of  # noqa: E402
+from mixqrt.testing import model_path  # noqa: E402
 
-GGUF = "/root/.cache/mixqrt-test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-TEXT = "/work/shared/data/wikitext-2-test.txt"
+GGUF = str(model_path("qwen"))     # the Qwen test model (mixqrt.testing)
+TEXT = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-test.txt")
 GROUPS = {  # benchmark role -> recipe roles
     "embed": ("embed",), "attn_qkv": ("attn_q", "attn_k", "attn_v"), "attn_o": ("attn_o",),
     "ffn_gate": ("ffn_gate",), "ffn_up": ("ffn_up",), "ffn_down": ("ffn_down",), "lm_head": ("lm_head",),

@@ -309,8 +309,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mxq", required=True, help="the mixqrt model (.mxq)")
     p.add_argument("--gguf", default=None, help="llama.cpp model; default: Q3_K_M made from --source")
-    p.add_argument("--source", default=os.path.expanduser("~/.cache/mixqrt-test-models/"
-                                                          "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+    p.add_argument("--source", default=None, help="source GGUF (default: the Qwen test model, mixqrt.testing)")
     p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per point (all rounds)")
     p.add_argument("--rounds", type=int, default=1,
@@ -327,6 +326,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     systems = a.systems.split(",")
     if "llamacpp" in systems and a.gguf is None:
+        if a.source is None:
+            from mixqrt.testing import model_path
+            a.source = str(model_path("qwen"))
         a.gguf = make_q3km(a.source, a.threads)
     a.gguf = a.gguf or "-"
     cmd = "python benchmarks/serve_load.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))

@@ -5,7 +5,7 @@ before any SMT sibling (platform.affinity.worker_cpus).
     python benchmarks/thread_scaling.py                       # 1, 2, 4, ... up to every usable CPU
     python benchmarks/thread_scaling.py --threads 1,2,4,8,16 --work /tmp/scaling --out docs/lab/thread-scaling.md
 
-The models are synthetic (benchmarks/synthetic_mxq.py: the recipe's formats and sizes, exactly the
+The models are synthetic (mixqrt.testing.synthetic, benchmarks/synthetic_mxq.py: the recipe's formats and sizes, exactly the
 bytes a decode step of a real file reads, meaningless values), so the run needs no checkpoint and
 fits machines that cannot reach one; `--models` also takes real .mxq paths. Where the machine has
 SMT, two more rows each: 2 threads on one core's two hardware threads against 2 cores, and every
@@ -44,7 +44,7 @@ def default_threads() -> list[int]:
 def model_path(spec: str, work: Path, recipe: str, quiet: bool) -> tuple[str, str, tuple]:
     """(label, .mxq path, (n_prompt, n_gen, repeats)) for a shape name (synthesized once into work)
     or a real .mxq path."""
-    import synthetic_mxq
+    from mixqrt.testing import synthetic as synthetic_mxq
     if spec in synthetic_mxq.CONFIGS and spec in SHAPES:
         out = work / f"mixqrt-{spec}-{recipe}.mxq"
         if out.exists():               # one of an older layout (a FormatError here) is made again
@@ -56,7 +56,7 @@ def model_path(spec: str, work: Path, recipe: str, quiet: bool) -> tuple[str, st
                 out.unlink()
         if not out.exists():
             work.mkdir(parents=True, exist_ok=True)
-            r = synthetic_mxq.write(str(out), recipe, synthetic_mxq.CONFIGS[spec], progress=not quiet)
+            r = synthetic_mxq.write_mxq(str(out), recipe, synthetic_mxq.CONFIGS[spec], progress=not quiet)
             print(f"synthesized {out} ({r['bytes'] / 1e9:.2f} GB, {r['seconds']:.1f} s)", flush=True)
         return f"{spec} {recipe} (synthetic)", str(out), SHAPES[spec]
     if not Path(spec).exists():

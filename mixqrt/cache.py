@@ -50,10 +50,9 @@ class KVCache:
             raise GenerationError(f"KVCache dtype must be float32 or float16, got {self.dtype}")
         shape = (self.num_kv_heads, self.max_len, self.head_dim)
         flat = _lazy_zeros(2 * self.num_layers * int(np.prod(shape)), self.dtype)
-        per = flat.size // (2 * self.num_layers)
-        views = [flat[i * per:(i + 1) * per].reshape(shape) for i in range(2 * self.num_layers)]
-        self.keys = views[:self.num_layers]      # L x [Hkv, S, Dh]
-        self.values = views[self.num_layers:]    # L x [Hkv, S, Dh]
+        self.stacked = flat.reshape(2 * self.num_layers, *shape)   # [2L, Hkv, S, Dh]: every K, then every V
+        self.keys = list(self.stacked[:self.num_layers])           # L x [Hkv, S, Dh]
+        self.values = list(self.stacked[self.num_layers:])         # L x [Hkv, S, Dh]
         self.offset = 0                          # positions filled
 
     # ------------------------------------------------------------------ writes
@@ -91,6 +90,24 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes allocated (virtual) for all layers, K and V."""
         return 2 * self.num_layers * self.num_kv_heads * self.max_len * self.head_dim * self.dtype.itemsize
+
+    def resident_bytes(self, rows: int) -> int:
+        """Bytes of the pages that rows [0, rows) of every layer, K/V and head touch: what writing
+        them makes resident (each of the 2 x layers x kv_heads runs starts on its own page or
+        shares one with the previous run)."""
+        rows = max(0, min(int(rows), self.max_len))
+        if rows == 0:
+            return 0
+        page = mmap.PAGESIZE
+        runs = 2 * self.num_layers * self.num_kv_heads
+        run = self.max_len * self.head_dim * self.dtype.itemsize        # one head's rows in one layer
+        used = rows * self.head_dim * self.dtype.itemsize
+        if run % page == 0:                     # every run starts a page
+            return runs * -(-used // page) * page
+        starts = np.arange(runs, dtype=np.int64) * run
+        first, last = starts // page, (starts + used - 1) // page
+        pages = int((last - first + 1).sum()) - int((first[1:] == last[:-1]).sum())   # shared pages once
+        return pages * page
 
     @staticmethod
     def bytes_needed(num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, dtype=np.float32) -> int:

@@ -45,6 +45,7 @@ from mixqrt.speculative import MAX_DRAFT, Speculation
 __all__ = ["Engine", "EngineBusy", "Request"]
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+MAX_CACHE_SALT = 1024                   # characters (the server's own field allows 256, plus its key's salt)
 _ids = itertools.count(1)
 
 
@@ -70,6 +71,7 @@ class Request:
         self.t_submit = time.perf_counter()
         self.prompt_tokens = len(seq.prompt)
         self.cached_tokens = 0
+        self.cache_salt, self.cache_prompt = None, True
         self.draft_k: int | None = None     # drafts per speculative step (None: the drafter's k)
         self.draft_tokens = 0               # drafted for this request / accepted by the target
         self.accepted_draft_tokens = 0
@@ -163,6 +165,16 @@ class Request:
         return f"Request(id={self.id}, prompt_tokens={self.prompt_tokens}, finish_reason={self.finish_reason!r})"
 
 
+def _cache_salt(salt):
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise RequestError("cache_salt", f"cache_salt must be a string or None, got {type(salt).__name__}")
+    if len(salt) > MAX_CACHE_SALT:
+        raise RequestError("cache_salt", f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT}")
+    return salt
+
+
 def _wake_future(fut) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -201,7 +213,8 @@ class Engine:
     """Continuous-batching generation over one model (see the module docstring).
 
     max_slots: requests decoded together; prefill_chunk: prompt tokens per step; kv_cache_bytes:
-    bound of the KV caches' resident rows (default 1 GiB; 0 turns the prompt cache off);
+    bound of the KV memory, cached prompts and running requests' written pages (default 1 GiB;
+    cached prompts are evicted to keep it; 0 turns the prompt cache off);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
@@ -253,7 +266,8 @@ class Engine:
                buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None,
                logprobs: bool | None = None, top_logprobs: int = 0, n: int = 1, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-               draft_k: int | None = None) -> Request:
+               draft_k: int | None = None, cache_salt: str | None = None,
+               cache_prompt: bool = True) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
         Bad arguments raise GenerationError (RequestError naming the field) here; EngineBusy when
@@ -269,10 +283,16 @@ class Engine:
         presence_penalty/frequency_penalty/logit_bias: OpenAI's (sample_utils).
         draft_k: drafts per speculative step for this request (None: the drafter's own k; 0: no
         speculation; larger values are capped at speculative.MAX_DRAFT).
+        cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
+        a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
+        K/V nor leaves this request's behind.
         """
         buffer = _int("buffer", buffer, lo=1)
         if draft_k is not None:
             draft_k = min(_int("draft_k", draft_k, lo=0), MAX_DRAFT)
+        salt = _cache_salt(cache_salt)
+        if not isinstance(cache_prompt, (bool, np.bool_)):
+            raise RequestError("cache_prompt", f"cache_prompt must be true or false, got {cache_prompt!r}")
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= min(8, self.max_slots):
             raise RequestError("n", f"n must be an integer in [1, {min(8, self.max_slots)}] (at most 8 and the "
                                     f"engine's max_slots), got {n!r}")
@@ -295,6 +315,7 @@ class Engine:
                 raise EngineBusy(f"the engine is busy: {len(self._queue)} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seqs, buffer)
+            req.cache_salt, req.cache_prompt = salt, bool(cache_prompt)
             req.draft_k = draft_k
             self._queue.append(req)
             self._n["requests"] += 1
@@ -308,8 +329,9 @@ class Engine:
                     "tokens_generated": self._n["tokens_generated"], "prompt_tokens": self._n["prompt_tokens"],
                     "prefill_tokens": self._n["prefill_tokens"], "cached_tokens": c.cached_tokens,
                     "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
-                    "idle_caches": len(c.idle), "kv_cache_bytes_used": c.used_bytes(),
-                    "kv_cache_bytes": c.capacity, "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
+                    "idle_caches": c.tree.leaves, "cache_nodes": len(c.tree), "cache_salts": len(c.tree.roots),
+                    "kv_cache_bytes_used": c.used_bytes(), "kv_cache_bytes": c.capacity,
+                    "gemm_cache_bytes_used": ops.gemm_cache_info()["used"],
                     "steps": self._n["steps"],
                     "decode_tokens": self._n["decode_tokens"], "max_batch": self._n["max_batch"],
                     "draft_tokens": self._n["draft_tokens"],
@@ -376,7 +398,7 @@ class Engine:
                 if req.cancelled:
                     self._end_queued(req)
                     continue
-                entry, n = self._cache.acquire(req.seq.prompt)
+                entry, n = self._cache.acquire(req.seq.prompt, req.cache_salt, req.cache_prompt)
                 req.cached_tokens = n
                 self._n["prompt_tokens"] += req.prompt_tokens
                 lead = _Slot(req, entry, n)
@@ -389,6 +411,7 @@ class Engine:
             for s in self._slots:
                 s.req.paused = s.tok is not None and s.req._full()
             if prefill is not None or decode:
+                self._cache.evict()         # running caches grew by the last step: keep the bound
                 return prefill, decode
             waits = [s.full_since + self.stall_timeout - now for s in self._slots if s.full_since is not None]
             self._cond.wait(max(0.0, min(waits)) + 1e-3 if waits else None)
@@ -545,6 +568,7 @@ class Engine:
                     break
                 if not hit:
                     break
+            s.entry.hwm = max(s.entry.hwm, kv.offset)   # rows written past what is kept stay resident
             kv.trim(kv.offset - (seq.n - 1))       # keep the K/V of every token but the last emitted
             sp.drafter.rollback(sp.state, seq.n - 1)
             sp.record(len(drafts), accepted)

@@ -1,16 +1,33 @@
-"""The engine's KV store: one preallocated KVCache per request, kept after it finishes as a prompt cache.
+"""The engine's prompt cache: a radix tree of token runs per cache salt, each node holding the
+K/V rows of its run in one compact array.
 
-A finished (or cancelled) request leaves its cache behind with the tokens whose K/V it holds. A
-new request takes the idle cache sharing the longest token prefix with its prompt and only
-prefills the rest: a multi-turn chat re-prefills just the new turn. When the idle cache is a
-whole prefix of the new prompt it is adopted (no copy, nothing lost); when the two diverge
-inside it (two chats sharing a system prompt, or a regenerated answer), the shared rows are copied into a fresh cache so
-the idle one stays reusable.
+A running request has its own KVCache (mixqrt.cache: one lazily zeroed mmap for the whole
+context). When it ends (finished or cancelled), the tokens whose K/V it holds are inserted into
+the tree under the request's salt and only the rows the tree does not hold yet are copied out;
+its KVCache is then freed. A new request walks the tree of its salt along its prompt and copies
+the longest cached prefix into a fresh KVCache, so a multi-turn chat re-prefills just the new turn
+and two chats sharing a system prompt share its rows. The last prompt token always runs (its
+logits give the first new token), so at most len(prompt) - 1 tokens come from the cache.
 
-Memory: a cache is allocated for the whole context with np.zeros, so only the rows written
-become resident. ``used_bytes`` counts each cache's high-water mark of written rows (busy and
-idle); idle caches are evicted least recently used first while it exceeds ``capacity``. Busy
-caches are never evicted (they are bounded by max_slots x context).
+Isolation: every salt has its own tree (``roots[salt]``). A lookup only ever walks the tree of its
+own salt, so requests with different salts never see each other's tokens, neither through
+``cached_tokens`` nor through the time to the first token. ``use=False`` (the API's
+``cache_prompt: false``) neither reads nor writes the tree.
+
+Cost: a lookup visits one node per token run of the prompt's cached prefix and compares each
+run's tokens once: O(prompt length), whatever the number of cached nodes (``lookup_steps`` counts
+the nodes visited). Eviction is least recently used by node and only ever removes leaves: a path
+is touched from its leaf up to its root, so a parent is always more recent than its children and
+the oldest node has none. Each step is O(1).
+
+Memory: a node's rows are one C-contiguous array [2 * layers, kv_heads, rows, head_dim]
+(ROW-exact, nothing rounded up to pages), and it is counted at its arrays' nbytes plus
+NODE_OVERHEAD for the Python objects around them (SALT_OVERHEAD + the salt's length per salt
+tree). Running requests' caches count what is really resident: the pages their written rows
+touch (KVCache.resident_bytes, one page per layer, K/V and head at least). The total is kept
+under ``capacity`` by evicting cached nodes; running caches are never evicted (they are bounded
+by max_slots x context). Before this layout, an idle entry kept its whole-context mmap: a
+3.5-row entry of the 0.5B model counted 86 KB and held 393 KB (96 regions x one 4 KiB page).
 """
 from __future__ import annotations
 
@@ -20,6 +37,12 @@ import numpy as np
 
 from mixqrt.cache import KVCache
 
+# Bytes counted for each node besides its arrays' data: the node object, two ndarray headers,
+# a children dict slot, an LRU entry (about 530 bytes traced by tracemalloc) and malloc's headers
+# (tests/test_engine_cache.py checks the count against tracemalloc).
+NODE_OVERHEAD = 640
+SALT_OVERHEAD = 512
+
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two int arrays."""
@@ -28,94 +51,251 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-class CacheEntry:
-    __slots__ = ("kv", "tokens", "hwm")
+class _Node:
+    """A run of tokens and their K/V rows, below a parent whose tokens come before them."""
+    __slots__ = ("tokens", "kv", "children", "parent")
 
-    def __init__(self, kv: KVCache, tokens: np.ndarray, hwm: int):
+    def __init__(self, tokens: np.ndarray, kv: np.ndarray, parent):
+        self.tokens = tokens     # [n] int32
+        self.kv = kv             # [2L, Hkv, n, Dh]: K of every layer, then V
+        self.children = None     # {first token: _Node} or None (a leaf)
+        self.parent = parent     # a _Node or the salt's _Root
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.kv.nbytes + NODE_OVERHEAD
+
+
+class _Root:
+    __slots__ = ("salt", "children")
+
+    def __init__(self, salt):
+        self.salt = salt
+        self.children: dict = {}
+
+    def nbytes(self) -> int:
+        return SALT_OVERHEAD + (len(self.salt) if isinstance(self.salt, str) else 0)
+
+
+class PrefixTree:
+    """Token runs and their K/V rows, one radix tree per salt, LRU-evicted by node.
+
+    ``match(salt, tokens)`` -> (n, path) finds the longest cached prefix; ``copy_into(path, dst)``
+    writes its rows; ``insert(salt, tokens, rows)`` adds what is new of a sequence whose K/V are
+    ``rows`` ([2L, Hkv, >= len(tokens), Dh]); ``evict(limit)`` drops least recently used leaves
+    until at most ``limit`` bytes are counted. Model-agnostic (tests drive it directly).
+    """
+
+    def __init__(self):
+        self.roots: dict = {}
+        self.lru: OrderedDict = OrderedDict()     # _Node -> None, least recently used first
+        self.bytes = 0
+        self.leaves = 0
+        self.lookup_steps = 0                     # nodes visited by match() and insert(), in all
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, salt, tokens: np.ndarray, limit: int | None = None) -> tuple[int, list]:
+        """Longest cached prefix of `tokens` under `salt` (at most `limit` tokens) ->
+        (n, [(node, rows used), ...]) from the root down; the path is marked recently used."""
+        root = self.roots.get(salt)
+        limit = tokens.size if limit is None else min(int(limit), tokens.size)
+        path, i, node = [], 0, root
+        while node is not None and node.children and i < limit:
+            ch = node.children.get(int(tokens[i]))
+            if ch is None:
+                break
+            self.lookup_steps += 1
+            k = min(common_prefix(ch.tokens, tokens[i:limit]), limit - i)
+            path.append((ch, k))
+            i += k
+            node = ch if k == ch.tokens.size else None
+        self._touch(n for n, _ in path)
+        return i, path
+
+    @staticmethod
+    def copy_into(path: list, dst: np.ndarray) -> int:
+        """Write the rows of a match() path into dst [2L, Hkv, S, Dh] from row 0 -> rows written."""
+        pos = 0
+        for node, k in path:
+            dst[:, :, pos:pos + k] = node.kv[:, :, :k]
+            pos += k
+        return pos
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, salt, tokens: np.ndarray, rows: np.ndarray) -> int:
+        """Store `tokens` (and rows[:, :, :len(tokens)]) under `salt`, sharing what is cached
+        already -> the number of new rows stored."""
+        m = int(tokens.size)
+        if m == 0:
+            return 0
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = _Root(salt)
+            self.bytes += root.nbytes()
+        node, i, path, new = root, 0, [], 0
+        while i < m:
+            ch = node.children.get(int(tokens[i])) if node.children else None
+            if ch is None:
+                leaf = _Node(np.array(tokens[i:m], dtype=np.int32), np.array(rows[:, :, i:m]), node)
+                self._attach(node, leaf)
+                path.append(leaf)
+                new = m - i
+                break
+            self.lookup_steps += 1
+            k = common_prefix(ch.tokens, tokens[i:m])
+            if k < ch.tokens.size:
+                if i + k == m:                      # a prefix of what is cached: nothing new
+                    path.append(ch)
+                    break
+                ch = self._split(ch, k)
+            path.append(ch)
+            node, i = ch, i + k
+        self._touch(path)
+        return new
+
+    def _attach(self, parent, leaf: _Node) -> None:
+        if parent.children is None:
+            parent.children = {}
+        if parent.children or isinstance(parent, _Root):
+            self.leaves += 1                         # else the parent was a leaf and is no more
+        parent.children[int(leaf.tokens[0])] = leaf
+        self.lru[leaf] = None
+        self.bytes += leaf.nbytes()
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Cut `node` after its first k tokens -> the new parent holding them."""
+        top = _Node(node.tokens[:k].copy(), np.ascontiguousarray(node.kv[:, :, :k]), node.parent)
+        node.tokens = node.tokens[k:].copy()
+        node.kv = np.ascontiguousarray(node.kv[:, :, k:])
+        top.parent.children[int(top.tokens[0])] = top
+        top.children = {int(node.tokens[0]): node}
+        node.parent = top
+        self.lru[top] = None
+        self.bytes += NODE_OVERHEAD                  # the rows and tokens were moved, not added
+        return top
+
+    def _touch(self, nodes) -> None:
+        """Mark a root-to-leaf path used: leaf first, so every parent stays newer than its children."""
+        for node in reversed(list(nodes)):
+            self.lru.move_to_end(node)
+
+    # ------------------------------------------------------------------ evict
+    def evict(self, limit: int) -> int:
+        """Drop least recently used leaves while more than `limit` bytes are counted -> nodes dropped."""
+        n = 0
+        while self.bytes > limit and self.lru:
+            node, _ = self.lru.popitem(last=False)
+            assert not node.children, "LRU order broken: a parent older than its child"
+            parent = node.parent
+            del parent.children[int(node.tokens[0])]
+            self.bytes -= node.nbytes()
+            self.leaves -= 1
+            if isinstance(parent, _Root):
+                if not parent.children:
+                    del self.roots[parent.salt]
+                    self.bytes -= parent.nbytes()
+            elif not parent.children:
+                parent.children = None
+                self.leaves += 1
+            node.parent = None
+            n += 1
+        self.evictions += n
+        return n
+
+    def clear(self) -> None:
+        self.evict(-1)
+
+
+# ============================================================================ the engine's side
+class CacheEntry:
+    """A running request's KV cache and where its rows go when it ends."""
+    __slots__ = ("kv", "hwm", "salt", "store")
+
+    def __init__(self, kv: KVCache, salt, store: bool):
         self.kv = kv             # L x [Hkv, max_len, Dh] K and V; rows [0, kv.offset) are valid
-        self.tokens = tokens     # [kv.offset] int64: the tokens those rows were computed for (when idle)
-        self.hwm = hwm           # rows ever written (resident pages)
+        self.hwm = 0             # rows ever written (resident pages)
+        self.salt = salt         # the tree its rows go to
+        self.store = store       # False: cache_prompt off, the rows are dropped
 
     def rows(self) -> int:
         return max(self.hwm, self.kv.offset)
 
+    def resident_bytes(self) -> int:
+        return self.kv.resident_bytes(self.rows())
+
 
 class PromptCache:
+    """Running requests' caches and the prefix tree of finished ones, under one byte bound.
+
+    capacity 0 turns the tree off: nothing is stored or looked up."""
+
     def __init__(self, model, max_len: int, capacity: int):
         self.model, self.max_len, self.capacity = model, int(max_len), int(capacity)
         a = model.args
         self.dtype = np.dtype(getattr(model, "kv_dtype", np.float32))
         self.row_bytes = KVCache.bytes_needed(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 1, self.dtype)
-        self.idle: OrderedDict[int, CacheEntry] = OrderedDict()    # least recently used first
+        self.tree = PrefixTree()
         self.busy: dict[int, CacheEntry] = {}
-        self.hits = self.misses = self.evictions = self.cached_tokens = 0
+        self.hits = self.misses = self.cached_tokens = 0
 
-    def _new(self) -> CacheEntry:
-        return CacheEntry(self.model.make_cache(self.max_len, self.dtype), np.empty(0, np.int64), 0)
+    @property
+    def evictions(self) -> int:
+        return self.tree.evictions
 
-    def acquire(self, prompt) -> tuple[CacheEntry, int]:
-        """A cache for `prompt` (list of ints) -> (entry, n): rows [0, n) already hold the prompt's
-        first n tokens (n <= len(prompt) - 1: the last token always runs, for its logits)."""
-        p = np.asarray(prompt, dtype=np.int64)
-        best, n = None, 0
-        for e in self.idle.values():
-            k = common_prefix(e.tokens, p)
-            if k > n:
-                best, n = e, k
-        n = min(n, p.size - 1)
-        if best is None or n <= 0:
-            self.misses += 1
-            entry, n = self._new(), 0
-        else:
+    def acquire(self, prompt, salt=None, use: bool = True) -> tuple[CacheEntry, int]:
+        """A cache for `prompt` (ints) under `salt` -> (entry, n): rows [0, n) already hold the
+        prompt's first n tokens (n <= len(prompt) - 1: the last token always runs, for its logits).
+        use=False: nothing is read now nor stored when the request ends."""
+        use = bool(use) and self.capacity > 0
+        entry = CacheEntry(self.model.make_cache(self.max_len, self.dtype), salt, use)
+        n = 0
+        if use:
+            p = np.asarray(prompt, dtype=np.int64)
+            n, path = self.tree.match(salt, p, limit=p.size - 1)
+            if n > 0:
+                self.tree.copy_into(path, entry.kv.stacked)
+                entry.kv.offset = entry.hwm = n
+        if n > 0:
             self.hits += 1
             self.cached_tokens += n
-            if best.tokens.size - n <= 1:         # a whole prefix (or all but the last token): adopt it
-                del self.idle[id(best)]
-                entry = best
-            else:                                 # diverges inside: copy the shared rows, keep the original
-                entry = self._copy(best, n)
-                self.idle.move_to_end(id(best))
-            entry.kv.offset = n
-        entry.tokens = p[:n]
+        else:
+            self.misses += 1
         self.busy[id(entry)] = entry
         return entry, n
 
-    def _copy(self, src: CacheEntry, n: int) -> CacheEntry:
-        """A new cache holding src's first n rows."""
-        entry = self._new()
+    def fork(self, src: CacheEntry, n: int) -> CacheEntry:
+        """A busy copy of a busy cache's first n rows, under the same salt: the n choices of one
+        request share its prompt's prefill this way."""
+        entry = CacheEntry(self.model.make_cache(self.max_len, self.dtype), src.salt, src.store)
         for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):
             b[:, :n] = a[:, :n]
-        entry.hwm = n
-        entry.kv.offset = n
-        return entry
-
-    def fork(self, src: CacheEntry, n: int) -> CacheEntry:
-        """A busy copy of a busy cache's first n rows: the n choices of one request share its
-        prompt's prefill this way."""
-        entry = self._copy(src, n)
-        entry.tokens = src.tokens[:n]
+        entry.kv.offset = entry.hwm = n
         self.busy[id(entry)] = entry
         return entry
 
     def release(self, entry: CacheEntry, tokens: np.ndarray) -> None:
-        """A request is done with `entry`; tokens [kv.offset] are what its rows hold."""
+        """A request is done with `entry`; tokens[:kv.offset] are what its rows hold. They join the
+        tree (what it lacks of them is copied) and the entry's own cache is freed."""
         self.busy.pop(id(entry), None)
-        entry.hwm = entry.rows()
-        if self.capacity <= 0 or entry.kv.offset == 0:
-            return
-        entry.tokens = np.array(tokens[:entry.kv.offset], dtype=np.int64)
-        self.idle[id(entry)] = entry
-        self.evict()
+        n = entry.kv.offset
+        if entry.store and self.capacity > 0 and n > 0:
+            self.tree.insert(entry.salt, np.asarray(tokens[:n], dtype=np.int64), entry.kv.stacked)
+            self.evict()
+        entry.kv = None
 
     def discard(self, entry: CacheEntry) -> None:
         """Forget a cache whose rows cannot be trusted (its request failed mid-step)."""
         self.busy.pop(id(entry), None)
-        self.idle.pop(id(entry), None)
+        entry.kv = None
+
+    def busy_bytes(self) -> int:
+        return sum(e.resident_bytes() for e in self.busy.values())
 
     def used_bytes(self) -> int:
-        return self.row_bytes * (sum(e.rows() for e in self.idle.values()) + sum(e.rows() for e in self.busy.values()))
+        return self.tree.bytes + self.busy_bytes()
 
     def evict(self) -> None:
-        while self.idle and self.used_bytes() > self.capacity:
-            self.idle.popitem(last=False)
-            self.evictions += 1
+        self.tree.evict(self.capacity - self.busy_bytes())

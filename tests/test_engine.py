@@ -266,16 +266,19 @@ def test_prompt_cache_diverging_prefix_copies_and_identical_prompt(lm32):
 
 
 def test_prompt_cache_lru_eviction_bounded(lm32):
+    from mixqrt.engine_cache import NODE_OVERHEAD, SALT_OVERHEAD
     with Engine(lm32) as probe:
         row = probe._cache.row_bytes
-    cap = row * 50
-    ps = [[i + 1] * 20 for i in range(4)]                              # 20 + 5 rows each
+        running = probe.model.make_cache(probe.max_context).resident_bytes(25)   # pages a request touches
+    node = 25 * row + 25 * 4 + NODE_OVERHEAD                          # 20 + 5 rows each, int32 tokens
+    cap = running + SALT_OVERHEAD + 2 * node + node // 2               # one running + two cached, or three cached
+    ps = [[i + 1] * 20 for i in range(4)]
     with Engine(lm32, kv_cache_bytes=cap) as eng:
         for p in ps:
             tokens(eng.submit(p, max_new_tokens=6, temperature=0.0, **NO_EOS))
             assert eng.stats()["kv_cache_bytes_used"] <= cap
         st = eng.stats()
-        assert st["cache_evictions"] == 2 and st["idle_caches"] == 2
+        assert st["cache_evictions"] == 1 and st["idle_caches"] == 3     # the 4th request made room
         # the oldest was evicted (a miss), the newest is still there (a hit)
         tokens(eng.submit(ps[0] + [9], max_new_tokens=2, **NO_EOS))
         tokens(eng.submit(ps[3] + [9], max_new_tokens=2, **NO_EOS))

@@ -31,7 +31,7 @@ LAYERS = [
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
     ("app", ["mixqrt.oai", "mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
              "mixqrt.__init__",
-             "mixqrt.testing"]),                            # synthetic GGUFs for the llama.cpp oracle
+             "mixqrt.testing"]),             # test models' fetcher, tiny/synthetic models, fuzz, oracle GGUFs
 ]
 
 

@@ -1,7 +1,7 @@
 """Mutation fuzzing of the GGUF and safetensors/HF-folder readers (hypothesis, in CI): every mutated
 file ends in FormatError/ModelError or in a model that runs; never another exception, a crash or a
 hang. The 100k-case runs are benchmarks/fuzz_gguf.py and benchmarks/fuzz_safetensors.py (same
-mutators and oracle, tests/model_fuzz.py); their results are in docs/mxq-file.md."""
+mutators and oracle, mixqrt/testing/fuzz_files.py); their results are in docs/format.md."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import tempfile
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_fuzz import (INTERESTING, N_GGUF_OPS, N_HF_OPS, check_gguf, check_hf, gguf_seeds, hf_seeds,
+from mixqrt.testing.fuzz_files import (INTERESTING, N_GGUF_OPS, N_HF_OPS, check_gguf, check_hf, gguf_seeds, hf_seeds,
                         mutate_gguf, mutate_hf, write_folder)
 
 _TMP = tempfile.mkdtemp(prefix="modelfuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

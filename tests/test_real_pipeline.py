@@ -1,4 +1,4 @@
-"""The real models from fetch.sh through the product path: quantize with 2356, load the .mxq, generate."""
+"""The real models (mixqrt.testing) through the product path: quantize with 2356, load the .mxq, generate."""
 import re
 
 import pytest

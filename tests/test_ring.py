@@ -77,11 +77,10 @@ def test_python_threads_spsc():
 
 @pytest.mark.parametrize("n,cap", [(10_000_000, 1024), (200_000, 2), (1_000_000, 64)])
 def test_native_stress(n, cap):
-    t0 = time.perf_counter()
+    # no wall-clock bound: on a loaded CI box (load ~20 on 2 cores) the cap-2 case took 71 s
     s = _ring.stress(n, cap)
     assert s["sent"] == n and s["received"] == n
     assert s["seq_errors"] == 0 and s["field_errors"] == 0
-    assert time.perf_counter() - t0 < 20
 
 
 def test_native_stress_detects_a_lost_message():

@@ -227,3 +227,16 @@ def test_server_reports_drafts_in_usage_and_metrics(models):
         assert d["accepted_prediction_tokens"] + d["rejected_prediction_tokens"] > 0
         m = c.get("/metrics").text
         assert "mixqrt_draft_tokens" in m and "mixqrt_accepted_draft_tokens" in m
+
+
+def test_adaptive_k_follows_acceptance():
+    from mixqrt.speculative import Speculation, expected_tokens
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+    sp = Speculation(NgramDrafter(8), 64)
+    for _ in range(20):
+        sp.record(8, 8)                  # every draft right: draft the most
+    assert sp.next_k() == 8
+    for _ in range(30):
+        sp.record(4, 0)                  # never right: stop drafting, probe every 16 plain steps
+    ks = [sp.next_k() for _ in range(32)]
+    assert ks.count(0) == 30 and ks.count(8) == 2

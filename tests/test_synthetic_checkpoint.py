@@ -1,7 +1,6 @@
-"""benchmarks/synthetic_checkpoint.py at test size: the same code path as the 15 GB Qwen2-7B folder."""
-import importlib.util
+"""mixqrt.testing.synthetic at test size: the same code path as the 15 GB Qwen2-7B folder and the
+7B-shaped .mxq."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,21 +8,18 @@ import pytest
 from mixqrt.io import open_source
 from mixqrt.io.hf import SafetensorsFile
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "synthetic_checkpoint.py"
+from mixqrt.testing import synthetic
+from mixqrt.testing.tiny import _tokenizer_json
 
 
 @pytest.fixture(scope="module")
 def sc():
-    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return synthetic
 
 
 @pytest.fixture(scope="module")
 def tiny_tok():
-    tinymodel = pytest.importorskip("tinymodel")
-    return tinymodel._tokenizer_json("qwen2")
+    return _tokenizer_json("qwen2")
 
 
 DIMS = (64, 3, 4, 2, 160, 512)   # hidden, layers, heads, kv heads, intermediate, vocab (> tokenizer's ~400)
@@ -96,30 +92,23 @@ def test_resume_keeps_complete_shards(sc, tiny_tok, tmp_path):
 def test_cli_dims(sc, tiny_tok, tmp_path, capsys):
     tok = tmp_path / "tokenizer.json"
     tok.write_text(tiny_tok)
-    assert sc.main(["--out", str(tmp_path / "c"), "--dims", "32,1,2,1,64,512", "--tokenizer", str(tok)]) == 0
+    assert sc.checkpoint_main(["--out", str(tmp_path / "c"), "--dims", "32,1,2,1,64,512", "--tokenizer", str(tok)]) == 0
     assert "wrote" in capsys.readouterr().out
     with open_source(tmp_path / "c") as src:
         assert src.tensor_info("lm_head.weight") == ((512, 32), "BF16")
 
 
 def test_synthetic_mxq_has_the_recipe_bytes(tmp_path):
-    """benchmarks/synthetic_mxq.py: every tensor of the plan in its stored form and size, loadable,
+    """mixqrt.testing.synthetic.write_mxq: every tensor of the plan in its stored form and size, loadable,
     a finite forward."""
-    import sys
-    sys.path.insert(0, str(_PATH.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("synthetic_mxq", _PATH.parent / "synthetic_mxq.py")
-        sm = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sm)
-    finally:
-        sys.path.remove(str(_PATH.parent))
+    sm = synthetic
     import mixqrt
     from mixqrt.io.mxq import MxqFile
     from mixqrt.formats import layout
     from mixqrt.quantize.recipes import get_recipe, tensor_plan
     cfg = sm.CONFIGS["tiny"]
     out = tmp_path / "s.mxq"
-    r = sm.write(str(out), "2356t", cfg, progress=False)
+    r = sm.write_mxq(str(out), "2356t", cfg, progress=False)
     plan = {n: (f, s) for n, _, f, s in tensor_plan(sm.ShapeSource(cfg), get_recipe("2356t"), tie=None)}
     assert r["tensors"] == len(plan)
     with MxqFile(out) as f:

@@ -12,6 +12,7 @@ seconds, or goes away, has its request cancelled. Response objects are OpenAI's 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -27,7 +28,7 @@ from starlette.routing import Route
 from mixqrt import api, oai
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
 from mixqrt.generate import encode_prompt
-from mixqrt.serve.guard import Guard, HTTPError, Limits, read_json
+from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.serve.watch import watch_pipeline
 
@@ -40,6 +41,18 @@ class SafeJSONResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+# ============================================================================ prompt-cache isolation
+def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
+    """The engine's cache salt for a request: with API keys configured, a hash of the request's
+    key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
+    never share cached prompts; without keys, the request's salt (None: the shared cache)."""
+    if not api_keys(limits):
+        return salt
+    token = (authorization or "").partition(" ")[2].strip()
+    key = hashlib.sha256(b"mixqrt prompt-cache salt\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{key}:{salt or ''}"
 
 
 def error_response(e: HTTPError) -> JSONResponse:
@@ -91,8 +104,10 @@ class Server:
             self.check_file()
             body = await read_json(request, self.limits)
             ids, gen, parsed = await run_in_threadpool(self.prepare, kind, body)
+            salt = cache_salt(parsed.cache_salt, request.headers.get("authorization"), self.limits)
+            use_cache = parsed.cache_prompt
             try:
-                req = self.engine.submit(ids, **gen)
+                req = self.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=use_cache)
             except EngineBusy as e:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None

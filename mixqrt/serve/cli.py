@@ -60,10 +60,37 @@ def default_hosts(bind: str) -> tuple:
 
 def limits_from_args(a):
     from mixqrt.serve.guard import Limits
-    return Limits(api_key=a.api_key, allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
+    keys = api_keys_from_args(a)
+    return Limits(api_key=keys[0] if len(keys) == 1 else (keys or None),
+                  allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
                   allowed_origins=tuple(a.allowed_origins or ()), max_body_bytes=a.max_body_bytes,
                   max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout, header_timeout=a.header_timeout,
                   body_timeout=a.body_timeout, max_client_connections=a.max_client_connections)
+
+
+MAX_KEY_FILE_BYTES = 1 << 20
+
+
+def api_keys_from_args(a) -> tuple:
+    """--api-key (repeatable; default $MIXQRT_API_KEY) and the lines of --api-key-file, in order."""
+    env = os.environ.get("MIXQRT_API_KEY")
+    keys = list(a.api_key or ([env] if env else []))
+    if getattr(a, "api_key_file", None):
+        try:
+            with open(a.api_key_file, "rb") as f:
+                raw = f.read(MAX_KEY_FILE_BYTES + 1)
+        except OSError as e:
+            raise MixqrtError(f"cannot read --api-key-file {a.api_key_file}: {e.strerror or e}") from None
+        if len(raw) > MAX_KEY_FILE_BYTES:
+            raise MixqrtError(f"--api-key-file {a.api_key_file} is over {MAX_KEY_FILE_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MixqrtError(f"--api-key-file {a.api_key_file} is not UTF-8 text") from None
+        keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if getattr(a, "api_key_file", None) and not keys:
+        raise MixqrtError(f"--api-key-file {a.api_key_file} holds no key")
+    return tuple(dict.fromkeys(keys))
 
 
 def engine_kwargs(a) -> dict:
@@ -78,7 +105,7 @@ def engine_kwargs(a) -> dict:
 
 def cmd_serve(a):
     _require("serve", "starlette", "uvicorn", "prometheus_client")
-    if a.host not in LOOPBACK and not a.api_key:
+    if a.host not in LOOPBACK and not api_keys_from_args(a):
         print(f"mixqrt serve: warning: listening on {a.host} without --api-key: anyone who can reach this "
               "port can use the model", file=sys.stderr)
     if a.ray:
@@ -137,6 +164,19 @@ def _non_negative(v: str) -> int:
     return n
 
 
+_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1 << 20,
+          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def _bytes(v: str) -> int:
+    """A byte count: 1048576, 50MiB, 1.5GB (0 allowed)."""
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"must be a byte count like 1073741824, 512MiB or 1GB, got {v!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 def _positive_float(v: str) -> float:
     x = float(v)
     if not 0 < x < float("inf"):
@@ -158,8 +198,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_speculative_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("MIXQRT_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MIXQRT_API_KEY, else no key)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat for several keys, "
+                        "each with its own prompt cache (default: $MIXQRT_API_KEY, else no key)")
+    s.add_argument("--api-key-file", default=None,
+                   help="more keys, one per line ('#' comments), kept out of the process list")
     s.add_argument("--allowed-hosts", type=_csv, default=None,
                    help="comma-separated Host names accepted (default: loopback names when bound to loopback, "
                         "the bind address otherwise, any for 0.0.0.0)")
@@ -169,7 +212,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=_positive, default=DEFAULT_QUEUE,
                    help="requests waiting for a slot; more get 503 + Retry-After")
     s.add_argument("--prefill-chunk", type=_positive, default=256, help="prompt tokens per scheduler step")
-    s.add_argument("--kv-cache-bytes", type=_positive, default=None, help="prompt-cache memory bound (LRU)")
+    s.add_argument("--kv-cache-bytes", type=_bytes, default=None,
+                   help="memory bound of the KV caches, prompt cache included (LRU; 50MiB, 2GiB...; "
+                        "0: no prompt cache; default 1GiB)")
     s.add_argument("--gemm-cache-bytes", type=_non_negative, default=None,
                    help="bytes of unpacked weight tiles that batched steps of more than 8 rows read "
                         "instead of unpacking (default 0: off; docs/engine.md)")

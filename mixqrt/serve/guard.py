@@ -40,7 +40,7 @@ class HTTPError(Exception):
 
 @dataclass
 class Limits:
-    api_key: str | None = None
+    api_key: str | tuple | None = None      # one key, or several (each with its own prompt cache)
     allowed_hosts: tuple = ("*",)
     allowed_origins: tuple = ()             # "*" or exact origins ("https://app.example.com")
     max_body_bytes: int = MAX_BODY_BYTES
@@ -148,6 +148,18 @@ def _host_ok(host: str, allowed) -> bool:
     return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
 
 
+def api_keys(limits: Limits) -> tuple:
+    """The API keys configured (none: no key needed)."""
+    k = limits.api_key
+    return tuple(x for x in ((k,) if isinstance(k, str) else (k or ())) if x)
+
+
+def key_ok(token: str, keys: tuple) -> bool:
+    """Whether token is one of keys, comparing with every key in constant time."""
+    t = token.encode("latin-1", "replace")
+    return sum(hmac.compare_digest(t, k.encode("utf-8", "surrogatepass")) for k in keys) > 0
+
+
 class Guard:
     """ASGI middleware: Host allow-list, foreign Origin refused, API key on /v1/*, replica header,
     request log, and the body deadline. Runs before any body is read."""
@@ -198,12 +210,13 @@ class Guard:
             return HTTPError(403, f"Origin {escape(origin)!r} is not allowed (see --allowed-origins)",
                              code="origin_not_allowed")
         path = scope.get("path", "")
-        if self.limits.api_key and path.startswith("/v1/") and scope.get("method") != "OPTIONS":
+        keys = api_keys(self.limits)
+        if keys and (path.startswith("/v1/") or path == "/metrics") and scope.get("method") != "OPTIONS":
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     self.limits.api_key.encode()):
-                return HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>' with the server's "
-                                      "--api-key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if scheme.lower() != "bearer" or not key_ok(token.strip(), keys):
+                return HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>' with one of the "
+                                      "server's --api-key", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
         return None
 
     def _origin_ok(self, origin: str, host: str) -> bool:

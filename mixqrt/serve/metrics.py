@@ -29,6 +29,10 @@ class _EngineCollector:
                                ("queued", "g", "requests admitted and waiting for a slot"),
                                ("cache_hits", "c", "requests that reused a cached prompt prefix"),
                                ("cached_tokens", "c", "prompt tokens taken from the prompt cache"),
+                               ("cache_evictions", "c", "prompt-cache nodes evicted to keep the memory bound"),
+                               ("kv_cache_bytes_used", "b", "KV memory counted against --kv-cache-bytes "
+                                                            "(cached prefixes and running requests)"),
+                               ("cache_nodes", "b", "token runs held by the prompt cache"),
                                ("steps", "c", "engine steps (one forward each)"),
                                ("decode_tokens", "c", "tokens decoded by engine steps (decode batch = this / steps)"),
                                ("draft_tokens", "c", "tokens drafted by speculative decoding"),

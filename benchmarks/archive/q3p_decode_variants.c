@@ -2,7 +2,7 @@
  * q3p layout decision. Random bytes of the exact size (speed does not depend on the values).
  *
  *   gcc -O3 -mavx2 -mfma -mf16c -mbmi2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni \
- *       -mavx512vbmi -o /tmp/q3pv benchmarks/q3p_decode_variants.c && /tmp/q3pv N K REPS
+ *       -mavx512vbmi -o /tmp/q3pv benchmarks/archive/q3p_decode_variants.c && /tmp/q3pv N K REPS
  *
  * A  planar layout (2-bit plane + 1-bit plane), per-row float work: the lean path before pack3c
  * B  pack3c (vpermb spread, vpmultishiftqb, vpermb levels), per-row float work

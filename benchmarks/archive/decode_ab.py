@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the source tree
 from benchmarks._common import ROOT, gguf_decode_bytes, provenance  # noqa: E402
 
 VARIANTS = [("lean", True, False), ("lean+hot", True, True), ("unpack", False, False), ("unpack+hot", False, True)]

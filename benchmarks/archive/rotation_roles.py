@@ -19,15 +19,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # benchmarks/ (sensitivity.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))      # the source tree
 
 from sensitivity import GGUF, chunk_runner, load_source  # noqa: E402
 
 from mixqrt.formats import dequantize, quantize, rotation  # noqa: E402
 from mixqrt.quantize.recipes import role_of  # noqa: E402
 
-TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
+TEXT = str(Path(__file__).resolve().parents[2] / "tests" / "data" / "tinyshakespeare.txt")
 
 
 def fake_quant(w: np.ndarray, fmt: str, spec: str) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""Crash-proof harness for the model-file fuzzers (benchmarks/fuzz_gguf.py, fuzz_safetensors.py).
+"""Crash-proof harness for the long file-format fuzz runs (benchmarks/fuzz_gguf.py, fuzz_safetensors.py;
+benchmarks/fuzz_mxq.py uses its per-case time limit). The mutators and the oracle of the GGUF and
+safetensors runs are in mixqrt.testing.fuzz_files, shared with tests/test_model_fuzz.py.
 
 Cases run in a forked worker so that a crash (segfault, SIGBUS, abort) kills only the worker: the
 parent records the case it was on as a CRASH and starts a new worker at the next case. A per-case
@@ -22,8 +24,6 @@ import sys
 import time
 import traceback
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 
 class Hang(BaseException):
     pass
@@ -34,7 +34,7 @@ def _alarm(signum, frame):
 
 
 def rand_ops(r: random.Random, n_kinds: int):
-    from model_fuzz import INTERESTING
+    from mixqrt.testing.fuzz_files import INTERESTING
     def num():
         return r.choice([r.randrange(300), r.randrange(1 << 24), r.choice(INTERESTING)])
     return [(r.randrange(n_kinds), num(), num()) for _ in range(r.choice([1, 1, 2, 3, 4]))]

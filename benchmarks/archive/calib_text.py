@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the source tree
 
 from mixqrt.quantize.convert import describe, quantize_model  # noqa: E402
 from mixqrt.io import open_source  # noqa: E402
