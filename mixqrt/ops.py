@@ -495,6 +495,25 @@ def rope(x, positions, theta: float) -> np.ndarray:
     return _ops.rope_(y, pos, float(theta), _parts())
 
 
+def rope_freqs(x, positions, inv_freq) -> np.ndarray:
+    """Rotate-half RoPE on x [T, H, Dh] with explicit inverse frequencies inv_freq [Dh/2] (scaled RoPE:
+    Llama 3's frequency factors, linear scaling); returns a new array. Numpy (no C kernel): the angles
+    in float64, cos/sin rounded to float32 as ops_ref.rope does."""
+    x = np.asarray(x, dtype=np.float32)
+    inv = np.asarray(inv_freq, dtype=np.float64).reshape(-1)
+    if x.ndim != 3 or 2 * inv.size != x.shape[2]:
+        raise KernelError(f"rope_freqs: x {x.shape} and {inv.size} frequencies do not fit (x [T, H, 2*F])")
+    return ops_ref.rope(x, np.asarray(positions, dtype=np.int64).reshape(-1), 0.0, inv_freq=inv)
+
+
+def gelu_tanh_mul(gate, up) -> np.ndarray:
+    """gelu(gate) * up with GELU's tanh approximation (GeGLU, Gemma's FFN); numpy."""
+    g = np.asarray(gate, dtype=np.float32)
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return (np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
+            * np.asarray(up, dtype=np.float32)).astype(np.float32, copy=False)
+
+
 def silu_mul(gate, up, out=None) -> np.ndarray:
     if (isinstance(gate, np.ndarray) and isinstance(up, np.ndarray) and gate.ndim == 2 and gate.shape == up.shape
             and gate.dtype == np.float32 and up.dtype == np.float32 and gate.strides[1] == 4 and up.strides[1] == 4
@@ -552,13 +571,19 @@ def _attention_blas(q, k_cache, v_cache, pos0, threads=0):
     return out.reshape(t, hq, dh)
 
 
-def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
-    """Causal GQA attention; q [T,Hq,Dh]; caches [Hkv,S,Dh] float32 or float16 -> [T,Hq,Dh]."""
+def attention(q, k_cache, v_cache, pos0: int, out=None, window: int | None = None) -> np.ndarray:
+    """Causal GQA attention; q [T,Hq,Dh]; caches [Hkv,S,Dh] float32 or float16 -> [T,Hq,Dh].
+    window: sliding-window attention, the query at position p sees keys p-window+1 .. p only."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     if q.ndim != 3 or k_cache.ndim != 3 or k_cache.shape[0] < 1 or q.shape[1] % k_cache.shape[0]:
         raise KernelError(f"attention: q {q.shape} and cache {k_cache.shape} do not fit (GQA needs Hq % Hkv == 0)")
     if pos0 < 0 or pos0 + q.shape[0] > k_cache.shape[1]:
         raise KernelError(f"attention: positions up to {pos0 + q.shape[0]} exceed the cache length {k_cache.shape[1]}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise KernelError(f"attention: window must be a positive integer, got {window!r}")
+        if pos0 + q.shape[0] > window:              # some key falls outside some query's window
+            return _attention_window(q, k_cache, v_cache, int(pos0), int(window), out)
     parts = _parts()
     if q.shape[0] > ATTN_C_MAX_T and (q.shape[2] % 16 or q.shape[2] > 256):
         o = _attention_blas(q, k_cache, v_cache, pos0, parts)
@@ -573,6 +598,39 @@ def attention(q, k_cache, v_cache, pos0: int, out=None) -> np.ndarray:
     if out is None:
         out = np.empty_like(q)
     return _ops.attention(q, k_cache, v_cache, int(pos0), out, parts)
+
+
+def _attention_window(q, k_cache, v_cache, pos0, window, out):
+    """Sliding-window attention. One query (decode): the C kernel over the window's keys (a copy of
+    at most `window` positions). Several: numpy per block of queries over the keys their windows
+    span, masked row by row (no C kernel takes a window yet)."""
+    t = q.shape[0]
+    if t == 1:
+        lo = pos0 - window + 1
+        return attention(q, np.ascontiguousarray(k_cache[:, lo:pos0 + 1]),
+                         np.ascontiguousarray(v_cache[:, lo:pos0 + 1]), pos0 - lo, out)
+    if out is None:
+        out = np.empty_like(q)
+    hq, dh, hkv = q.shape[1], q.shape[2], k_cache.shape[0]
+    g = hq // hkv
+    scale = np.float32(1.0 / np.sqrt(dh))
+    for s0 in range(0, t, 128):
+        s1 = min(t, s0 + 128)
+        p = pos0 + np.arange(s0, s1)                                    # the block's positions
+        lo, hi = max(0, int(p[0]) - window + 1), int(p[-1]) + 1
+        kp = np.arange(lo, hi)
+        mask = (kp[None, :] > p[:, None]) | (kp[None, :] <= p[:, None] - window)     # [b, keys]
+        for h in range(hkv):
+            kh = np.asarray(k_cache[h, lo:hi], dtype=np.float32)
+            vh = np.asarray(v_cache[h, lo:hi], dtype=np.float32)
+            qh = q[s0:s1, h * g:(h + 1) * g].transpose(1, 0, 2)          # [g, b, Dh]
+            sc = (qh @ kh.T) * scale                                    # [g, b, keys]
+            sc[:, mask] = -np.inf
+            sc -= sc.max(axis=-1, keepdims=True)
+            np.exp(sc, out=sc)
+            sc /= sc.sum(axis=-1, keepdims=True)
+            out[s0:s1, h * g:(h + 1) * g] = (sc @ vh).transpose(1, 0, 2)
+    return out
 
 
 # attention_batch below this many keys in all (sum over the sequences) stays on the calling thread:

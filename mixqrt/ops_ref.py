@@ -45,17 +45,19 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x64 * r * weight.astype(np.float64)).astype(np.float32)
 
 
-def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float):
-    """cos, sin tables [T, head_dim/2] for the HF (NeoX, rotate-half) convention."""
-    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float, inv_freq=None):
+    """cos, sin tables [T, head_dim/2] for the HF (NeoX, rotate-half) convention; inv_freq [head_dim/2]
+    replaces theta's inverse frequencies (scaled RoPE)."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)) if inv_freq is None \
+        else np.asarray(inv_freq, dtype=np.float64)
     ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Rotate-half RoPE on x [T, H, Dh] at `positions` [T]."""
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, inv_freq=None) -> np.ndarray:
+    """Rotate-half RoPE on x [T, H, Dh] at `positions` [T] (inv_freq: explicit inverse frequencies)."""
     t, h, dh = x.shape
-    cos, sin = rope_cos_sin(positions, dh, theta)
+    cos, sin = rope_cos_sin(positions, dh, theta, inv_freq)
     c, s = cos[:, None, :], sin[:, None, :]
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
@@ -72,11 +74,12 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return (e / e.sum(axis=axis, keepdims=True)).astype(np.float32)
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int) -> np.ndarray:
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, window=None) -> np.ndarray:
     """Causal GQA attention.
 
     q: [T, Hq, Dh] for positions pos0 .. pos0+T-1; k_cache, v_cache: [Hkv, S, Dh] holding at least
-    pos0+T filled positions. Query t attends to cache positions 0 .. pos0+t. Returns [T, Hq, Dh].
+    pos0+T filled positions. Query t attends to cache positions 0 .. pos0+t (with a window: only
+    pos0+t-window+1 .. pos0+t). Returns [T, Hq, Dh].
     """
     t, hq, dh = q.shape
     hkv = k_cache.shape[0]
@@ -85,6 +88,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int
     out = np.empty((t, hq, dh), dtype=np.float32)
     scale = 1.0 / np.sqrt(dh)
     mask = np.arange(n)[None, :] > (pos0 + np.arange(t))[:, None]          # [T, n]
+    if window is not None:
+        mask |= np.arange(n)[None, :] <= (pos0 + np.arange(t))[:, None] - window
     for h in range(hq):
         kh, vh = k_cache[h // g, :n].astype(np.float64), v_cache[h // g, :n].astype(np.float64)
         s = (q[:, h].astype(np.float64) @ kh.T) * scale                      # [T, n]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from mixqrt.errors import FormatError, ModelError
@@ -157,8 +157,11 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict, where: str = "GGUF") -> "Tokenizer":
         kind = meta.get("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_spm(meta, where)
         if kind != "gpt2":
-            raise ModelError(f"{where}: tokenizer model {str(kind)[:40]!r} is not supported (only byte-level BPE, 'gpt2')")
+            raise ModelError(f"{where}: tokenizer model {str(kind)[:40]!r} is not supported (byte-level BPE "
+                             f"'gpt2' and SentencePiece 'llama')")
         tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
         if tokens is None or merges is None or (isinstance(tokens, list) and not tokens):
             raise FormatError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.merges missing")
@@ -177,12 +180,6 @@ class Tokenizer:
         pre = meta.get("tokenizer.ggml.pre", "default")
         if not isinstance(pre, str):
             raise FormatError(f"{where}: tokenizer.ggml.pre must be a string")
-        template = meta.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise FormatError(f"{where}: tokenizer.chat_template must be a string")
-        bos = _token_id(meta, "tokenizer.ggml.bos_token_id", where, len(tokens))
-        pad = _token_id(meta, "tokenizer.ggml.padding_token_id", where)
-        add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
         with _no_panic("building the GGUF vocabulary", FormatError):
             try:
                 bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
@@ -192,6 +189,59 @@ class Tokenizer:
             tk = _HFTokenizer(bpe)
             tk.pre_tokenizer = _pre_tokenizer(pre, where)
             tk.decoder = decoders.ByteLevel()
+        return cls._from_gguf_backend(tk, meta, tokens, types, where)
+
+    @classmethod
+    def _from_gguf_spm(cls, meta: dict, where: str) -> "Tokenizer":
+        """SentencePiece vocabularies (tokenizer.ggml.model "llama": Gemma, Llama 2) as llama.cpp's SPM
+        tokenizer runs them: repeatedly join the adjacent pair whose join is a token with the highest
+        score, which is BPE with merges ranked by the joined token's score (as transformers'
+        SentencePieceExtractor builds them), unknown bytes as <0xNN> tokens, spaces as U+2581 and a
+        leading one only when tokenizer.ggml.add_space_prefix says so."""
+        tokens, types = _gguf_tokens(meta, where)
+        scores = meta.get("tokenizer.ggml.scores")
+        if not tokens or scores is None:
+            raise FormatError(f"{where}: tokenizer.ggml.tokens / tokenizer.ggml.scores missing")
+        scores = np.asarray(scores)
+        if scores.ndim != 1 or scores.size != len(tokens) or scores.dtype.kind not in "fiu":
+            raise FormatError(f"{where}: tokenizer.ggml.scores must hold one number per token")
+        vocab = {}
+        for i, t in enumerate(tokens):
+            vocab.setdefault(t, i)
+        plain = np.ones(len(tokens), bool) if types is None else np.isin(types, (1, 6))   # NORMAL, BYTE
+        merges = []
+        for t, i in vocab.items():
+            if not plain[i] or len(t) < 2:
+                continue
+            local = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
+            local.sort(key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+            merges.extend((-float(scores[i]), i, ab) for ab in local)
+        merges.sort(key=lambda m: (m[0], m[1]))
+        unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", where, len(tokens))
+        prefix = bool(_scalar(meta, "tokenizer.ggml.add_space_prefix", True))
+        with _no_panic("building the GGUF vocabulary", FormatError):
+            try:
+                bpe = models.BPE(vocab, [m[2] for m in merges], unk_token=None if unk is None else tokens[unk],
+                                 fuse_unk=True, byte_fallback=True)
+            except Exception as e:
+                raise FormatError(f"{where}: tokenizer vocabulary is inconsistent: {str(e)[:200]}") from None
+            tk = _HFTokenizer(bpe)
+            norm = [normalizers.Replace(" ", "\u2581")]
+            tk.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + norm)
+            tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                           + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        return cls._from_gguf_backend(tk, meta, tokens, types, where)
+
+    @classmethod
+    def _from_gguf_backend(cls, tk, meta, tokens, types, where) -> "Tokenizer":
+        """Special and user tokens, bos template, eos ids and chat template of a GGUF vocabulary."""
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise FormatError(f"{where}: tokenizer.chat_template must be a string")
+        bos = _token_id(meta, "tokenizer.ggml.bos_token_id", where, len(tokens))
+        pad = _token_id(meta, "tokenizer.ggml.padding_token_id", where)
+        add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+        with _no_panic("building the GGUF vocabulary", FormatError):
             if types is not None:
                 special = [AddedToken(tokens[i], special=True, normalized=False)
                            for i in np.flatnonzero(types == _CONTROL)]

@@ -54,11 +54,21 @@ def test_qwen_tensors(qwen):
 
 
 @pytest.mark.realmodel
-def test_gemma3_is_refused_by_name(gemma_gguf_path):
-    """A real GGUF of an architecture mixqrt does not run (Gemma 3) gets a ModelError that names the
-    architecture and the supported ones, before any tensor is read."""
-    with pytest.raises(ModelError, match=r"unknown architecture gemma3 \(supported: .*qwen2"):
-        open_source(gemma_gguf_path)
+def test_gemma3_opens(gemma_gguf_path):
+    """The real Gemma 3 270M GGUF (Q4_K_M): its config from the metadata, its tensors under the HF
+    text model's names (norms back to HF's weight: the file holds 1 + it), its SentencePiece
+    vocabulary as llama.cpp tokenizes it."""
+    with open_source(gemma_gguf_path) as src:
+        c = src.config
+        assert src.arch == "gemma3" and (c["hidden_size"], c["num_hidden_layers"], c["head_dim"]) == (640, 18, 256)
+        assert (c["sliding_window"], c["sliding_window_pattern"], c["query_pre_attn_scalar"]) == (512, 6, 256)
+        assert c["vocab_size"] == 262144 and c["tie_word_embeddings"] and not src.unmapped
+        n = src.get("model.layers.0.post_feedforward_layernorm.weight")
+        assert n.shape == (640,) and np.isfinite(n).all()
+        tok = src.tokenizer
+        assert tok.encode("Hello world") == [9259, 1902] and tok.bos_token_id == 2 and tok.add_bos_token
+        assert tok.decode(tok.encode("naïve café  😀")) == "naïve café  😀"
+
 
 @pytest.mark.realmodel
 def test_smol_config(smol):

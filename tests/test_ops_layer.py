@@ -109,6 +109,36 @@ def test_attention(tier, t, pos0, kv):
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.sqrt(pos0 + t))
 
 
+@pytest.mark.parametrize("t,pos0,window", [(1, 0, 4), (1, 40, 16), (1, 15, 16), (1, 16, 16), (3, 10, 5),
+                                           (17, 0, 8), (12, 5, 1), (40, 20, 64), (150, 3, 32)])
+@pytest.mark.parametrize("kv", [np.float32, np.float16])
+def test_attention_window(tier, t, pos0, window, kv):
+    """Sliding-window attention (Gemma 3's local layers) against the numpy reference: a query at
+    position p sees keys p-window+1 .. p; decode runs the C kernel over the window, prefill numpy."""
+    rng = np.random.default_rng(t * 1000 + pos0 + window)
+    hq, hkv, dh, s = 8, 2, 32, 256
+    q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+    k = rng.standard_normal((hkv, s, dh)).astype(kv)
+    v = rng.standard_normal((hkv, s, dh)).astype(kv)
+    y = ops.attention(q, k, v, pos0, window=window)
+    ref = ops_ref.attention(q, k.astype(np.float32), v.astype(np.float32), pos0, window=window)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * np.sqrt(min(pos0 + t, window) + 1))
+    if pos0 + t > window:     # the window changes the answer (the test is not vacuous)
+        full = ops_ref.attention(q, k.astype(np.float32), v.astype(np.float32), pos0)
+        assert not np.allclose(full[-1], ref[-1])
+    with pytest.raises(Exception, match="window"):
+        ops.attention(q, k, v, pos0, window=0)
+
+
+def test_rope_freqs_equals_rope_at_plain_frequencies():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3, 64)).astype(np.float32)
+    pos = np.array([0, 5, 100, 4000])
+    inv = 1.0 / 1e4 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(ops.rope_freqs(x, pos, inv), ops_ref.rope(x, pos, 1e4), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ops.rope_freqs(x, pos, inv / 8.0), ops_ref.rope(x, pos / 8.0, 1e4), atol=1e-4)
+
+
 @pytest.mark.parametrize("hq,hkv,dh", [(14, 2, 64), (9, 3, 64), (28, 4, 128), (8, 1, 256), (6, 2, 48), (4, 2, 8),
                                         (16, 2, 192), (12, 2, 64), (5, 1, 128), (4, 4, 64), (10, 2, 80), (16, 2, 112)])
 @pytest.mark.parametrize("kv", [np.float32, np.float16])

@@ -9,7 +9,7 @@ from tinymodel import CHATML, make_tiny_gguf, make_tiny_hf_model
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers
 
-from mixqrt.errors import GenerationError, ModelError
+from mixqrt.errors import FormatError, GenerationError, ModelError
 from mixqrt.io import open_source
 from mixqrt.tokenizer import StreamDecoder, Tokenizer
 
@@ -191,7 +191,9 @@ def _meta(**over):
 
 def test_gguf_metadata_errors():
     assert Tokenizer.from_gguf_metadata(_meta()).encode("ab") == [2]
-    with pytest.raises(ModelError, match="'llama' is not supported"):
+    with pytest.raises(ModelError, match="'bert' is not supported"):
+        Tokenizer.from_gguf_metadata(_meta(**{"tokenizer.ggml.model": "bert"}))
+    with pytest.raises(FormatError, match="scores missing"):        # SentencePiece needs its scores
         Tokenizer.from_gguf_metadata(_meta(**{"tokenizer.ggml.model": "llama"}))
     with pytest.raises(ModelError, match="pre-tokenizer 'klingon'"):
         Tokenizer.from_gguf_metadata(_meta(**{"tokenizer.ggml.pre": "klingon"}))

@@ -47,35 +47,59 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# per architecture where its names differ from the qwen2/llama ones above
+_ARCH_LAYER_NAMES = {
+    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    # Gemma 3: ffn_norm is the norm before the FFN; the converter stores every norm as 1 + HF's weight
+    "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+_MOE_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+              "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+              "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+              "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+_ARCH_LAYER_NAMES["qwen2_moe"] = {**_LAYER_NAMES, **_MOE_NAMES}
+_ARCH_LAYER_NAMES["qwen3_moe"] = {**_LAYER_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES}
+# routed experts: one GGUF tensor [experts, out, in] per kind, seen as one HF tensor per expert
+_EXPS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# GGUF architecture names that differ from the HF model_type
+_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# architectures whose GGUF norm weights are HF's plus one (llama.cpp multiplies by the stored weight)
+_NORM_PLUS_ONE = ("gemma3",)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # tensors that rescale RoPE's frequencies: a reader that cannot apply them must refuse the file
+# (rope_freqs.weight, Llama 3's factors, is read into config.rope_scaling where the graph applies it)
 _ROPE_FACTOR_TENSORS = {"rope_freqs.weight": "rope_scaling type 'llama3' frequency factors",
                         "rope_factors_long.weight": "rope_scaling type 'longrope' factors",
                         "rope_factors_short.weight": "rope_scaling type 'longrope' factors"}
+_ROPE_FREQS_ARCHS = ("llama", "qwen2", "qwen3")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF name for a GGUF tensor name; None for tensors the graphs do not use (rope_freqs...)."""
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    """HF name for a GGUF tensor name of architecture `arch`; None for tensors the graphs do not use."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{int(m.group(1))}.{names[m.group(2)]}"
     return None
 
 
 _GLOBAL_TO_GGUF = {v: k for k, v in _GLOBAL_NAMES.items()}
-_LAYER_TO_GGUF = {v: k for k, v in _LAYER_NAMES.items()}
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def hf_to_gguf_name(name: str) -> str:
+def hf_to_gguf_name(name: str, arch: str | None = None) -> str:
     """GGUF tensor name for an HF name (inverse of gguf_to_hf_name), as llama.cpp's converter writes it."""
     if name in _GLOBAL_TO_GGUF:
         return _GLOBAL_TO_GGUF[name]
+    to_gguf = {v: k for k, v in _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).items()}
     m = _HF_LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_TO_GGUF:
-        return f"blk.{int(m.group(1))}.{_LAYER_TO_GGUF[m.group(2)]}"
+    if m and m.group(2) in to_gguf:
+        return f"blk.{int(m.group(1))}.{to_gguf[m.group(2)]}"
     raise ModelError(f"tensor {name!r} has no GGUF name")
 
 
@@ -270,10 +294,11 @@ def meta_str(meta: dict, key: str, path, default=None):
 
 
 def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
-    arch = meta.get("general.architecture")
+    garch = meta.get("general.architecture")
+    arch = _GGUF_ARCHS.get(garch, garch) if isinstance(garch, str) else garch
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: unknown architecture {str(arch)[:40]} (supported: {', '.join(SUPPORTED_ARCHS)})")
-    names = {hf: f"{arch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()}
+        raise ModelError(f"{path}: unknown architecture {str(garch)[:40]} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    names = {hf: f"{garch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()}
 
     def key_int(hf, default=None, required=True):
         return meta_int(meta, names[hf], path, default, required)
@@ -292,8 +317,14 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         vocab = int(emb[0][1])
     else:
         vocab = meta_int(meta, f"{arch}.vocab_size", path)
+    k_len = key_int("head_dim", hidden // n_head)
+    v_len = meta_int(meta, f"{garch}.attention.value_length", path, k_len)
+    if v_len != k_len:
+        raise ModelError(f"{path}: GGUF metadata {garch}.attention.value_length={v_len} differs from "
+                         f"{garch}.attention.key_length={k_len} (head_dim mismatch; not supported)")
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "gemma3": "Gemma3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
         "model_type": arch,
         "hidden_act": "silu",
         "hidden_size": hidden,
@@ -301,7 +332,7 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         "num_hidden_layers": key_int("num_hidden_layers"),
         "num_attention_heads": n_head,
         "num_key_value_heads": key_int("num_key_value_heads", n_head),
-        "head_dim": key_int("head_dim", hidden // n_head),
+        "head_dim": k_len,
         "rms_norm_eps": meta_float(meta, names["rms_norm_eps"], path),
         "rope_theta": meta_float(meta, names["rope_theta"], path, 10000.0),
         "max_position_embeddings": key_int("max_position_embeddings"),
@@ -309,15 +340,37 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    else:
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        # llama.cpp renormalises the top-k weights for qwen3moe and not for qwen2moe
+        cfg.update(num_experts=meta_int(meta, f"{garch}.expert_count", path),
+                   num_experts_per_tok=meta_int(meta, f"{garch}.expert_used_count", path),
+                   moe_intermediate_size=meta_int(meta, f"{garch}.expert_feed_forward_length", path),
+                   shared_expert_intermediate_size=meta_int(
+                       meta, f"{garch}.expert_shared_feed_forward_length", path, 0),
+                   norm_topk_prob=arch == "qwen3_moe")
+        cfg["architectures"] = ["Qwen2MoeForCausalLM" if arch == "qwen2_moe" else "Qwen3MoeForCausalLM"]
+    if arch == "qwen2":
         cfg["use_sliding_window"] = False
-    scaling = meta_str(meta, f"{arch}.rope.scaling.type", path)
+    else:
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "gemma3":
+        del cfg["hidden_act"]
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        # llama.cpp's Gemma 3: every 6th layer global, local RoPE base 10000 unless the file says
+        # (rope.freq_base_swa); attention scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27B
+        cfg["sliding_window"] = meta_int(meta, f"{arch}.attention.sliding_window", path, 4096)
+        cfg["sliding_window_pattern"] = 6
+        cfg["rope_local_base_freq"] = meta_float(meta, f"{arch}.rope.freq_base_swa", path, 10000.0)
+        cfg["query_pre_attn_scalar"] = hidden // n_head if (hidden, n_head) == (5376, 32) else k_len
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            v = meta_float(meta, f"{arch}.{key}", path, required=False)
+            if v:
+                cfg[key] = v
+    scaling = meta_str(meta, f"{garch}.rope.scaling.type", path)
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"type": scaling, "rope_type": scaling,
-                               "factor": meta_float(meta, f"{arch}.rope.scaling.factor", path, 1.0)}
-        orig = meta_int(meta, f"{arch}.rope.scaling.original_context_length", path, required=False)
+                               "factor": meta_float(meta, f"{garch}.rope.scaling.factor", path, 1.0)}
+        orig = meta_int(meta, f"{garch}.rope.scaling.original_context_length", path, required=False)
         if orig:
             cfg["rope_scaling"]["original_max_position_embeddings"] = orig
     for tok in ("bos", "eos", "padding"):
@@ -362,21 +415,30 @@ class GGUFSource(Source):
             self.metadata, self._gguf = read_gguf_header(self._map, self.path)
             self.config = config_from_metadata(self.metadata, self._gguf, self.path)
             self.arch = self.config["model_type"]
+            self._rope_factors()
             check_config(self.config, str(self.path),
-                         {hf: f"{self.arch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()})
+                         {hf: f"{self.metadata['general.architecture']}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()})
             self._names = {}                        # HF name -> GGUF name
+            self._expert = {}                       # HF name of a routed expert -> its index in the GGUF tensor
             self.unmapped = []                      # GGUF tensors the graphs do not use
             for gname, (dims, qtype, _, _) in self._gguf.items():
-                hname = gguf_to_hf_name(gname)
+                m = _EXPS_RE.fullmatch(gname) if self.arch in ("qwen2_moe", "qwen3_moe") else None
+                if m is not None and len(dims) == 3:
+                    for e in range(int(dims[2])):
+                        hname = f"model.layers.{int(m.group(1))}.mlp.experts.{e}.{m.group(2)}_proj.weight"
+                        self._names[hname], self._expert[hname] = gname, e
+                        self._info[hname] = ((int(dims[1]), int(dims[0])), qtype.name)
+                    continue
+                hname = gguf_to_hf_name(gname, self.arch)
                 if hname is None and gname in _ROPE_FACTOR_TENSORS:
-                    # skipping them would run every position with the wrong frequencies
-                    raise ModelError(f"{self.path}: tensor {gname!r} ({_ROPE_FACTOR_TENSORS[gname]}) is not "
-                                     f"supported for architecture {self.arch}")
+                    continue                         # read (or refused) by _rope_factors above
                 if hname is None:
                     self.unmapped.append(gname)
                     continue
                 self._names[hname] = gname
-                self._info[hname] = (tuple(int(d) for d in reversed(dims)), qtype.name)
+                shape = tuple(int(d) for d in reversed(dims))
+                self._info[hname] = ((1,) + shape if hname.endswith("shared_expert_gate.weight") else shape,
+                                     qtype.name)
             check_layout(self)
             from mixqrt.tokenizer import eos_ids_from_gguf
             self.generation_config = generation_config_from_metadata(
@@ -385,13 +447,44 @@ class GGUFSource(Source):
             self.close()
             raise
 
+    def _rope_factors(self) -> None:
+        """Llama 3's rope_freqs.weight (per-frequency divisors) into config.rope_scaling, where the graph
+        applies it; any other RoPE factor tensor, or one on an architecture without it, is refused:
+        skipping it would run every position with the wrong frequencies."""
+        for gname, what in _ROPE_FACTOR_TENSORS.items():
+            if gname not in self._gguf:
+                continue
+            if gname != "rope_freqs.weight" or self.arch not in _ROPE_FREQS_ARCHS:
+                raise ModelError(f"{self.path}: tensor {gname!r} ({what}) is not supported for architecture "
+                                 f"{self.arch}")
+            dims, qtype, start, nbytes = self._gguf[gname]
+            half = self.config["head_dim"] // 2
+            if tuple(dims) != (half,) or qtype != GGMLQuantizationType.F32:
+                raise ModelError(f"{self.path}: tensor {gname!r} must be F32 of {half} values (head_dim / 2), "
+                                 f"got {qtype.name} {tuple(dims)}")
+            ff = np.frombuffer(self._map, dtype="<f4", count=half, offset=start).astype(np.float64)
+            if not np.isfinite(ff).all() or (ff <= 0).any():
+                raise ModelError(f"{self.path}: tensor {gname!r} must hold positive finite factors")
+            self.config["rope_scaling"] = {"rope_type": "llama3", "freq_factors": [float(f) for f in ff]}
+
     def _load_tokenizer(self):
         from mixqrt.tokenizer import Tokenizer
         return Tokenizer.from_gguf_metadata(self.metadata, where=str(self.path))
 
+    def _span(self, name: str):
+        """(GGUF name, ggml type, start, nbytes, HF shape) of an HF tensor: one expert's slice of a
+        stacked expert tensor, else the whole GGUF tensor."""
+        gname = self._names[name]
+        dims, qtype, start, nbytes = self._gguf[gname]
+        e = self._expert.get(name)
+        if e is None:
+            return gname, qtype, start, nbytes, tuple(int(d) for d in reversed(dims))
+        per = nbytes // int(dims[2])
+        return gname, qtype, start + e * per, per, (int(dims[1]), int(dims[0]))
+
     def raw(self, name: str) -> tuple[np.ndarray, str]:
         """(raw bytes of the GGUF tensor as a read-only uint8 view, ggml type name), HF name in."""
-        dims, qtype, start, nbytes = self._gguf[self._names[name]]
+        _, qtype, start, nbytes, _ = self._span(name)
         return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start), qtype.name
 
     def _decode(self, gname: str, raw: np.ndarray, qtype, shape: tuple) -> np.ndarray:
@@ -411,9 +504,7 @@ class GGUFSource(Source):
 
     def rows(self, name: str, idx) -> np.ndarray:
         """Only the rows asked for are read and dequantized (GGUF rows are contiguous blocks)."""
-        gname = self._names[name]
-        dims, qtype, start, nbytes = self._gguf[gname]
-        shape = tuple(int(d) for d in reversed(dims))
+        gname, qtype, start, nbytes, shape = self._span(name)
         idx = np.asarray(idx, dtype=np.int64)
         if len(shape) != 2 or (self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight"))) \
                 or idx.size == 0 or idx.min() < 0 or idx.max() >= shape[0]:
@@ -424,15 +515,17 @@ class GGUFSource(Source):
         return np.ascontiguousarray(w, dtype=np.float32)
 
     def _read(self, name: str) -> np.ndarray:
-        gname = self._names[name]
-        dims, qtype, start, nbytes = self._gguf[gname]
-        shape = tuple(int(d) for d in reversed(dims))
+        gname, qtype, start, nbytes, shape = self._span(name)
         raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
         w = self._decode(gname, raw, qtype, shape)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)                      # GGUF stores the one-row gate as a vector
         if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, self.config["num_attention_heads"])
         elif self.arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_qk(w, self.config["num_key_value_heads"])
+        if self.arch in _NORM_PLUS_ONE and gname.endswith("norm.weight"):
+            w = w - np.float32(1.0)                   # the converter stored 1 + HF's weight
         w = np.ascontiguousarray(w, dtype=np.float32)
         del raw
         self._release(start, nbytes)

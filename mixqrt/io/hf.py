@@ -178,6 +178,7 @@ class HFSource(Source):
         self._where: dict[str, SafetensorsFile] = {}   # HF name -> file holding it
         try:
             self.config = _read_json(self.path, "config.json", "every HF model folder has one")
+            self._rename = self._text_only()
             self.arch = arch_from_config(self.config, str(self.path / "config.json"))
             check_config(self.config, str(self.path / "config.json"))
             self._open_weights()
@@ -186,6 +187,33 @@ class HFSource(Source):
         except BaseException:
             self.close()
             raise
+
+    # Gemma 3 with its vision tower (Gemma3ForConditionalGeneration, model_type "gemma3"): the text
+    # decoder's tensors under these prefixes (transformers before / after 4.52), the rest skipped
+    _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                      ("language_model.lm_head.", "lm_head."))
+    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+
+    def _text_only(self):
+        """For a multimodal Gemma 3 folder: its text_config as the config, and a rename of its text
+        tensors to the text model's names (None for every other folder)."""
+        tc = self.config.get("text_config")
+        if self.config.get("model_type") != "gemma3" or not isinstance(tc, dict):
+            return None
+        top = self.config
+        self.config = {**tc, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+                       "tie_word_embeddings": top.get("tie_word_embeddings", tc.get("tie_word_embeddings", True))}
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if k in top and k not in self.config:
+                self.config[k] = top[k]
+
+        def rename(name: str) -> str | None:
+            for old, new in self._TEXT_PREFIXES:
+                if name.startswith(old):
+                    return new + name[len(old):]
+            return None if name.startswith(self._VISION_PREFIXES) else name
+        return rename
 
     def _weight_files(self) -> tuple[list[Path], dict | None]:
         index = self.path / "model.safetensors.index.json"
@@ -219,12 +247,18 @@ class HFSource(Source):
         for f in files:
             self._files[f.name] = SafetensorsFile(f)
         tied = bool(self.config.get("tie_word_embeddings", False))
+        self._stored = {}                           # HF name -> name in the file, where they differ
         for fname, sf in self._files.items():
-            for name, (shape, dtype, _, _) in sf.tensors.items():
-                if name.endswith(self._IGNORED_SUFFIXES):
+            for stored, (shape, dtype, _, _) in sf.tensors.items():
+                if stored.endswith(self._IGNORED_SUFFIXES):
                     continue
-                if weight_map is not None and weight_map.get(name) != fname:
+                if weight_map is not None and weight_map.get(stored) != fname:
                     continue                        # the index decides which shard owns a name
+                name = stored if self._rename is None else self._rename(stored)
+                if name is None:
+                    continue                        # a vision tensor of a multimodal Gemma 3
+                if name != stored:
+                    self._stored[name] = stored
                 if name in self._info:
                     raise FormatError(f"{self.path}: tensor {name!r} appears in both "
                                       f"{self._where[name].path.name} and {fname}")
@@ -239,7 +273,7 @@ class HFSource(Source):
                                       "but not stored in this shard")
 
     def _read(self, name: str) -> np.ndarray:
-        return self._where[name].read(name)
+        return self._where[name].read(self._stored.get(name, name))
 
     def _load_tokenizer(self):
         from mixqrt.tokenizer import Tokenizer

@@ -23,13 +23,16 @@ import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.limits import check_config_limits
+from mixqrt.models.spec import ARCH_ALIASES
 from mixqrt.models.spec import ARCHS as SUPPORTED_ARCHS
 from mixqrt.models.spec import ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # HF `architectures` entries we know, for configs whose model_type is missing or odd.
-_ARCH_CLASSES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+_ARCH_CLASSES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 class Source:
@@ -112,6 +115,8 @@ def arch_from_config(config: dict, where: str) -> str:
     mt = config.get("model_type")
     if isinstance(mt, str) and mt in SUPPORTED_ARCHS:
         return mt
+    if isinstance(mt, str) and mt in ARCH_ALIASES:
+        return ARCH_ALIASES[mt]
     classes = config.get("architectures") or ()
     classes = [c for c in classes if isinstance(c, str)] if isinstance(classes, list) else []
     for cls in classes:

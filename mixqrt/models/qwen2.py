@@ -45,6 +45,7 @@ class ModelArgs:
     rope_scaling: dict | None = None
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict, repr=False)
+    inv_freq: np.ndarray | None = field(default=None, repr=False, compare=False)   # derived (validate)
 
     @classmethod
     def from_dict(cls, config: dict, model_type: str | None = None) -> "ModelArgs":
@@ -54,7 +55,7 @@ class ModelArgs:
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
             raise ModelError(f"model config is missing required key(s): {', '.join(missing)}")
-        names = {f.name for f in fields(cls)} - {"extra", "model_type"}
+        names = {f.name for f in fields(cls)} - {"extra", "model_type", "inv_freq"}
         kw = {k: config[k] for k in names if config.get(k) is not None}
         mt = model_type or config.get("model_type") or "qwen2"
         args = cls(model_type=str(mt), extra={k: v for k, v in config.items() if k not in names}, **kw)
@@ -95,15 +96,55 @@ class ModelArgs:
             raise ModelError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
         if self.mlp_bias:
             raise ModelError("mlp_bias=True is not supported")
-        if self.rope_scaling:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in (None, "default"):
-                raise ModelError(f"rope_scaling type {kind!r} is not supported (refusing to run with wrong "
-                                 f"positions)")
+        self.inv_freq = rope_inv_freq(self.rope_scaling, self.rope_theta, self.head_dim)
         self.tie_word_embeddings = bool(self.tie_word_embeddings)
         if self.attention_bias is None:
-            self.attention_bias = self.model_type == "qwen2"
+            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe")
         self.attention_bias = bool(self.attention_bias)
+
+
+def _scaling_number(rs: dict, key: str, default=None) -> float:
+    v = rs.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ModelError(f"config rope_scaling.{key} must be a positive finite number, got {v!r}")
+    return float(v)
+
+
+def rope_inv_freq(rs, theta: float, head_dim: int) -> np.ndarray | None:
+    """RoPE's inverse frequencies [head_dim/2] under config.rope_scaling, or None for plain RoPE
+    (theta's own frequencies, the C kernel's). Types: "default"; "linear" (every frequency / factor);
+    "llama3" (Llama 3.x: long wavelengths / factor, short ones kept, a smooth blend between, as
+    transformers' _compute_llama3_parameters), from its four parameters or, from a GGUF file, the
+    per-frequency divisors llama.cpp stores as rope_freqs.weight ("freq_factors"). Anything else is
+    a ModelError: running it with plain RoPE would give wrong positions."""
+    if not rs:
+        return None
+    if not isinstance(rs, dict):
+        raise ModelError(f"config rope_scaling must be an object, got {type(rs).__name__}")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if kind == "linear":
+        return inv / _scaling_number(rs, "factor")
+    if kind != "llama3":
+        raise ModelError(f"config rope_scaling.rope_type {str(kind)[:40]!r} is not supported (supported: default, "
+                         f"linear, llama3); refusing to run with wrong positions")
+    if rs.get("freq_factors") is not None:
+        ff = np.asarray(rs["freq_factors"], dtype=np.float64).reshape(-1)
+        if ff.size != head_dim // 2 or not np.isfinite(ff).all() or (ff <= 0).any():
+            raise ModelError(f"config rope_scaling.freq_factors must be {head_dim // 2} positive numbers "
+                             f"(head_dim / 2), got {ff.size}")
+        return inv / ff
+    factor = _scaling_number(rs, "factor")
+    lo, hi = _scaling_number(rs, "low_freq_factor"), _scaling_number(rs, "high_freq_factor")
+    orig = _scaling_number(rs, "original_max_position_embeddings")
+    if hi <= lo:
+        raise ModelError(f"config rope_scaling.high_freq_factor={hi} must exceed low_freq_factor={lo}")
+    wavelen = 2 * math.pi / inv
+    smooth = (orig / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return np.where(wavelen < orig / hi, inv, np.where(wavelen > orig / lo, inv / factor, blended))
 
 
 # ============================================================================ weights
@@ -173,6 +214,9 @@ class Model:
     one implementation of each layer, here."""
 
     args_class = ModelArgs
+    layer_class = Layer                    # a subclass with more fields sets these three together
+    layer_fields = LAYER_FIELDS
+    optional_fields = frozenset(_OPTIONAL)
     kv_dtype = np.float32          # set to np.float16 to halve the KV cache (ops.attention reads both)
     # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
     # another model_type (another graph) decodes op by op through layer_forward, never through it
@@ -234,14 +278,14 @@ class Model:
     def _layer_from(self, i: int, w: dict) -> Layer:
         """Layer i's fields from runtime-layout tensors (sanitize's output), popped from w."""
         p, kw = f"model.layers.{i}.", {}
-        for fld, suffix in LAYER_FIELDS:
-            if fld in _OPTIONAL:
+        for fld, suffix in self.layer_fields:
+            if fld in self.optional_fields:
                 kw[fld] = w.pop(p + suffix, None)
             elif p + suffix not in w:
                 raise ModelError(f"missing tensor {p + suffix!r}")
             else:
                 kw[fld] = w.pop(p + suffix)
-        return Layer(**kw)
+        return self.layer_class(**kw)
 
     def load_layer(self, i: int, weights: dict) -> None:
         """(Re)build layer i from HF-named tensors of that layer (fusion groups as parts or fused),
@@ -283,7 +327,7 @@ class Model:
         L, p, out = self.layers[i], f"model.layers.{i}.", {}
         if L is None:
             return out
-        for fld, suffix in LAYER_FIELDS:
+        for fld, suffix in self.layer_fields:
             v = getattr(L, fld)
             if v is None:
                 continue
@@ -394,8 +438,8 @@ class Model:
         on first use; None where a layer does not fit them (a projection left in parts because its
         formats differ): that model decodes op by op. An architecture without such a native layer
         returns None here and decodes op by op through layer_forward."""
-        if self.args.model_type not in self.native_decode_types:
-            return None
+        if self.args.model_type not in self.native_decode_types or self.args.inv_freq is not None:
+            return None                            # another graph, or scaled RoPE (not in the C layer)
         got = self.__dict__.get("_fused")
         if got is None:
             a, out = self.args, []
@@ -473,11 +517,10 @@ class Model:
         q, k, v = self.qkv(li, x, pos)                                         # row b at position pos[b]
         for b, c in enumerate(caches):
             c.write(li, k[b:b + 1], v[b:b + 1], int(pos[b]))
-        ops.attention_batch(q[:b_n], [c.keys[li] for c in caches], [c.values[li] for c in caches], pos[:b_n],
-                            out=att[:b_n])
+        self.attend_batch(li, q[:b_n], caches, pos[:b_n], att[:b_n])
         if st.p_cache is not None:
             st.p_cache.write(li, k[b_n:], v[b_n:], st.p0)
-            att[b_n:] = ops.attention(q[b_n:], st.p_cache.keys[li], st.p_cache.values[li], st.p0)
+            att[b_n:] = self.attend(li, q[b_n:], st.p_cache, st.p0)
         self.attn_out(li, x, att)
         self.ffn_stage(li, x)
 
@@ -518,8 +561,16 @@ class Model:
         qkv = _proj(L.qkv, ops.rmsnorm(x, L.input_norm, a.rms_norm_eps), L.o_proj)   # [T, Nq+2Nkv]
         if L.qkv_bias is not None:
             qkv += L.qkv_bias
-        qk = ops.rope(qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), positions, a.rope_theta)  # q, k heads in one call
+        qk = self.rope(li, qkv[:, :nq + nkv].reshape(t, hq + hkv, dh), positions)  # q, k heads in one call
         return qk[:, :hq], qk[:, hq:], qkv[:, nq + nkv:].reshape(t, hkv, dh)
+
+    def rope(self, li: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """RoPE of layer li on heads x [T, H, Dh] (a new array): the C kernel at rope_theta, or the
+        scaled inverse frequencies of config.rope_scaling (rope_inv_freq)."""
+        a = self.args
+        if a.inv_freq is None:
+            return ops.rope(x, positions, a.rope_theta)
+        return ops.rope_freqs(x, positions, a.inv_freq)
 
     def attn_out(self, li: int, x: np.ndarray, att: np.ndarray) -> None:
         """x += o_proj(att) (+ bias); att [T, Hq, Dh]."""
@@ -534,7 +585,16 @@ class Model:
             positions = self.positions(pos0, x.shape[0])
         q, k, v = self.qkv(li, x, positions)
         cache.write(li, k, v, pos0)
-        self.attn_out(li, x, ops.attention(q, cache.keys[li], cache.values[li], pos0))
+        self.attn_out(li, x, self.attend(li, q, cache, pos0))
+
+    def attend(self, li: int, q: np.ndarray, cache: KVCache, pos0: int, out=None) -> np.ndarray:
+        """Layer li's attention of q [T, Hq, Dh] (positions pos0..) over its cache -> [T, Hq, Dh]."""
+        return ops.attention(q, cache.keys[li], cache.values[li], pos0, out)
+
+    def attend_batch(self, li: int, q: np.ndarray, caches: list, pos: np.ndarray, out: np.ndarray) -> None:
+        """Layer li's attention of one decode query per sequence (q [B, Hq, Dh], row b at pos[b] on
+        caches[b]) into out [B, Hq, Dh]."""
+        ops.attention_batch(q, [c.keys[li] for c in caches], [c.values[li] for c in caches], pos, out=out)
 
     def ffn_in(self, li: int, x: np.ndarray) -> np.ndarray:
         """The FFN's input: post-attention norm of x."""

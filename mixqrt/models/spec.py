@@ -12,7 +12,8 @@ Every layer that needs to know what a checkpoint holds reads it here:
 
 Names and layouts are Hugging Face's ([out, in] matrices). Qwen2 and Llama share one graph; they
 differ only in which attention biases exist (Qwen2: q/k/v always; Llama: q/k/v/o when
-config.attention_bias). A fusion group is a set of tensors of one layer that the graph multiplies
+config.attention_bias). Qwen3 adds a per-head RMSNorm on q and k; Gemma 3 adds those and norms
+after attention and around the FFN (pre_feedforward / post_feedforward_layernorm). A fusion group is a set of tensors of one layer that the graph multiplies
 with the same input, stacked by rows into one tensor (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 
 fuse() is the one rule for stacking, used when a .mxq is written (convert) and when a model is
@@ -29,10 +30,13 @@ import numpy as np
 from mixqrt.errors import ModelError
 from mixqrt.models.base import is_qtensor
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "llama", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe")
+# HF model_type spellings of an architecture above (Gemma 3's text-only checkpoints say gemma3_text)
+ARCH_ALIASES = {"gemma3_text": "gemma3"}
 
 ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
-         "norm", "bias", "lm_head")
+         "norm", "bias", "lm_head", "router")
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 _GLOBAL_ROLES = {EMBED: "embed", FINAL_NORM: "norm", LM_HEAD: "lm_head"}
@@ -52,7 +56,17 @@ _LAYER_ROLES = {
     "mlp.gate_proj.weight": "ffn_gate",
     "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
+    "self_attn.q_norm.weight": "norm",                   # qwen3, gemma3: RMSNorm per head on q and k
+    "self_attn.k_norm.weight": "norm",
+    "pre_feedforward_layernorm.weight": "norm",          # gemma3: norms before and after the FFN
+    "post_feedforward_layernorm.weight": "norm",
 }
+# mixture-of-experts layers: routed experts and the shared expert are FFNs (their roles), the router
+# (and the shared expert's sigmoid gate, a one-row router) has its own role
+_MOE_ROLES = {"mlp.gate.weight": "router", "mlp.shared_expert_gate.weight": "router",
+              "mlp.shared_expert.gate_proj.weight": "ffn_gate", "mlp.shared_expert.up_proj.weight": "ffn_up",
+              "mlp.shared_expert.down_proj.weight": "ffn_down"}
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # buffers some checkpoints carry that are not weights of the graph (recomputed from the config)
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -85,6 +99,11 @@ NORM_FEEDS = {
     "post_attention_layernorm.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 FINAL_NORM_FEEDS = (LM_HEAD,)
+# architectures whose norms multiply by (1 + weight) or sit where NORM_FEEDS does not say (gemma3's
+# post_attention_layernorm normalises the attention output): no norm is folded into a weight
+NO_NORM_FOLDING = ("gemma3", "qwen2_moe", "qwen3_moe")
+# architectures with an RMSNorm per head on q and k (self_attn.q_norm / k_norm, [head_dim])
+QK_NORM_ARCHS = ("qwen3", "gemma3", "qwen3_moe")
 
 
 def split_layer(name: str) -> tuple[int | None, str]:
@@ -96,11 +115,13 @@ def split_layer(name: str) -> tuple[int | None, str]:
 def role_of(name: str) -> str:
     """The role of an HF tensor name (or of a fused target name) in the graph; ModelError if none."""
     layer, rest = split_layer(name)
-    role = _LAYER_ROLES.get(rest) if layer is not None else _GLOBAL_ROLES.get(name)
+    role = (_LAYER_ROLES.get(rest) or _MOE_ROLES.get(rest)) if layer is not None else _GLOBAL_ROLES.get(name)
+    if role is None and layer is not None and (m := _EXPERT.match(rest)):
+        role = f"ffn_{m.group(2)}"
     if role is None and layer is not None and rest in _GROUP_BY_TARGET:
         role = _GROUP_BY_TARGET[rest].role
     if role is None:
-        raise ModelError(f"tensor {name!r} is not part of the qwen2/llama graph (no known role)")
+        raise ModelError(f"tensor {name!r} is not part of any supported graph (no known role)")
     return role
 
 
@@ -123,8 +144,11 @@ def parts_of(name: str) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{x}" for x in g.parts)
 
 
-def norm_feeds(name: str) -> tuple[str, ...]:
-    """The linear weights (full HF names) that take norm `name`'s output as their input; () for none."""
+def norm_feeds(name: str, arch: str | None = None) -> tuple[str, ...]:
+    """The linear weights (full HF names) that take norm `name`'s output as their input; () for none
+    (and for every norm of an architecture in NO_NORM_FOLDING)."""
+    if arch in NO_NORM_FOLDING:
+        return ()
     if name == FINAL_NORM:
         return FINAL_NORM_FEEDS
     layer, rest = split_layer(name)
@@ -138,7 +162,9 @@ def arch_biases(arch: str, config: dict) -> tuple[bool, bool]:
     config.attention_bias says (transformers ignores it); Llama has all four or none."""
     if arch == "qwen2":
         return True, False
-    if arch == "llama":
+    if arch == "qwen2_moe":
+        return True, False
+    if arch in ("llama", "qwen3", "gemma3", "qwen3_moe"):
         b = bool(config.get("attention_bias", False))
         return b, b
     raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHS)}")
@@ -153,6 +179,38 @@ def _pos_int(config: dict, key: str, default=None) -> int:
     return int(v)
 
 
+@dataclass(frozen=True)
+class MoELayout:
+    """A mixture-of-experts config: which layers are sparse, experts, top-k and FFN widths."""
+    n_experts: int
+    top_k: int
+    inter: int                  # each routed expert's FFN width (moe_intermediate_size)
+    shared_inter: int           # the shared expert's (0: none)
+    norm_topk_prob: bool
+    sparse: tuple               # per layer: routed experts (True) or a dense MLP
+
+
+def moe_layout(config: dict, n_layers: int) -> MoELayout:
+    """The MoE keys of a Qwen2-MoE / Qwen3-MoE config.json, checked: ModelError naming the key for zero
+    experts, top-k above the expert count, a bad width or layer list."""
+    e = config.get("num_experts")
+    if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 1:
+        raise ModelError(f"config num_experts must be a positive integer, got {e!r}")
+    k = _pos_int(config, "num_experts_per_tok")
+    if k > e:
+        raise ModelError(f"config num_experts_per_tok={k} exceeds num_experts={e}")
+    shared = config.get("shared_expert_intermediate_size") or 0
+    if isinstance(shared, bool) or not isinstance(shared, (int, np.integer)) or shared < 0:
+        raise ModelError(f"config shared_expert_intermediate_size must be a non-negative integer, got {shared!r}")
+    step = _pos_int(config, "decoder_sparse_step", 1)
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ModelError("config mlp_only_layers must be a list of layer indices")
+    sparse = tuple(i not in only and (i + 1) % step == 0 for i in range(n_layers))
+    return MoELayout(int(e), k, _pos_int(config, "moe_intermediate_size"), int(shared),
+                     bool(config.get("norm_topk_prob", False)), sparse)
+
+
 class ModelSpec:
     """The tensors of one checkpoint, derived from its config: ModelSpec(config, arch). The sizes it
     reads must be positive integers (ModelError naming the key otherwise)."""
@@ -163,10 +221,11 @@ class ModelSpec:
         h, nh = _pos_int(config, "hidden_size"), _pos_int(config, "num_attention_heads")
         nkv = _pos_int(config, "num_key_value_heads", nh)
         hd = _pos_int(config, "head_dim", h // nh)
-        self.hidden, self.n_layers = h, _pos_int(config, "num_hidden_layers")
+        self.hidden, self.n_layers, self.head_dim = h, _pos_int(config, "num_hidden_layers"), hd
         self.n_q, self.n_kv = nh * hd, nkv * hd
         self.inter, self.vocab = _pos_int(config, "intermediate_size"), _pos_int(config, "vocab_size")
         self.tied = bool(config.get("tie_word_embeddings", False))
+        self.moe = moe_layout(config, self.n_layers) if arch in MOE_ARCHS else None
 
     def layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         h, nq, nkv, inter = self.hidden, self.n_q, self.n_kv, self.inter
@@ -181,10 +240,29 @@ class ModelSpec:
         s[p + "self_attn.o_proj.weight"] = (h, nq)
         if self.o_bias:
             s[p + "self_attn.o_proj.bias"] = (h,)
-        s.update({p + "post_attention_layernorm.weight": (h,),
-                  p + "mlp.gate_proj.weight": (inter, h),
-                  p + "mlp.up_proj.weight": (inter, h),
-                  p + "mlp.down_proj.weight": (h, inter)})
+        if self.arch in QK_NORM_ARCHS:
+            s.update({p + "self_attn.q_norm.weight": (self.head_dim,), p + "self_attn.k_norm.weight": (self.head_dim,)})
+        s[p + "post_attention_layernorm.weight"] = (h,)
+        if self.arch == "gemma3":
+            s[p + "pre_feedforward_layernorm.weight"] = (h,)
+        if self.moe is not None and self.moe.sparse[i]:
+            m = self.moe
+            s[p + "mlp.gate.weight"] = (m.n_experts, h)
+            for e in range(m.n_experts):
+                s.update({f"{p}mlp.experts.{e}.gate_proj.weight": (m.inter, h),
+                          f"{p}mlp.experts.{e}.up_proj.weight": (m.inter, h),
+                          f"{p}mlp.experts.{e}.down_proj.weight": (h, m.inter)})
+            if m.shared_inter:
+                s.update({p + "mlp.shared_expert.gate_proj.weight": (m.shared_inter, h),
+                          p + "mlp.shared_expert.up_proj.weight": (m.shared_inter, h),
+                          p + "mlp.shared_expert.down_proj.weight": (h, m.shared_inter),
+                          p + "mlp.shared_expert_gate.weight": (1, h)})
+        else:
+            s.update({p + "mlp.gate_proj.weight": (inter, h),
+                      p + "mlp.up_proj.weight": (inter, h),
+                      p + "mlp.down_proj.weight": (h, inter)})
+        if self.arch == "gemma3":
+            s[p + "post_feedforward_layernorm.weight"] = (h,)
         return s
 
     def shapes(self, *, with_lm_head: bool = False) -> dict[str, tuple[int, ...]]:
@@ -224,7 +302,9 @@ class ModelSpec:
                 raise ModelError(f"{where}: missing tensor {name!r} ({self.arch}, {self.n_layers} layers)")
             got = tuple(shapes[name])
             if got != shape:
-                raise ModelError(f"{where}: tensor {name!r} has shape {got}, config says {shape}")
+                hint = f" (head_dim={self.head_dim} x {self.n_q // self.head_dim} q / {self.n_kv // self.head_dim} " \
+                       f"kv heads)" if ".self_attn." in name else ""
+                raise ModelError(f"{where}: tensor {name!r} has shape {got}, config says {shape}{hint}")
         extra = sorted(n for n in shapes if n not in want and not _IGNORED.match(n)
                        and not (n == LM_HEAD and self.tied))
         if extra:

@@ -168,7 +168,7 @@ class Calibrator:
         """Quantize norms and biases (plain) -> ({name: stored QTensor}, {linear weight: fold ratio})."""
         vec, ratios = {}, {}
         for n in names:
-            feeds = spec.norm_feeds(n)
+            feeds = spec.norm_feeds(n, self.spec.arch)
             if feeds:
                 _, ratio = self._norm(n, self.fmts[n])
                 ratios.update(dict.fromkeys(feeds, ratio))
@@ -209,7 +209,10 @@ class Calibrator:
                 except _Stop:
                     pass
         if not got:
-            raise QuantError(f"calibration: the graph never multiplies {sorted(weights[n].name for n in weights if isinstance(weights[n], _Pending))}")
+            left = sorted(weights[n].name for n in weights if isinstance(weights[n], _Pending))
+            if all(".mlp.experts." in n for n in left):
+                return tuple(left), None     # routed experts no calibration token chose
+            raise QuantError(f"calibration: the graph never multiplies {left}")
         return got[0], got[1]
 
     def _layer(self, i: int) -> None:
@@ -224,8 +227,11 @@ class Calibrator:
         while any(isinstance(w, _Pending) for w in cur.values()):
             m.load_layer(i, cur)
             names, h = self._record(m.layer_weights(i), run)
-            for n in names:
-                cur[n] = self._linear(n, self.fmts[n], h, ratios.get(n))
+            for n in names:       # h None: experts never routed in calibration, rounded without a Hessian
+                if h is None:
+                    cur[n] = self.out[n] = self.plain(n, self.fmts[n], self.load(n))
+                else:
+                    cur[n] = self._linear(n, self.fmts[n], h, ratios.get(n))
         m.load_layer(i, cur)
         for x in self.x:
             run(x)

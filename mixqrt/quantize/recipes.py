@@ -15,6 +15,11 @@ from mixqrt.formats import layout
 from mixqrt.models.spec import LM_HEAD, ROLES, ModelSpec, role_of  # noqa: F401  (ROLES re-exported)
 
 _ATTN = {"attn_q": None, "attn_k": None, "attn_v": None, "attn_o": None}
+# Architectures whose norms multiply by (1 + weight) (Gemma): a range format (q5g) spends its 32
+# levels on the weights' outliers and moves the ~0 entries by a large share of their multiplier, so
+# their norms stay float32 where a recipe says q5g. Measured on Gemma 3 270M, 2356t without
+# calibration, 128 WikiText-2 tokens: KL against f32 9.0 with q5g norms, 0.28 with f32 norms.
+FLOAT_NORM_ARCHS = ("gemma3",)
 _FFN = {"ffn_gate": None, "ffn_up": None, "ffn_down": None}
 
 
@@ -25,7 +30,7 @@ def _vector_ok(fmt: str) -> bool:
 
 
 def _fill(**kw) -> dict:
-    table = {"bias": "f32", "norm": "f32"}
+    table = {"bias": "f32", "norm": "f32", "router": "f32"}   # a router is small and picks the experts
     for role in _ATTN:
         table[role] = kw.get("attn")
     for role in _FFN:
@@ -170,10 +175,13 @@ class Recipe:
         return [(tuple(roles), fmt, {int(round(float(p) * (n_layers - 1))) for p in pos})
                 for roles, fmt, pos in self.layer_rules]
 
-    def format_for(self, name: str, role: str | None = None, n_layers: int | None = None) -> str:
+    def format_for(self, name: str, role: str | None = None, n_layers: int | None = None,
+                   arch: str | None = None) -> str:
         role = self._role(name, role)
         table = {**self.table, **self.tied_table} if (self.tie and self.tie_source) else self.table
-        fmt = self.per_tensor.get(name, table[role])
+        fmt = self.per_tensor.get(name, table.get(role, "f32") if role == "router" else table[role])
+        if role == "norm" and arch in FLOAT_NORM_ARCHS and fmt == "q5g":
+            fmt = "f32"                   # before overrides: a user's explicit choice still wins
         if self.layer_rules and n_layers and name.startswith("model.layers."):
             i = int(name.split(".")[2])
             for roles, rfmt, layers in self.rule_layers(n_layers):
@@ -286,5 +294,5 @@ def tensor_plan(source, recipe: Recipe, tie=_UNSET) -> list[tuple[str, str, str,
         if got != shape:
             raise QuantError(f"tensor {src!r} has shape {got}, config says {shape}")
         role = role_of(name)
-        plan.append((name, role, recipe.format_for(name, role, spec.n_layers), shape))
+        plan.append((name, role, recipe.format_for(name, role, spec.n_layers, spec.arch), shape))
     return plan

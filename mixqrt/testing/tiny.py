@@ -1,7 +1,7 @@
 """Tiny, deterministic model checkpoints for tests (no downloads).
 
-    make_tiny_hf_model(dir, arch="qwen2"|"llama", tied=True, seed=0, dtype="bf16"|"f16"|"f32",
-                       sharded=False) -> Path
+    make_tiny_hf_model(dir, arch="qwen2"|"llama"|"qwen3"|"gemma3", tied=True, seed=0,
+                       dtype="bf16"|"f16"|"f32", sharded=False, config_extra=None) -> Path
         config.json, model.safetensors (or 2 shards + index), tokenizer.json (byte-level BPE
         trained here on a few KB of text), tokenizer_config.json (ChatML template),
         generation_config.json.
@@ -12,7 +12,9 @@
         a raw writer (BF16 too, without torch/ml_dtypes) for building good and bad files by hand.
 
 Dimensions: hidden 64, 2 layers, 4 heads / 2 kv heads (head_dim 16), intermediate 128,
-vocab 448 (tokenizer ~400 + padding rows, as real checkpoints pad).
+vocab 448 (tokenizer ~400 + padding rows, as real checkpoints pad). qwen3 and gemma3 have
+head_dim 32 (independent of hidden / heads, as theirs is) and q/k norms; gemma3 has a sliding
+window of 4 on layer 0 (layer 1 is global) and its four norms per layer.
 """
 from __future__ import annotations
 
@@ -111,17 +113,39 @@ def write_safetensors(path, tensors: dict, dtype: str = "F32", metadata: dict | 
     return path
 
 
+ARCHS = ("qwen2", "llama", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe")
+_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# MoE: 4 experts, top 2, expert width 32 (qwen2_moe: a shared expert of 48; layer 1 sparse only
+# through decoder_sparse_step 1, mlp_only_layers [] -> both layers sparse)
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def head_dim_of(arch: str) -> int:
+    return 32 if arch in ("qwen3", "gemma3", "qwen3_moe") else HEAD_DIM
+
+
 def tiny_config(arch: str = "qwen2", tied: bool = True) -> dict:
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": arch, "hidden_act": "silu", "hidden_size": HIDDEN, "intermediate_size": INTER,
+        "architectures": [_CLASSES[arch]],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_act": "silu", "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": 1e6 if arch == "qwen2" else 1e4,
+        "head_dim": head_dim_of(arch), "rms_norm_eps": 1e-6, "rope_theta": 1e6 if arch == "qwen2" else 1e4,
         "max_position_embeddings": 256, "vocab_size": VOCAB, "tie_word_embeddings": tied,
         "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
-    if arch == "llama":
+    if arch in ("llama", "qwen3", "qwen3_moe"):
         cfg["attention_bias"] = False
+    if arch == "qwen3_moe":
+        cfg.update(MOE, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        cfg.update(MOE, norm_topk_prob=False, shared_expert_intermediate_size=48)
+    if arch == "gemma3":
+        del cfg["hidden_act"]
+        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                    "query_pre_attn_scalar": 24, "sliding_window": 4,
+                    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": None})
     return cfg
 
 
@@ -132,20 +156,44 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
     def lin(out, inp):
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
 
+    one = 0.0 if arch == "gemma3" else 1.0          # gemma's norms multiply by (1 + weight)
+
+    def norm(n):
+        return (one + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    hd = head_dim_of(arch)
     w = {"model.embed_tokens.weight": (rng.standard_normal((VOCAB, HIDDEN)) * 0.05).astype(np.float32),
-         "model.norm.weight": (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)}
+         "model.norm.weight": norm(HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
-        w[p + "post_attention_layernorm.weight"] = (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
-        w[p + "self_attn.q_proj.weight"] = lin(HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.k_proj.weight"] = lin(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.v_proj.weight"] = lin(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.o_proj.weight"] = lin(HIDDEN, HEADS * HEAD_DIM)
-        if arch == "qwen2":
+        w[p + "input_layernorm.weight"] = norm(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = norm(HIDDEN)
+        w[p + "self_attn.q_proj.weight"] = lin(HEADS * hd, HIDDEN)
+        w[p + "self_attn.k_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
+        w[p + "self_attn.v_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
+        w[p + "self_attn.o_proj.weight"] = lin(HIDDEN, HEADS * hd)
+        if arch in ("qwen3", "gemma3", "qwen3_moe"):
+            w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
+        if arch == "gemma3":
+            w[p + "pre_feedforward_layernorm.weight"] = norm(HIDDEN)
+            w[p + "post_feedforward_layernorm.weight"] = norm(HIDDEN)
+        if arch in ("qwen2", "qwen2_moe"):
             w[p + "self_attn.q_proj.bias"] = (0.3 * rng.standard_normal(HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.v_proj.bias"] = (0.05 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
+        if arch.endswith("_moe"):
+            mi = MOE["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = lin(MOE["num_experts"], HIDDEN)
+            for e in range(MOE["num_experts"]):
+                w[f"{p}mlp.experts.{e}.gate_proj.weight"] = lin(mi, HIDDEN)
+                w[f"{p}mlp.experts.{e}.up_proj.weight"] = lin(mi, HIDDEN)
+                w[f"{p}mlp.experts.{e}.down_proj.weight"] = lin(HIDDEN, mi)
+            if arch == "qwen2_moe":
+                w[p + "mlp.shared_expert.gate_proj.weight"] = lin(48, HIDDEN)
+                w[p + "mlp.shared_expert.up_proj.weight"] = lin(48, HIDDEN)
+                w[p + "mlp.shared_expert.down_proj.weight"] = lin(HIDDEN, 48)
+                w[p + "mlp.shared_expert_gate.weight"] = lin(1, HIDDEN)
+            continue
         w[p + "mlp.gate_proj.weight"] = lin(INTER, HIDDEN)
         w[p + "mlp.up_proj.weight"] = lin(INTER, HIDDEN)
         w[p + "mlp.down_proj.weight"] = lin(HIDDEN, INTER)
@@ -155,14 +203,15 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
 
 
 def make_tiny_hf_model(dir, arch: str = "qwen2", tied: bool = True, seed: int = 0, dtype: str = "bf16",
-                       sharded: bool = False) -> Path:
-    """Write a complete tiny HF model folder and return its path."""
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+                       sharded: bool = False, config_extra: dict | None = None) -> Path:
+    """Write a complete tiny HF model folder and return its path (config_extra: keys set in config.json,
+    e.g. a Llama 3 rope_scaling)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     st_dtype = {"bf16": "BF16", "f16": "F16", "f32": "F32"}[dtype]
     d = Path(dir)
     d.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(arch, tied)
+    cfg = {**tiny_config(arch, tied), **(config_extra or {})}
     cfg["torch_dtype"] = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[dtype]
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = tiny_weights(arch, tied, seed)
@@ -190,11 +239,13 @@ def make_tiny_hf_model(dir, arch: str = "qwen2", tied: bool = True, seed: int = 
     return d
 
 
-def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None = None) -> Path:
+def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None = None,
+                   extra_tensors: dict | None = None) -> Path:
     """Convert a tiny HF folder to GGUF the way llama.cpp's convert_hf_to_gguf.py does.
 
     edit(weights) may change the HF-named float32 dict first (tests drop or poison tensors);
-    arch overrides general.architecture (tests write unknown ones).
+    arch overrides general.architecture (tests write unknown ones); extra_tensors: GGUF-named
+    float32 arrays written as they are.
     """
     import gguf
 
@@ -202,7 +253,7 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch, arch_override = cfg["model_type"], arch
+    arch, arch_override = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"]), arch
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     from mixqrt.io.hf import SafetensorsFile
     files = [SafetensorsFile(p) for p in sorted(hf_dir.glob("*.safetensors"))]
@@ -214,6 +265,17 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     w = gguf.GGUFWriter(str(path), arch if arch_override is None else arch_override)
     add_config_to_gguf(w, cfg)
+    if arch in ("qwen3", "gemma3"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg["sliding_window"])
+    rs = cfg.get("rope_scaling") or {}
+    if rs.get("rope_type") == "llama3":             # the converter's rope_freqs.weight: HF inv / this
+        from mixqrt.models.qwen2 import rope_inv_freq
+        d = cfg["head_dim"]
+        plain = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2) / d)
+        w.add_tensor("rope_freqs.weight", (plain / rope_inv_freq(rs, cfg["rope_theta"], d)).astype(np.float32))
     # vocabulary padded to the embedding rows with unused [PAD] tokens, as the converter does
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok["added_tokens"]}
@@ -239,7 +301,9 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     for name, a in weights.items():
-        gname = hf_to_gguf_name(name)
+        gname = hf_to_gguf_name(name, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + np.float32(1.0)                     # llama.cpp's Gemma converter stores 1 + w
         if arch == "llama" and ".self_attn.q_proj." in name:
             a = permute_qk(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".self_attn.k_proj." in name:
@@ -250,6 +314,8 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
             w.add_tensor(gname, a.astype(np.float16))
         else:
             w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)
+    for gname, a in (extra_tensors or {}).items():
+        w.add_tensor(gname, np.asarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
