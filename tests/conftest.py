@@ -59,3 +59,15 @@ def tier(request):
     assert isa.set_isa(request.param) == request.param
     yield request.param
     isa.set_isa(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_f32_path(tmp_path_factory) -> Path:
+    """The tiny qwen2 model (mixqrt.testing.tiny: tied, seed 0) quantized to f32, made once per
+    session; a test module loads its own LoadedModel from it (a read-only mmap)."""
+    from mixqrt.quantize.convert import quantize_model
+    from mixqrt.testing.tiny import make_tiny_hf_model
+    d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
+    out = tmp_path_factory.mktemp("mxq") / "f32.mxq"
+    quantize_model(str(d), "f32", out, progress=False)
+    return out

@@ -198,15 +198,9 @@ def test_kvcache_resident_bytes_are_the_pages_written(layers, heads, dim, max_le
 
 # ============================================================================ the Engine
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    from tinymodel import make_tiny_hf_model
-
-    from mixqrt.quantize.convert import quantize_model
+def lm(tiny_f32_path):
     from mixqrt.pipeline import LoadedModel
-    d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
-    out = tmp_path_factory.mktemp("mxq") / "f32.mxq"
-    quantize_model(str(d), "f32", out, progress=False)
-    return LoadedModel(out)
+    return LoadedModel(tiny_f32_path)
 
 
 def run(eng, prompt, **kw):

@@ -10,23 +10,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixqrt.quantize.convert import quantize_model
 from mixqrt.engine import Engine
 from mixqrt.errors import RequestError
 from mixqrt.evaluate import log_softmax
 from mixqrt.pipeline import LoadedModel
 from mixqrt.sample_utils import make_logit_bias, make_presence_frequency_penalty, token_logprobs
-from tinymodel import make_tiny_hf_model
 
 NO_EOS = {"eos_token_ids": [], "repetition_penalty": 1.0}   # no eos; the config's 1.05 penalty off
 
 
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
-    out = tmp_path_factory.mktemp("mxq") / "f32.mxq"
-    quantize_model(str(d), "f32", out, progress=False)
-    return LoadedModel(out)
+def lm(tiny_f32_path):
+    return LoadedModel(tiny_f32_path)
 
 
 @pytest.fixture(scope="module")

@@ -239,15 +239,9 @@ def test_tool_grammar_forces_a_valid_call(qwen_tok):
 
 # ============================================================================ the Engine, tiny model
 @pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    from tinymodel import make_tiny_hf_model
-
-    from mixqrt.quantize.convert import quantize_model
+def tiny_lm(tiny_f32_path):
     from mixqrt.pipeline import LoadedModel
-    d = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="qwen2", tied=True, seed=0)
-    out = tmp_path_factory.mktemp("mxq") / "f32.mxq"
-    quantize_model(str(d), "f32", out, progress=False)
-    return LoadedModel(out)
+    return LoadedModel(tiny_f32_path)
 
 
 def test_engine_mixes_constrained_and_free_slots(tiny_lm):
