@@ -348,7 +348,8 @@ def test_calibration_rounds_experts_no_token_chose(tmp_path):
     write_safetensors(d / "model.safetensors", w, "F32", {"format": "pt"})
     out = tmp_path / "m.mxq"
     r = subprocess.run([sys.executable, "-m", "mixqrt", "quantize", str(d), "--recipe", "2356t", "-o", str(out), "-q",
-                        "--calibrate", "self", "--calib-tokens", "64"], capture_output=True, text=True)
+                        "--calibrate", "self", "--calib-tokens", "64"], capture_output=True, text=True,
+                       cwd=tmp_path)     # not the checkout: `-m` would import its unbuilt sources first
     assert r.returncode == 0, r.stderr[-2000:]
     import mixqrt
     assert np.isfinite(mixqrt.load(str(out)).model.logits(IDS[:4])).all()

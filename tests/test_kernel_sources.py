@@ -10,9 +10,8 @@ dispatcher sees every tier. No tier calls back into the dispatcher or the generi
 import re
 from pathlib import Path
 
-import mixqrt
-
-SRC = Path(mixqrt.__file__).resolve().parent / "_kernels" / "src"
+# the checkout's sources (an installed wheel carries none)
+SRC = Path(__file__).resolve().parents[1] / "mixqrt" / "_kernels" / "src"
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 TIERS = ("generic", "avx2", "avx512")
 DISPATCH = {"dispatch.c", "misc.c", "bw.c", "mq_ops.h"}
