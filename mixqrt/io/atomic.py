@@ -146,6 +146,16 @@ class Terminated(KeyboardInterrupt):
     """Raised in the main thread by the SIGTERM handler of terminate_as_interrupt()."""
 
 
+_TERMINATED = []           # set by the SIGTERM handler: the raise can land in code that swallows it
+
+
+def was_terminated() -> bool:
+    """True once SIGTERM arrived. An exception raised by a signal handler while Python runs a
+    finalizer is printed ("Exception ignored in ...") and dropped, so long-running code (the
+    server's start) checks this too instead of trusting the raise alone."""
+    return bool(_TERMINATED)
+
+
 def terminate_as_interrupt() -> None:
     """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread, as Ctrl-C does, so
     `finally` blocks and writers' aborts remove their temps instead of the process vanishing.
@@ -157,5 +167,6 @@ def terminate_as_interrupt() -> None:
         return
 
     def _raise(signum, frame):
+        _TERMINATED.append(signum)
         raise Terminated(f"signal {signum}")
     signal.signal(signal.SIGTERM, _raise)

@@ -36,7 +36,20 @@ def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_qu
 
 def run(app, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
     import uvicorn
-    uvicorn.Server(uvicorn_config(app, host, port, **kw)).run()
+
+    from mixqrt.io.atomic import Terminated, was_terminated
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if was_terminated():           # SIGTERM came before uvicorn took the signal over
+                self.should_exit = True
+
+    if was_terminated():
+        raise Terminated("signal 15")
+    _Server(uvicorn_config(app, host, port, **kw)).run()
+    if was_terminated():
+        raise Terminated("signal 15")
 
 
 def _require(extra: str, *modules):
