@@ -581,7 +581,8 @@ def _fastest(results, field):
 
 def goals(results, cand: str) -> list[dict]:
     """The issue's goals for one mixqrt system: (a) bytes <= Q2_K, (b) PPL <= Q3_K_M,
-    (c) decode >= 1.2x llama.cpp's fastest type, (d) prompt >= 1.0x llama.cpp's fastest type."""
+    (e) KL to the f32 logits <= Q3_K_M's, (c) decode >= 1.2x llama.cpp's fastest type, (d) prompt >=
+    1.0x llama.cpp's fastest type."""
     out = []
     c, q2 = _get(results, cand, "prepare", "file_bytes"), _get(results, "llamacpp:Q2_K", "prepare", "file_bytes")
     out.append({"goal": "(a) file size <= llama.cpp Q2_K", "ok": None if None in (c, q2) else c <= q2,
@@ -601,6 +602,9 @@ def goals(results, cand: str) -> list[dict]:
             g.update(ok=c >= factor * best[1], gap=f"{c:.1f} vs {factor:.1f} x {best[1]:.1f} ({best[0]}) = "
                      f"{factor * best[1]:.1f} tok/s: {c / best[1]:.2f}x (needs {factor:.2f}x)")
         out.append(g)
+    c, q3 = _get(results, cand, "ppl", "kld_mean"), _get(results, "llamacpp:Q3_K_M", "ppl", "kld_mean")
+    out.append({"goal": "(e) KL to f32 no worse than llama.cpp Q3_K_M", "ok": None if None in (c, q3) else c <= q3,
+                "gap": "not measured" if None in (c, q3) else f"{c:.4f} vs {q3:.4f} ({100 * (c / q3 - 1):+.1f} %)"})
     return out
 
 

@@ -1,10 +1,15 @@
 """Load test of OpenAI-compatible servers: N concurrent clients (the official `openai` client), a
-fixed mix of chat prompts with shared prefixes, for a fixed time; mixqrt's server against
-llama-cpp-python's (`python -m llama_cpp.server`) on the same weights, alternated in one run.
+fixed mix of chat prompts with shared prefixes, for a fixed time; mixqrt's server against llama.cpp's
+own `llama-server` (parallel slots, continuous batching) and llama-cpp-python's server, on the same
+weights, alternated in one run.
 
     flock /work/bench.lock python benchmarks/serve_load.py --mxq /tmp/server-2356.mxq \
-        --gguf /tmp/lcpp/qwen-Q3_K_M.gguf --clients 1,4,8 --seconds 40 -t 2
+        --gguf /tmp/lcpp/qwen-Q4_0.gguf --systems mixqrt,mixqrt-lookup,llama-server --clients 1,4,8 -t 2
 
+Systems: `mixqrt` (mixqrt serve, --max-slots slots), `mixqrt-lookup` (the same with prompt-lookup
+speculation, --lookup N), `mixqrt-tiles` (the GEMM tile cache on), `llama-server` (llama.cpp's
+server, `-np --np -cb`, --ctx tokens per slot; benchmarks/llamacpp_build.sh builds it,
+$MIXQRT_LLAMA_CPP_BIN finds it) and `llamacpp` (llama-cpp-python's server, one request at a time).
 With --gguf omitted the llama.cpp Q3_K_M is made from --source (the test Q4_K_M GGUF) by
 benchmarks/compare_llamacpp.py's helper (llama_model_quantize, requantizing the dequantized weights).
 Reports per system and client count: aggregate output tok/s (tokens received inside the window /
@@ -19,17 +24,16 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, machine_info, update_doc, write_json  # noqa: E402
+from _llama_server import ServerProc, free_port, llama_server_cmd  # noqa: E402
 
 SYSTEM = ("You are a careful senior Python engineer. Answer with short, correct code and one sentence of "
           "explanation. Prefer the standard library, type hints and small functions. Never invent APIs; "
@@ -46,7 +50,7 @@ QUESTIONS = ["Write a function that reverses a singly linked list.",
 FOLLOW_UP = "Now add a pytest test for it."
 
 
-SYSTEMS = ("mixqrt", "mixqrt-tiles", "llamacpp")
+SYSTEMS = ("mixqrt", "mixqrt-lookup", "mixqrt-tiles", "llama-server", "llamacpp")
 TILES_BYTES = 1 << 30   # mixqrt-tiles: the GEMM tile cache on (serve's default is off)
 
 
@@ -60,42 +64,6 @@ def conversations() -> list[list[dict]]:
             answer = "def solution(*args):\n    ...  # see above\n"
             out.append(first + [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}])
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProc:
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path):
-        self.name, self.cmd, self.port = name, cmd, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout=300.0):
-        t = time.monotonic()
-        while time.monotonic() - t < timeout:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise SystemExit(f"{self.name} did not come up in {timeout:.0f} s")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
 
 
 def engine_counters(url: str) -> dict:
@@ -242,7 +210,9 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
     docs = ROOT / "docs"
     write_json(docs / "data" / "serving.json", {"results": res, "machine": info, "command": cmd})
     labels = {"mixqrt": f"mixqrt serve ({Path(a.mxq).name}, {a.max_slots} slots)",
+              "mixqrt-lookup": f"mixqrt serve --lookup {a.lookup} ({a.max_slots} slots)",
               "mixqrt-tiles": f"mixqrt serve, --gemm-cache-bytes {TILES_BYTES} ({a.max_slots} slots)",
+              "llama-server": f"llama-server -np {a.np} -cb ({Path(a.gguf).name})",
               "llamacpp": f"llama-cpp-python server ({Path(a.gguf).name})"}
     run = [f"Run {info.get('date_utc')} (commit {info.get('git_commit')}): {info.get('cpu_model')}, "
            f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
@@ -266,18 +236,28 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
                      f"{_f(r.get('mean_batch'), '{:.2f}')} | {_f(r.get('steps_per_s'), '{:.1f}')} |")
     G = []
     hi = str(max(a.clients))
-    m1, mh, lh = (res.get("mixqrt", {}).get("1"), res.get("mixqrt", {}).get(hi), res.get("llamacpp", {}).get(hi))
+    at = {name: res.get(name, {}).get(hi) for name in SYSTEMS}
+    m1, mh = res.get("mixqrt", {}).get("1"), at["mixqrt"]
     if m1 and mh:
         x = mh["tok_s"] / m1["tok_s"] if m1["tok_s"] else float("nan")
         G.append(f"- {hi} clients vs 1 client, mixqrt: {mh['tok_s']:.1f} / {m1['tok_s']:.1f} tok/s = {x:.2f}x "
                  f"(goal >= 2.0x): {'PASS' if x >= 2.0 else 'FAIL'}")
-    if mh and lh:
+    for anchor, goal in (("llama-server", 1.2), ("llamacpp", 2.0)):
+        lh = at[anchor]
+        if not (mh and lh):
+            continue
         x = mh["tok_s"] / lh["tok_s"] if lh["tok_s"] else float("nan")
-        G.append(f"- {hi} clients, mixqrt vs llama-cpp-python: {mh['tok_s']:.1f} / {lh['tok_s']:.1f} tok/s = "
-                 f"{x:.2f}x (goal >= 2.0x): {'PASS' if x >= 2.0 else 'FAIL'}")
+        G.append(f"- {hi} clients, mixqrt vs {labels[anchor]}: {mh['tok_s']:.1f} / {lh['tok_s']:.1f} tok/s = "
+                 f"{x:.2f}x (goal >= {goal}x): {'PASS' if x >= goal else 'FAIL'}")
         if mh["ttft_p99"] is not None and lh["ttft_p99"] is not None:
-            G.append(f"- {hi} clients, p99 TTFT: mixqrt {mh['ttft_p99']:.2f} s vs llama-cpp-python "
-                     f"{lh['ttft_p99']:.2f} s (goal: lower): {'PASS' if mh['ttft_p99'] < lh['ttft_p99'] else 'FAIL'}")
+            G.append(f"- {hi} clients, p99 TTFT: mixqrt {mh['ttft_p99']:.2f} s vs {anchor} "
+                     f"{lh['ttft_p99']:.2f} s (goal: no worse): {'PASS' if mh['ttft_p99'] <= lh['ttft_p99'] else 'FAIL'}")
+    sp = at["mixqrt-lookup"]
+    if mh and sp:
+        x = sp["tok_s"] / mh["tok_s"] if mh["tok_s"] else float("nan")
+        G.append(f"- {hi} clients, mixqrt with prompt lookup vs without: {sp['tok_s']:.1f} / {mh['tok_s']:.1f} "
+                 f"tok/s = {x:.2f}x (goal: no slower; >= 0.95x, this machine's window-to-window noise): "
+                 f"{'PASS' if x >= 0.95 else 'FAIL'}")
     update_doc(docs / "lab" / "serve-load.md", {"serving-run": "\n".join(run), "serving-table": "\n".join(T),
                                      "serving-goals": "\n".join(G) or "(not measured)"},
                title="Serving under load: mixqrt serve against llama-cpp-python's server")
@@ -289,7 +269,8 @@ def write_plot(path, res, clients, labels) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, style in (("mixqrt", "o-"), ("mixqrt-tiles", "^:"), ("llamacpp", "s--")):
+    for name, style in (("mixqrt", "o-"), ("mixqrt-lookup", "v-"), ("mixqrt-tiles", "^:"),
+                        ("llama-server", "D-."), ("llamacpp", "s--")):
         ns = [n for n in clients if str(n) in res.get(name, {})]
         if not ns:
             continue
@@ -320,12 +301,14 @@ def main(argv=None) -> int:
                    help="mixqrt serve --gemm-cache-bytes for the 'mixqrt' system (default: serve's own default)")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=2048)
-    p.add_argument("--systems", default="mixqrt,llamacpp",
+    p.add_argument("--np", type=int, default=8, help="llama-server's parallel slots (-np)")
+    p.add_argument("--lookup", type=int, default=8, help="mixqrt-lookup: tokens drafted by prompt lookup")
+    p.add_argument("--systems", default="mixqrt,llama-server",
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (mixqrt-tiles: the GEMM tile cache on, 1 GiB)")
     p.add_argument("--log-dir", default="/tmp/serve_load")
     a = p.parse_args(argv)
     systems = a.systems.split(",")
-    if "llamacpp" in systems and a.gguf is None:
+    if {"llamacpp", "llama-server"} & set(systems) and a.gguf is None:
         if a.source is None:
             from mixqrt.testing import model_path
             a.source = str(model_path("qwen"))
@@ -337,15 +320,21 @@ def main(argv=None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
-        for name, gc in (("mixqrt", a.gemm_cache_bytes), ("mixqrt-tiles", TILES_BYTES)):
+        for name, extra in (("mixqrt", [] if a.gemm_cache_bytes is None else
+                              ["--gemm-cache-bytes", str(a.gemm_cache_bytes)]),
+                            ("mixqrt-lookup", ["--lookup", str(a.lookup)]),
+                            ("mixqrt-tiles", ["--gemm-cache-bytes", str(TILES_BYTES)])):
             if name not in systems:
                 continue
             port = free_port()
             servers[name] = ServerProc(name, [sys.executable, "-m", "mixqrt", "serve", a.mxq, "--port",
                                               str(port), "-t", str(a.threads), "--ctx", str(a.ctx), "-q",
-                                              "--max-slots", str(a.max_slots)]
-                                       + ([] if gc is None else ["--gemm-cache-bytes", str(gc)]),
+                                              "--max-slots", str(a.max_slots)] + extra,
                                        port, logs / f"{name}.log")
+        if "llama-server" in systems:
+            port = free_port()
+            servers["llama-server"] = ServerProc("llama-server", llama_server_cmd(a.gguf, port, a.threads, a.ctx,
+                                                                                  a.np), port, logs / "llama-server.log")
         if "llamacpp" in systems:
             port = free_port()
             servers["llamacpp"] = ServerProc("llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,

@@ -3,6 +3,8 @@
     python benchmarks/speculative.py --target T.mxq [--draft D.mxq] [--lookup 8] --threads 2
     python benchmarks/speculative.py --target T.mxq --quick          # smoke run, writes nothing
     python benchmarks/speculative.py --target T.mxq --llama-gguf T.gguf   # + llama.cpp prompt lookup
+    python benchmarks/speculative.py --target T.mxq --llama-server-gguf T.gguf \
+        [--llama-server-draft D.gguf]                   # + llama-server's own speculation
 
 Prompt sets (temperature 0, chat template, eos ends a reply, --max-tokens at most):
   editing  prompts that ask to change given code (add type hints, rename, add docstrings, convert a
@@ -12,7 +14,10 @@ Prompt sets (temperature 0, chat template, eos ends a reply, --max-tokens at mos
 Per prompt, plain and each speculative setting run in alternation (--reps rounds) in one process,
 so the machine's drift hits them alike; the output of each speculative run is compared token for
 token with the plain run's. With --llama-gguf, llama-cpp-python's LlamaPromptLookupDecoding runs
-the same prompts (its best --llama-lookup setting is reported) as the llama.cpp anchor.
+the same prompts (its best --llama-lookup setting is reported) as the llama.cpp anchor. With
+--llama-server-gguf, llama.cpp's own llama-server (one slot) runs the same token-id prompts plain,
+with each of its n-gram speculation types (--llama-spec) and, with --llama-server-draft, with a draft
+model; its own timings (predicted_per_second, draft_n, draft_n_accepted) are reported.
 Table between the speculative-bench markers of docs/speculative.md, raw results to
 docs/data/speculative.json.
 """
@@ -30,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import machine_info, provenance, update_doc, write_json  # noqa: E402
+from _llama_server import complete_ids, start_llama_server  # noqa: E402
 
 import mixqrt  # noqa: E402
 
@@ -101,6 +107,43 @@ def llama_lookup(gguf, prompts_by_set, max_tokens, threads, settings):
     return out
 
 
+LLAMA_SPEC = {"plain": [],
+              "ngram-simple": ["--spec-type", "ngram-simple"],
+              "ngram-map-k": ["--spec-type", "ngram-map-k"],
+              "ngram-mod": ["--spec-type", "ngram-mod"],
+              "ngram-cache": ["--spec-type", "ngram-cache"]}
+
+
+def llama_server_runs(gguf, prompts_by_set, max_tokens, threads, settings, draft=None, log_dir=Path("/tmp/speculative-llama-server")):
+    """llama.cpp's own llama-server (one slot, greedy, no prompt cache) on the same token-id prompts,
+    plain and with each speculation setting (llama.cpp's own defaults for each): per setting and set, its decode tok/s per prompt
+    (timings.predicted_per_second), drafted and accepted tokens, and whether the output equals its
+    own plain run's."""
+    runs = {s: LLAMA_SPEC[s] for s in settings}
+    if draft:
+        runs[f"draft {Path(draft).name}"] = ["--model-draft", draft, "-td", str(threads), "-tbd", str(threads)]
+    out, plain_tokens = {}, {}
+    for label, extra in runs.items():
+        with start_llama_server(f"llama-server-{label.split()[0]}", gguf, threads, 4096, log_dir,
+                                extra=extra) as srv:
+            srv.wait_ready()
+            complete_ids(srv.url, [1, 2, 3], 4)                      # warm-up
+            for name, items in prompts_by_set.items():
+                for i, ids in enumerate(items):
+                    r = complete_ids(srv.url, ids, max_tokens)
+                    t = r.get("timings", {})
+                    toks = r.get("tokens") or []
+                    if label == "plain":
+                        plain_tokens[(name, i)] = toks
+                    out.setdefault(label, {}).setdefault(name, []).append(
+                        {"decode_tps": t.get("predicted_per_second", 0.0), "n": t.get("predicted_n"),
+                         "drafted": t.get("draft_n", 0), "accepted": t.get("draft_n_accepted", 0),
+                         "identical": toks == plain_tokens.get((name, i))})
+        print("llama-server", label, {k: statistics.median(x["decode_tps"] for x in v) for k, v in out[label].items()},
+              flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="the model to speed up (.mxq or anything Pipeline takes)")
@@ -113,6 +156,11 @@ def main():
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--llama-gguf", default=None, help="run llama.cpp's prompt lookup on this GGUF too")
     ap.add_argument("--llama-lookup", default="0,4,8,10", help="llama.cpp num_pred_tokens settings (0 = plain)")
+    ap.add_argument("--llama-server-gguf", default=None,
+                    help="run llama.cpp's llama-server on this GGUF: plain and with its speculation types")
+    ap.add_argument("--llama-server-draft", default=None, help="llama-server --model-draft for its draft run")
+    ap.add_argument("--llama-spec", default="plain,ngram-simple,ngram-map-k,ngram-mod",
+                    help=f"llama-server settings, of {', '.join(LLAMA_SPEC)}")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "speculative.json"))
     a = ap.parse_args()
@@ -155,8 +203,16 @@ def main():
         llama = llama_lookup(a.llama_gguf, enc, a.max_tokens, a.threads,
                              [int(x) for x in a.llama_lookup.split(",")])
         print("llama.cpp", llama, flush=True)
+    server = None
+    if a.llama_server_gguf:
+        tok = pipes["plain"].tokenizer
+        enc = {name: [tok.encode_chat(p, add_generation_prompt=True) if not isinstance(p, str) else tok.encode(p)
+                      for p in prompts] for name, prompts in sets.items()}
+        server = llama_server_runs(a.llama_server_gguf, enc, a.max_tokens, a.threads, a.llama_spec.split(","),
+                                   draft=a.llama_server_draft)
     res = {"machine": machine_info(), "target": a.target, "draft": a.draft, "threads": a.threads,
-           "max_tokens": a.max_tokens, "results": results, "llama_cpp": llama,
+           "max_tokens": a.max_tokens, "results": results, "llama_cpp": llama, "llama_server": server,
+           "llama_server_gguf": a.llama_server_gguf, "llama_server_draft": a.llama_server_draft,
            "command": " ".join(["python"] + sys.argv)}
     if a.quick:
         return
@@ -191,6 +247,21 @@ def write_doc(res, settings):
                   "|---|" + "---:|" * len(next(iter(res["llama_cpp"].values())))]
         for name, by in res["llama_cpp"].items():
             lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in by.values()) + " |")
+    if res.get("llama_server"):
+        lines += ["", f"llama.cpp's own llama-server on `{Path(res['llama_server_gguf']).name}` (one slot, greedy, "
+                  "the same token-id prompts), its own timings: decode tok/s (median over the set's prompts), "
+                  "speed-up against its plain run (per prompt, median), drafts accepted, output identical to "
+                  "its plain run:", "",
+                  "| set | setting | decode tok/s | speed-up | drafts accepted | identical to plain |",
+                  "|---|---|---:|---:|---:|---|"]
+        plain = res["llama_server"].get("plain", {})
+        for label, by in res["llama_server"].items():
+            for name, rs in by.items():
+                tps = med(r["decode_tps"] for r in rs)
+                up = (med(r["decode_tps"] / max(1e-9, p["decode_tps"]) for r, p in zip(rs, plain[name]))
+                      if name in plain else float("nan"))
+                lines.append(f"| {name} | {label} | {tps:.1f} | {up:.2f}x | {sum(r['accepted'] for r in rs)}/"
+                             f"{sum(r['drafted'] for r in rs)} | {sum(r['identical'] for r in rs)}/{len(rs)} |")
     update_doc(ROOT / "docs" / "speculative.md", {"speculative-bench": "\n".join(lines)})
 
 

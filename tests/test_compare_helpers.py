@@ -50,18 +50,18 @@ def test_coerce(text, value):
 def _results(**over):
     """A results dict as measure() builds it."""
     spec = {
-        "mixqrt:f32": dict(file_bytes=2500e6, ppl=13.90, tg=10.0, pp=50.0),
-        "mixqrt:2356": dict(file_bytes=330e6, ppl=15.0, tg=30.0, pp=80.0),
-        "llamacpp:F32": dict(file_bytes=2500e6, ppl=13.88, tg=9.0, pp=60.0),
-        "llamacpp:Q3_K_M": dict(file_bytes=430e6, ppl=15.5, tg=24.0, pp=70.0),
-        "llamacpp:Q2_K": dict(file_bytes=415e6, ppl=18.0, tg=25.0, pp=75.0),
+        "mixqrt:f32": dict(file_bytes=2500e6, ppl=13.90, tg=10.0, pp=50.0, kld=0.0),
+        "mixqrt:2356": dict(file_bytes=330e6, ppl=15.0, tg=30.0, pp=80.0, kld=0.05),
+        "llamacpp:F32": dict(file_bytes=2500e6, ppl=13.88, tg=9.0, pp=60.0, kld=0.001),
+        "llamacpp:Q3_K_M": dict(file_bytes=430e6, ppl=15.5, tg=24.0, pp=70.0, kld=0.07),
+        "llamacpp:Q2_K": dict(file_bytes=415e6, ppl=18.0, tg=25.0, pp=75.0, kld=0.2),
     }
     for k, v in over.items():
         spec[k.replace("__", ":")].update(v)
     out = {}
     for k, v in spec.items():
         out[k] = {"system": cl.parse_system(k), "prepare": {"file_bytes": v["file_bytes"]},
-                  "ppl": {"ppl": v["ppl"], "ppl_err": 0.1, "chunks": 1, "tokens": 255},
+                  "ppl": {"ppl": v["ppl"], "ppl_err": 0.1, "chunks": 1, "tokens": 255, "kld_mean": v["kld"]},
                   "speed": {"tg_tok_s": v["tg"], "pp_tok_s": v["pp"], "ttft_s": 0.5, "cpu_utilisation": 0.95,
                             "peak_rss_bytes": 5e8, "bandwidth_ratio": 0.4}}
     return out
@@ -72,17 +72,18 @@ def test_agreement_and_goals():
     m, l_, rel = cl.agreement(r)
     assert (m, l_) == (13.90, 13.88) and rel == pytest.approx(0.02 / 13.88)
     g = cl.goals(r, "mixqrt:2356")
-    assert [x["ok"] for x in g] == [True, True, True, True]
+    assert [x["ok"] for x in g] == [True, True, True, True, True]
     assert "1.20x (needs 1.20x)" in g[2]["gap"] and "Q2_K" in g[2]["gap"]     # fastest llama.cpp decode is Q2_K
     assert cl.lost_sentences(r, "mixqrt:2356", "2356") == []
 
 
 def test_goals_fail_and_missing():
-    r = _results(mixqrt__2356=dict(file_bytes=420e6, ppl=16.0, tg=29.0, pp=74.0))
+    r = _results(mixqrt__2356=dict(file_bytes=420e6, ppl=16.0, tg=29.0, pp=74.0, kld=0.08))
     g = cl.goals(r, "mixqrt:2356")
-    assert [x["ok"] for x in g] == [False, False, False, False]
+    assert [x["ok"] for x in g] == [False, False, False, False, False]
+    assert g[4]["goal"].startswith("(e) KL") and "+14.3 %" in g[4]["gap"]
     lost = cl.lost_sentences(r, "mixqrt:2356", "2356")
-    assert len(lost) == 4 and lost[2].startswith("2356 loses decode")
+    assert len(lost) == 5 and lost[2].startswith("2356 loses decode")
     r["llamacpp:Q3_K_M"]["ppl"] = {"error": "boom"}
     assert cl.goals(r, "mixqrt:2356")[1]["ok"] is None
     assert cl.agreement({}) is None
@@ -101,7 +102,7 @@ def test_report_and_plot(tmp_path):
     cl.write_report(a, systems, r, info)
     md = Path(a.out).read_text()
     assert "relative difference 0.144 % -> PASS" in md
-    assert md.count("**PASS**") == 4 and "WARNING" not in md
+    assert md.count("**PASS**") == 5 and "WARNING" not in md
     assert "| 2356 |" in md and "| llama.cpp Q2_K |" in md
     pytest.importorskip("matplotlib")
     cl.write_plot(a.plot, systems, r, "qwen")
