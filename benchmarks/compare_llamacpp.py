@@ -787,10 +787,43 @@ def json_path(out) -> Path:
 
 
 def write_report(a, systems, results, info) -> None:
-    """The raw results as JSON next to the page, then the page's generated tables in place."""
+    """The raw results as JSON next to the page, then the page's generated tables in place; then the
+    families table of docs/results.md from every results*.json beside it."""
     write_json(json_path(a.out), report_json(a, systems, results, info))
     update_doc(a.out, report_blocks(a, systems, results, info),
                title="mixqrt vs llama.cpp: one model, one text, one machine, one run")
+    main_page = ROOT / "docs" / "results.md"
+    if Path(a.out).parent.resolve() == main_page.parent.resolve() and main_page.exists():
+        update_doc(main_page, {"results-families": "\n".join(families_block(json_path(main_page).parent))})
+
+
+def families_block(data_dir: Path) -> list[str]:
+    """One row per model and mixqrt goal system (the default recipe, calibrated or not) of every
+    docs/data/results*.json: bytes against Q2_K, KL and PPL against Q3_K_M, f32 agreement."""
+    L = ["| model | mixqrt system | MiB (Q2_K MiB) | KL to f32 (Q3_K_M) | PPL (Q3_K_M) | same top token | "
+         "f32 PPL vs llama.cpp F32 | run |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for f in sorted(data_dir.glob("results*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        sy = d.get("systems", {})
+        q2, q3 = sy.get("llamacpp:Q2_K", {}), sy.get("llamacpp:Q3_K_M", {})
+        ag = d.get("agreement")
+        agree = f"{ag[0]:.3f} vs {ag[1]:.3f} ({100 * ag[2]:.2f} %)" if ag else "–"
+        model = Path(d.get("settings", {}).get("model") or "?").stem
+        for k, v in sy.items():
+            if not k.startswith("mixqrt:2356t"):
+                continue
+            pp, pq3 = v.get("ppl") or {}, q3.get("ppl") or {}
+            L.append(f"| {model} | {v.get('label', k)} | "
+                     f"{_f((v.get('prepare') or {}).get('file_bytes') and v['prepare']['file_bytes'] / 2**20, '{:.1f}')} "
+                     f"({_f((q2.get('prepare') or {}).get('file_bytes') and q2['prepare']['file_bytes'] / 2**20, '{:.1f}')}) | "
+                     f"{_f(pp.get('kld_mean'), '{:.4f}')} ({_f(pq3.get('kld_mean'), '{:.4f}')}) | "
+                     f"{_f(pp.get('ppl'), '{:.3f}')} ({_f(pq3.get('ppl'), '{:.3f}')}) | "
+                     f"{_f(pp.get('same_top_pct'), '{:.1f} %')} | {agree} | "
+                     f"[{f.name}](data/{f.name}), {d.get('info', {}).get('date_utc', '?')} |")
+    return L
 
 
 def busy_warning(results, info, threads: int) -> str | None:
