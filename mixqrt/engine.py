@@ -462,10 +462,13 @@ class Engine:
                 req.cached_tokens = n
                 self._n["prompt_tokens"] += req.prompt_tokens
                 lead = _Slot(req, entry, n)
-                if self.drafter is not None and req.draft_k != 0 and req.n == 1:
-                    lead.spec = Speculation(self.drafter, self.max_context, req.draft_k)
-                self._slots.append(lead)
+                self._slots.append(lead)        # first: whatever fails below, the request is a slot to fail
                 self._slots += [_Slot(req, None, 0, i, lead) for i in range(1, req.n)]
+                if self.drafter is not None and req.draft_k != 0 and req.n == 1:
+                    try:
+                        lead.spec = Speculation(self.drafter, self.max_context, req.draft_k)
+                    except Exception:  # noqa: BLE001 — no drafter state (memory): decode plainly
+                        lead.spec = None
             prefill = next((s for s in self._slots if s.tok is None and s.leader is None), None)
             decode = [s for s in self._slots if s.tok is not None and not s.req._full()]
             for s in self._slots:
@@ -601,6 +604,8 @@ class Engine:
                 s.pos += chunk.size
                 self._n["prefill_tokens"] += chunk.size
                 if s.pos == len(s.seq.prompt):
+                    if s.spec is not None and not decode and hasattr(s.spec.drafter, "prime"):
+                        s.spec.drafter.prime(s.spec.state, s.seq.prompt)   # the draft's prefill, with ours
                     done += self._fork(s, p_logits)
                     if self._emit(s, s.seq.sample(p_logits), time.perf_counter()):
                         done.append((s, s.seq.finish_reason, None))

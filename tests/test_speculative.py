@@ -240,3 +240,43 @@ def test_adaptive_k_follows_acceptance():
         sp.record(4, 0)                  # never right: stop drafting, probe every 16 plain steps
     ks = [sp.next_k() for _ in range(32)]
     assert ks.count(0) == 30 and ks.count(8) == 2
+
+
+def test_draft_prefill_runs_with_the_targets_prefill(models):
+    """A draft model reads the prompt during the prefill step (its cost lands in the time to first
+    token): when its first drafting step comes, only the last prompt token and the first generated
+    one are left to feed."""
+    lm = models["target"]
+    d = ModelDrafter(models["other"].model, 3)
+    ids = lm.tokenizer.encode(REPEAT)
+    st = d.new_state(64)
+    d.prime(st, ids)
+    assert st.fed == ids[:-1] and st.cache.offset == len(ids) - 1
+    d.prime(st, ids)                                   # idempotent
+    assert st.fed == ids[:-1] and st.cache.offset == len(ids) - 1
+    primed = []
+    real = d.prime
+
+    def prime(state, prompt):
+        primed.append((list(prompt), state.cache.offset))
+        real(state, prompt)
+        primed[-1] += (state.cache.offset,)
+    d.prime = prime
+    plain, _, _ = _run(lm, REPEAT, None, n=8, temperature=0)
+    got, last, _ = _run(lm, REPEAT, d, n=8, temperature=0)
+    assert got == plain and last.draft_tokens > 0
+    assert primed == [(ids, 0, len(ids) - 1)]           # once, at the prefill, the whole prompt but its last token
+
+
+def test_a_drafter_that_cannot_start_leaves_plain_decoding(models):
+    """A drafter whose per-sequence state cannot be made (out of memory) costs the request its
+    speculation, never the request: it decodes plainly, and the engine goes on."""
+    lm = models["target"]
+
+    class Broken(NgramDrafter):
+        def new_state(self, max_len):
+            raise MemoryError("no room for the draft cache")
+
+    plain, _, _ = _run(lm, REPEAT, None, n=6, temperature=0)
+    got, last, _ = _run(lm, REPEAT, Broken(4), n=6, temperature=0)
+    assert got == plain and last.draft_tokens == 0
