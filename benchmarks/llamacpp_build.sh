@@ -11,8 +11,10 @@
 #
 #   benchmarks/llamacpp_build.sh                  # everything, into ~/.cache/mixqrt-llama
 #   MIXQRT_LLAMA_DIR=/work/llama JOBS=4 benchmarks/llamacpp_build.sh
-#   benchmarks/llamacpp_build.sh --python-only    # only the bindings
-#   benchmarks/llamacpp_build.sh --tools-only     # only the binaries
+#   benchmarks/llamacpp_build.sh --python-only    # only the bindings, pip-built (its own libllama)
+#   benchmarks/llamacpp_build.sh --tools-only     # only the binaries (and the shared libllama they use:
+#       LLAMA_CPP_LIB_PATH=$DIR/build/bin PYTHONPATH=$DIR/src/llama_cpp_python-$VERSION make
+#       `import llama_cpp` use it, no second compile; 12 min on 2 cores, the pip build over 25)
 #   benchmarks/llamacpp_build.sh --lib-only       # quickest: libllama alone at -O1, no pip install;
 #       then LLAMA_CPP_LIB_PATH=$DIR/build-lib/bin PYTHONPATH=$DIR/src/llama_cpp_python-$VERSION
 #       (pip install diskcache) make `import llama_cpp` use it (enough for oracle_logits.py)
@@ -92,12 +94,16 @@ if [ "$DO_TOOLS" = 1 ]; then
   start=$(date +%s)
   # No web UI (it would need npm or a download), no curl/openssl: the tools only read local files.
   # shellcheck disable=SC2086
-  cmake -S "$SRC/vendor/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release $FLAGS \
+  # Shared libraries: the tools and the Python bindings (LLAMA_CPP_LIB_PATH) use one libllama.
+  # No unity build: llama.cpp's mtmd (which the server links) refuses one.
+  cmake -S "$SRC/vendor/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release $FLAGS -DBUILD_SHARED_LIBS=ON \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-      -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+      -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+      -DLLAMA_CURL=OFF -DCMAKE_UNITY_BUILD=OFF
   cmake --build "$DIR/build" --config Release -j "$JOBS" \
-      --target llama-server llama-quantize llama-perplexity
+      --target llama-server llama-quantize llama-perplexity llama-bench
   echo "tools: $(( $(date +%s) - start )) s"
   ls -l "$DIR/build/bin"
   echo "export MIXQRT_LLAMA_CPP_BIN=$DIR/build/bin"
+  echo "export LLAMA_CPP_LIB_PATH=$DIR/build/bin PYTHONPATH=$SRC    # import llama_cpp without pip (pip install diskcache)"
 fi
