@@ -162,8 +162,13 @@ def main():
     ap.add_argument("--llama-spec", default="plain,ngram-simple,ngram-map-k,ngram-mod",
                     help=f"llama-server settings, of {', '.join(LLAMA_SPEC)}")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "speculative.json"))
+    ap.add_argument("--tag", default="", help="names this run's table (docs/speculative.md marker "
+                    "speculative-bench-TAG) and raw results (docs/data/speculative-TAG.json), so runs with other "
+                    "targets keep their own")
+    ap.add_argument("--out", default=None, help="raw results (default: docs/data/speculative[-TAG].json)")
     a = ap.parse_args()
+    suffix = f"-{a.tag}" if a.tag else ""
+    a.out = a.out or str(ROOT / "docs" / "data" / f"speculative{suffix}.json")
     if a.quick:
         a.max_tokens, a.chars = 24, 300
     sets = prompt_sets(a.chars)
@@ -217,17 +222,19 @@ def main():
     if a.quick:
         return
     write_json(a.out, res)
-    write_doc(res, list(pipes))
+    write_doc(res, list(pipes), f"speculative-bench{suffix}")
 
 
-def write_doc(res, settings):
+def write_doc(res, settings, marker="speculative-bench"):
     med = statistics.median
     lines = [provenance(res["command"]),
              f"Target `{Path(res['target']).name}`" + (f", draft `{Path(res['draft']).name}`" if res["draft"] else "")
              + f"; temperature 0, at most {res['max_tokens']} new tokens; decode tok/s after the first token, "
-             "median over the set's prompts; speed-up = per-prompt ratio to plain, median.", "",
-             "| set | setting | decode tok/s | speed-up | drafts accepted | identical to plain |",
-             "|---|---|---:|---:|---:|---|"]
+             "median over the set's prompts; speed-up = per-prompt ratio to plain, median; end to end = the "
+             "same for the whole request's wall time (prompt included); TTFT vs plain = time to first token "
+             "against plain's (a draft model reads the prompt in that time).", "",
+             "| set | setting | decode tok/s | speed-up | end to end | TTFT vs plain | drafts accepted | identical to plain |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for name in ("editing", "free", "prose"):
         rows = [r for r in res["results"] if r["set"] == name]
         if not rows:
@@ -239,7 +246,10 @@ def write_doc(res, settings):
             up = med(r["decode_tps"] / max(1e-9, plain[(r["prompt"], r["rep"])]["decode_tps"]) for r in rs)
             d, acc = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
             ident = sum(r["identical"] for r in rs)
-            lines.append(f"| {name} | {s} | {tps:.1f} | {up:.2f}x | {acc}/{d} | {ident}/{len(rs)} |")
+            e2e = med(plain[(r["prompt"], r["rep"])]["wall_s"] / max(1e-9, r["wall_s"]) for r in rs)
+            ttft = med(r["ttft_s"] / max(1e-9, plain[(r["prompt"], r["rep"])]["ttft_s"]) for r in rs)
+            lines.append(f"| {name} | {s} | {tps:.1f} | {up:.2f}x | {e2e:.2f}x | {ttft:.2f}x | {acc}/{d} | "
+                         f"{ident}/{len(rs)} |")
     if res.get("llama_cpp"):
         lines += ["", "llama.cpp (llama-cpp-python, `LlamaPromptLookupDecoding(num_pred_tokens=N)`, N = 0: plain), "
                   "decode tok/s, median over the set's prompts:", "",
@@ -262,7 +272,7 @@ def write_doc(res, settings):
                       if name in plain else float("nan"))
                 lines.append(f"| {name} | {label} | {tps:.1f} | {up:.2f}x | {sum(r['accepted'] for r in rs)}/"
                              f"{sum(r['drafted'] for r in rs)} | {sum(r['identical'] for r in rs)}/{len(rs)} |")
-    update_doc(ROOT / "docs" / "speculative.md", {"speculative-bench": "\n".join(lines)})
+    update_doc(ROOT / "docs" / "speculative.md", {marker: "\n".join(lines)})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ No Qwen2-7B weights exist here, so the speed-up is projected, not measured:
     recipe's formats: the same bytes and kernels as a real one), and the draft's step (1 row) on a real
     0.5B file, each after a --ctx-token prompt;
   * measured elsewhere: the acceptance rate a (accepted / drafted tokens) of each prompt set from the
-    real 0.5B pair, read from docs/data/speculative.json (benchmarks/speculative.py);
+    real 0.5B pair, read from docs/data/speculative*.json (benchmarks/speculative.py);
   * the formula, with draft tokens accepted independently with probability a: a verify of k drafts
     yields E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs k * t_draft + t_verify(k + 1), so
         speed-up(k) = E(k) * t_plain / (k * t_draft + t_verify(k + 1)),
@@ -90,7 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=256, help="prompt tokens before the timed steps")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--acceptance", default=str(ROOT / "docs" / "data" / "speculative.json"))
+    ap.add_argument("--acceptance", action="append", default=None,
+                    help="benchmarks/speculative.py results to take acceptance rates from (repeatable; default "
+                    "every docs/data/speculative*.json but this script's own)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "data" / "speculative-7b.json"))
     a = ap.parse_args(argv)
     from mixqrt.pipeline import LoadedModel
@@ -100,7 +102,12 @@ def main(argv=None) -> int:
     med = statistics.median
     tt = {t: med(v) for t, v in step_times(target, a.ctx, rows, a.rounds, 0).items()}
     td = med(step_times(draft, a.ctx, [1], a.rounds, 1)[1])
-    acc = acceptance(Path(a.acceptance))
+    files = a.acceptance or sorted(str(f) for f in (ROOT / "docs" / "data").glob("speculative*.json")
+                                   if f.name != Path(a.out).name)
+    acc = {}
+    for f in files:
+        for setting, by in acceptance(Path(f)).items():
+            acc[f"{setting} ({Path(f).stem})"] = by
     proj = {s: {name: dict(zip(("k", "speedup"), project(tt[1], tt, 0.0 if s.startswith("lookup") else td, al)),
                              acceptance=al) for name, al in by.items()} for s, by in acc.items()}
     cmd = "python benchmarks/speculative_7b.py " + " ".join(argv if argv is not None else sys.argv[1:])
