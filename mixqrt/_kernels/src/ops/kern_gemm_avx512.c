@@ -78,11 +78,21 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 static int mq_gemm_min_t = 8;   /* the GEMM for T >= this (<= 0: never) */
 void mq_avx512_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 
+/* xf: the float fold. 0 (row formats): acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the
+ * generic tier's order). 1 (q4x, q6x): the decode kernels' (mv_q4x, mv_q6x): the offset term in a
+ * second accumulator, accm = fma(mm, s, accm) (q6x: mm = -32 dw and mm * s = dw * (-32 s) exactly, both
+ * scalings by a power of two), y = acc + accm. 2 (q3x, mv_q3x): as 1, but the offset term once per
+ * block (the even chunk; both chunks of a block carry its m) against s_c + s_c+1. With 1 and 2 every
+ * row is bit for bit the T = 1 row. accb: the gt accumulators, then (xf) the gt offset sums. */
 static inline __attribute__((always_inline)) void
 gemm_kernel(const uint32_t *tb, int nch, int pf,
-            const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt) {
-    __m512 acc[GTT];
-    for (int i = 0; i < gt; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
+            const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt,
+            const int xf) {
+    __m512 acc[GTT], accm[GTT];
+    for (int i = 0; i < gt; i++) {
+        acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
+        if (xf) accm[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * (gt + i));
+    }
     for (int c = 0; c < nch; c++) {
         const uint32_t *cb = tb + (size_t)c * CB;
         if (pf) {   /* cached tiles stream from memory (the unpacked scratch tile is in L1 already) */
@@ -103,10 +113,15 @@ gemm_kernel(const uint32_t *tb, int nch, int pf,
             for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
         for (int i = 0; i < gt; i++) {
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * gt + i])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
+            if (xf == 0) acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
+            else if (xf == 1) accm[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), accm[i]);
+            else if ((c & 1) == 0) accm[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i] + sb[(c + 1) * gt + i]), accm[i]);
         }
     }
-    for (int i = 0; i < gt; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
+    for (int i = 0; i < gt; i++) {
+        _mm512_store_ps(accb + 16 * i, acc[i]);
+        if (xf) _mm512_store_ps(accb + 16 * (gt + i), accm[i]);
+    }
 }
 
 /* 16x16 transpose of 32-bit elements: v[r] lane j -> v[j] lane r */
@@ -284,7 +299,7 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
     const mq_act *a = j->a;
     const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
     const int shared = a->il != NULL && a->il_gt == gt;   /* interleaved once for every thread */
-    size_t qbytes, dbytes, abytes = (size_t)ng * gt * 64, tile = (size_t)GKS * CB * 4;
+    size_t qbytes, dbytes, abytes = (size_t)ng * gt * 128, tile = (size_t)GKS * CB * 4;
     const size_t ilbytes = gemm_act_layout(a, gt, &qbytes, &dbytes);
     uint8_t *buf = (uint8_t *)mq_scratch((shared ? 0 : ilbytes) + tile + abytes + 256);
     const uint8_t *il = shared ? a->il : buf;
@@ -295,6 +310,7 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
     float *accb = (float *)(((uintptr_t)((uint8_t *)tileb + tile) + 63) & ~(uintptr_t)63);
     if (!shared) gemm_interleave(a, fmt, gt, 0, ng, buf);
     const int cached = j->tiles != NULL && n0 % GR == 0;
+    const int xf = fmt == MQ_Q4X || fmt == MQ_Q6X ? 1 : fmt == MQ_Q3X ? 2 : 0;   /* gemm_kernel's fold */
     const size_t tstride = mq_gemm_tile_stride(nc);
     for (int nt = n0; nt < n1; nt += GR) {
         int nr = n1 - nt < GR ? n1 - nt : GR;
@@ -316,13 +332,16 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
                     gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0, tileb);
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
-                float *ab = accb + (size_t)g * gt * 16;
+                float *ab = accb + (size_t)g * gt * 32;
                 gemm_kernel(tl, nch, cached && g == 0, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
                             dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
-                            fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
+                            fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt, xf);
                 if (last)
-                    for (int i = 0; i < gt && g * gt + i < T; i++)
-                        _mm512_mask_storeu_ps(j->y + (size_t)(g * gt + i) * j->ldy + nt, smask, _mm512_load_ps(ab + 16 * i));
+                    for (int i = 0; i < gt && g * gt + i < T; i++) {
+                        __m512 r = _mm512_load_ps(ab + 16 * i);
+                        if (xf) r = _mm512_add_ps(r, _mm512_load_ps(ab + 16 * (gt + i)));
+                        _mm512_mask_storeu_ps(j->y + (size_t)(g * gt + i) * j->ldy + nt, smask, r);
+                    }
             }
         }
     }

@@ -560,54 +560,51 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
 
 /* ------------------------------------------------------------------ few tokens (2 <= T <= MQ_FEW_T = 8) on the
  * interleaved formats: the decode kernels' unpack, each unpacked step feeding the T tokens' vpdpbusd,
- * and per chunk and token the GEMM's float fold (acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s,
- * acc)), so the rows are bit for bit the GEMM's for any T >= 2 (its isum is an exact int32 sum in any
- * order). The GEMM unpacked every group into a VNNI tile in memory for the few tokens that read it:
- * a batched decode step of 2-4 sequences cost about as much as that many single steps. */
+ * and per chunk and token the decode kernel's float fold (mv_q4x / mv_q6x / mv_q3x: acc = fma(cvt(isum),
+ * dw*dx, acc) and, in a second accumulator, accm = fma(m, s, accm); y = acc + accm), so each row is bit
+ * for bit the T = 1 row (the int32 sums are exact in any order). The GEMM unpacked every group into a
+ * VNNI tile in memory for the few tokens that read it: a batched decode step of 2-4 sequences cost
+ * about as much as that many single steps. */
 static int mq_few_t = 1;   /* off: T = 2..8 through the GEMM (MIXQRT_FEW_T=0, set by mixqrt.platform.tuning) */
 int mq_avx512_set_few_t(int on) { int old = mq_few_t; if (on >= 0) mq_few_t = on != 0; return old; }
 int mq_avx512_few_on(void) { return mq_few_t; }
 
 static inline __attribute__((always_inline)) void
-few_fold(__m512 *acc, const __m512i *is, const __m512 dw, const __m512 mm, const float *dx, const float *sx,
-         size_t ncp, int c, const int nt) {
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[t * ncp + c])), acc[t]);
-        acc[t] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sx[t * ncp + c]), acc[t]);
-    }
+few_store(const mq_mm_job *j, int g0, const __m512 *acc, const __m512 *accm, const int nt) {
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)t * j->ldy + g0, _mm512_add_ps(acc[t], accm[t]));
 }
 
-static inline __attribute__((always_inline)) void few_store(const mq_mm_job *j, int g0, const __m512 *acc, const int nt) {
-    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)t * j->ldy + g0, acc[t]);
-}
-
+/* q4x: the low nibbles of step s meet activations 4s..4s+3, the high ones (shifted down once for all
+ * tokens) 16+4s..19+4s, into one int32 sum per token: mv_q4x's il + (ih >> 4) exactly */
 static inline __attribute__((always_inline)) void mv_q4x_few(const mq_mm_job *j, int n0, int n1, const int nt) {
     const mq_act *a = j->a;
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
     const uint32_t *x32 = (const uint32_t *)a->q;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            __m512i il[MQ_FEW_T], ih[MQ_FEW_T];
-            for (int t = 0; t < nt; t++) il[t] = ih[t] = _mm512_setzero_si512();
+            __m512i is[MQ_FEW_T];
+            for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
             for (int s = 0; s < 4; s++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q4X_CODES + 64 * s));
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(v, m4h);
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 for (int t = 0; t < nt; t++) {
                     const uint32_t *xc = x32 + t * kq + 8 * c;
-                    il[t] = _mm512_dpbusd_epi32(il[t], lo, _mm512_set1_epi32((int)xc[s]));
-                    ih[t] = _mm512_dpbusd_epi32(ih[t], hi, _mm512_set1_epi32((int)xc[4 + s]));
+                    is[t] = _mm512_dpbusd_epi32(is[t], lo, _mm512_set1_epi32((int)xc[s]));
+                    is[t] = _mm512_dpbusd_epi32(is[t], hi, _mm512_set1_epi32((int)xc[4 + s]));
                 }
             }
-            for (int t = 0; t < nt; t++) il[t] = _mm512_add_epi32(il[t], _mm512_srai_epi32(ih[t], 4));
-            few_fold(acc, il, d, m, a->d, a->s, ncp, c, nt);
+            for (int t = 0; t < nt; t++) {
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + c])), acc[t]);
+                accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s[t * ncp + c]), accm[t]);
+            }
         }
-        few_store(j, g0, acc, nt);
+        few_store(j, g0, acc, accm, nt);
     }
 }
 
@@ -618,8 +615,8 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
             const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64));
@@ -635,9 +632,12 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
                 for (int t = 0; t < nt; t++)
                     is[t] = _mm512_dpbusd_epi32(is[t], u, _mm512_set1_epi32((int)x32[t * kq + 8 * c + s]));
             }
-            few_fold(acc, is, d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)), a->d, a->s, ncp, c, nt);
+            for (int t = 0; t < nt; t++) {   /* mv_q6x: the offset term d * (-32 s) in its own sum */
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + c])), acc[t]);
+                accm[t] = _mm512_fmadd_ps(d, _mm512_set1_ps(-32.0f * a->s[t * ncp + c]), accm[t]);
+            }
         }
-        few_store(j, g0, acc, nt);
+        few_store(j, g0, acc, accm, nt);
     }
 }
 
@@ -648,8 +648,8 @@ static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, co
     const int nb = j->nc / 2;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
@@ -662,10 +662,13 @@ static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, co
                     for (int t = 0; t < nt; t++)
                         is[t] = _mm512_dpbusd_epi32(is[t], lv[8 * half + s], _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
                 }
-                few_fold(acc, is, d, m, a->d, a->s, ncp, 2 * bi + half, nt);
+                for (int t = 0; t < nt; t++)
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + 2 * bi + half])), acc[t]);
             }
+            for (int t = 0; t < nt; t++)   /* mv_q3x: m against the block's two activation sums at once */
+                accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s[t * ncp + 2 * bi] + a->s[t * ncp + 2 * bi + 1]), accm[t]);
         }
-        few_store(j, g0, acc, nt);
+        few_store(j, g0, acc, accm, nt);
     }
 }
 
