@@ -1,61 +1,67 @@
-/* AVX-512 tier, T >= 2: unpacked row tiles (1 < T < mq_gemm_min_t), the VNNI-interleaved GEMM
+/* AVX-512 tier, T >= 2: unpacked row tiles (mm_fmt, for mq_avx512_rows_exact), the VNNI-interleaved GEMM
  * (prefill and batched decode), its cached tiles (mq_gemm_tiles_build) and the activation layout
  * that _ops shares between the threads of one product. Internals: kern_avx512_impl.h. */
 #include "kern_avx512_impl.h"
 
-/* ------------------------------------------------------------------ prefill: unpacked row tiles */
+/* ------------------------------------------------------------------ unpacked row tiles (2 <= T <= MQ_EXACT_T)
+ * A tile of TR rows is unpacked once (unpack_pair: levels, dw and mm pairs) and reused for every
+ * token; each token's row is folded exactly as mv_fmt folds it (acc = fma(cvt(isum), dw*dx, acc),
+ * am = fma(mm, s, am) lane-wise on the pair vectors, y = reduce(acc + am)), so where the T = 1
+ * product of a format runs mv_fmt (mq_avx512_mv_plain) each row is bit for bit the T = 1 row. */
 #define TR 4
 static inline __attribute__((always_inline)) void
 mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const mq_act *a = j->a;
     int np = (j->nc + 1) / 2;
-    /* per row of the tile: np zmm of levels, np zmm of dw pairs, np floats x2 of mm */
-    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * np * (64 + 64 + 8));
+    /* per row of the tile: np zmm of levels, np zmm of dw pairs, np zmm of mm pairs */
+    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * np * 192);
     __m512i *lv = (__m512i *)buf;
     __m512 *dwv = (__m512 *)(buf + (size_t)TR * np * 64);
-    float *mmv = (float *)(buf + (size_t)TR * np * 128);
+    __m512 *mmv = (__m512 *)(buf + (size_t)TR * np * 128);
     for (int nt = n0; nt < n1; nt += TR) {
         int nr = n1 - nt < TR ? n1 - nt : TR;
         for (int r = 0; r < nr; r++) {
             const uint8_t *row = j->w + (size_t)(nt + r) * j->row_bytes;
-            for (int p = 0; p < np; p++) {
-                __m512 mv;
-                float tmp[16];
-                lv[r * np + p] = unpack_pair(cx, fmt, row, p, &dwv[r * np + p], &mv);
-                _mm512_storeu_ps(tmp, mv);
-                mmv[(size_t)(r * np + p) * 2] = tmp[0];
-                mmv[(size_t)(r * np + p) * 2 + 1] = tmp[8];
-            }
+            for (int p = 0; p < np; p++)
+                lv[r * np + p] = unpack_pair(cx, fmt, row, p, &dwv[r * np + p], &mmv[r * np + p]);
         }
         for (int t = 0; t < j->T; t++) {
             const int8_t *q = a->q + (size_t)t * a->kp;
             const float *xd = a->d + (size_t)t * a->ncp, *xs = a->s + (size_t)t * a->ncp;
             float *y = j->y + (size_t)t * j->ldy + nt;
             if (nr == TR) {
-                __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+                __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, m0 = c0, m1 = c0, m2 = c0, m3 = c0;
                 const __m512i *l0 = lv, *l1 = lv + np, *l2 = lv + 2 * np, *l3 = lv + 3 * np;
                 const __m512 *w0 = dwv, *w1 = dwv + np, *w2 = dwv + 2 * np, *w3 = dwv + 3 * np;
+                const __m512 *v0 = mmv, *v1 = mmv + np, *v2 = mmv + 2 * np, *v3 = mmv + 3 * np;
                 for (int p = 0; p < np; p++) {
                     __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p)), corr = q8_corr(fmt, xq);
-                    __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
+                    __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]), sx = _mm512_maskz_mov_ps(0x0101, pairvec(xs[2 * p], xs[2 * p + 1]));
                     const __m512i z = _mm512_setzero_si512();
                     c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l0[p], xq), corr)), _mm512_mul_ps(w0[p], dx), c0);
                     c1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l1[p], xq), corr)), _mm512_mul_ps(w1[p], dx), c1);
                     c2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l2[p], xq), corr)), _mm512_mul_ps(w2[p], dx), c2);
                     c3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l3[p], xq), corr)), _mm512_mul_ps(w3[p], dx), c3);
+                    m0 = _mm512_fmadd_ps(v0[p], sx, m0);
+                    m1 = _mm512_fmadd_ps(v1[p], sx, m1);
+                    m2 = _mm512_fmadd_ps(v2[p], sx, m2);
+                    m3 = _mm512_fmadd_ps(v3[p], sx, m3);
                 }
-                __m512 cs[4] = {c0, c1, c2, c3};
-                for (int r = 0; r < TR; r++) y[r] = _mm512_reduce_add_ps(cs[r]) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
+                y[0] = _mm512_reduce_add_ps(_mm512_add_ps(c0, m0));
+                y[1] = _mm512_reduce_add_ps(_mm512_add_ps(c1, m1));
+                y[2] = _mm512_reduce_add_ps(_mm512_add_ps(c2, m2));
+                y[3] = _mm512_reduce_add_ps(_mm512_add_ps(c3, m3));
             } else {
                 for (int r = 0; r < nr; r++) {
-                    __m512 c0 = _mm512_setzero_ps();
+                    __m512 c0 = _mm512_setzero_ps(), m0 = c0;
                     for (int p = 0; p < np; p++) {
                         __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
-                        __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
+                        __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]), sx = _mm512_maskz_mov_ps(0x0101, pairvec(xs[2 * p], xs[2 * p + 1]));
                         c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[r * np + p], xq), q8_corr(fmt, xq))),
                                              _mm512_mul_ps(dwv[r * np + p], dx), c0);
+                        m0 = _mm512_fmadd_ps(mmv[r * np + p], sx, m0);
                     }
-                    y[r] = _mm512_reduce_add_ps(c0) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
+                    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(c0, m0));
                 }
             }
         }
@@ -75,8 +81,11 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define GKS 16
 #define GTT 8
 #define CB 160   /* one chunk of a tile, in u32: levels [8 k4 steps][16 rows], dw[16], mm[16] (640 B) */
-static int mq_gemm_min_t = 8;   /* the GEMM for T >= this (<= 0: never) */
+/* the row formats' GEMM for T >= this (<= 0: never); below it mq_avx512_rows_exact (each row the T = 1
+ * row). q4x / q6x / q3x run the GEMM above MQ_FEW_T rows whatever it is (their GEMM rows are the T = 1 rows). */
+static int mq_gemm_min_t = MQ_EXACT_T + 1;
 void mq_avx512_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
+int mq_avx512_gemm_on(int T) { return mq_gemm_min_t > 0 && T >= mq_gemm_min_t; }
 
 /* xf: the float fold. 0 (row formats): acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the
  * generic tier's order). 1 (q4x, q6x): the decode kernels' (mv_q4x, mv_q6x): the offset term in a
@@ -400,7 +409,7 @@ int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
     if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
     if (j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X)
         return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && mq_avx512_few_on()) ? GTT : 0;
-    return (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || j->tiles ? GTT : 0;
+    return mq_avx512_gemm_on(j->T) ? GTT : 0;   /* below: mq_avx512_rows_exact */
 }
 
 size_t mq_gemm_act_bytes_avx512(const mq_act *a, int gt) {
@@ -419,9 +428,19 @@ void mq_gemm_interleave_avx512(const mq_act *a, int fmt, int gt, int g0, int g1,
         else if (j->T <= 4) gemm_fmt(&cx, F, j, n0, n1, 4); \
         else gemm_fmt(&cx, F, j, n0, n1, GTT); } while (0)
 #define MM_CASE(F) case F: \
-    if ((mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || (j->tiles && j->T >= 2)) GEMM_GT(F); \
+    if (mq_avx512_gemm_on(j->T)) GEMM_GT(F); \
     else mm_fmt(&cx, F, j, n0, n1); \
     break;
+
+#define TILE_CASE(F) case F: mm_fmt(&cx, F, j, n0, n1); break;
+void mq_avx512_mm_tiles(const mq_mm_job *j, int n0, int n1) {
+    ctx_t cx;
+    ctx_init(&cx, j);
+    switch (j->fmt) {
+        TILE_CASE(MQ_Q8) TILE_CASE(MQ_Q6) TILE_CASE(MQ_Q4) TILE_CASE(MQ_Q3U) TILE_CASE(MQ_Q3P) TILE_CASE(MQ_Q2C)
+        TILE_CASE(MQ_Q5G)
+    }
+}
 
 void mq_avx512_mm(const mq_mm_job *j, int n0, int n1) {
     ctx_t cx;

@@ -695,14 +695,26 @@ static int mq_q6_fold = 1;   /* q6 short rows through mv_q6f (MIXQRT_Q6_FOLD=0: 
 int mq_avx512_set_lean_mv(int on) { int old = mq_lean_mv; if (on >= 0) mq_lean_mv = on != 0; return old; }
 int mq_avx512_set_q6_fold(int on) { int old = mq_q6_fold; if (on >= 0) mq_q6_fold = on != 0; return old; }
 
+/* the T = 1 kernel of a row-format product (mq_avx512_mv below and mq_avx512_rows_exact agree on it) */
+enum { MV_FMT, MV_Q3C, MV_Q4C, MV_Q6F, MV_LEAN };
+static int mv_kind(const mq_mm_job *j) {
+    const int F = j->fmt, even = j->nc % 2 == 0, shortr = (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE;
+    if (!mq_lean_mv) return MV_FMT;
+    if (F == MQ_Q3P) return MV_Q3C;
+    if (F == MQ_Q4 && even) return MV_Q4C;
+    if (F == MQ_Q6 && even && shortr && mq_q6_fold) return MV_Q6F;
+    if (F == MQ_Q3U || (F == MQ_Q6 && even && !shortr)) return MV_LEAN;
+    return MV_FMT;
+}
+
 #define MV_CASE(F) case F: \
-    if (mq_lean_mv && F == MQ_Q3P) mv_q3c(&cx, j, n0, n1); \
-    else if (mq_lean_mv && F == MQ_Q4 && j->nc % 2 == 0) mv_q4c(&cx, j, n0, n1); \
-    else if (mq_lean_mv && F == MQ_Q6 && j->nc % 2 == 0 && (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE \
-             && mq_q6_fold) mv_q6f(&cx, j, n0, n1); \
-    else if (mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
-            && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
-    else mv_fmt(&cx, F, j, n0, n1); \
+    switch (mv_kind(j)) { \
+    case MV_Q3C: mv_q3c(&cx, j, n0, n1); break; \
+    case MV_Q4C: mv_q4c(&cx, j, n0, n1); break; \
+    case MV_Q6F: mv_q6f(&cx, j, n0, n1); break; \
+    case MV_LEAN: mv_lean(&cx, F, j, n0, n1); break; \
+    default: mv_fmt(&cx, F, j, n0, n1); \
+    } \
     break;
 
 void mq_avx512_mv(const mq_mm_job *j, int n0, int n1) {
@@ -721,4 +733,33 @@ void mq_avx512_few(const mq_mm_job *j, int n0, int n1) {
     ctx_t cx;
     ctx_init(&cx, j);
     mm_few(&cx, j, n0, n1);
+}
+
+/* ------------------------------------------------------------------ row formats, 2 <= T <= MQ_EXACT_T
+ * Every row bit for bit the T = 1 row: where T = 1 runs mv_fmt, the unpacked 4-row tiles of mm_fmt
+ * (mv_fmt's fold, the unpack once for all tokens); where it runs one of the lean kernels (each with
+ * its own fold: lanes across rows, tile and tail rows summed differently), that kernel itself, token
+ * by token, over blocks of rows that stay in L2 for the next token. Block edges are multiples of 16
+ * rows from n0 and the last one ends at n1, so each row falls in the same 4-row tile (or tail) as in
+ * the T = 1 product (whose parts start at multiples of 16 rows too). */
+#ifndef EXACT_BLOCK_BYTES
+#define EXACT_BLOCK_BYTES (128 << 10)
+#endif
+void mq_avx512_rows_exact(const mq_mm_job *j, int n0, int n1) {
+    if (mv_kind(j) == MV_FMT) { mq_avx512_mm_tiles(j, n0, n1); return; }
+    const mq_act *a = j->a;
+    size_t rows = EXACT_BLOCK_BYTES / j->row_bytes / 16 * 16;
+    if (rows < 16) rows = 16;
+    mq_act at = *a;
+    at.T = 1; at.il = NULL; at.il_gt = 0;
+    mq_mm_job jt = *j;
+    jt.T = 1; jt.a = &at; jt.tiles = NULL;
+    for (int b0 = n0; b0 < n1; b0 += (int)rows) {
+        const int b1 = (size_t)(n1 - b0) <= rows ? n1 : b0 + (int)rows;
+        for (int t = 0; t < j->T; t++) {
+            at.q = a->q + (size_t)t * a->kp; at.d = a->d + (size_t)t * a->ncp; at.s = a->s + (size_t)t * a->ncp;
+            jt.y = j->y + (size_t)t * j->ldy;
+            mq_avx512_mv(&jt, b0, b1);
+        }
+    }
 }
