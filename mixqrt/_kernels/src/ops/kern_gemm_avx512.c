@@ -93,6 +93,39 @@ int mq_avx512_gemm_on(int T) { return mq_gemm_min_t > 0 && T >= mq_gemm_min_t; }
  * scalings by a power of two), y = acc + accm. 2 (q3x, mv_q3x): as 1, but the offset term once per
  * block (the even chunk; both chunks of a block carry its m) against s_c + s_c+1. With 1 and 2 every
  * row is bit for bit the T = 1 row. accb: the gt accumulators, then (xf) the gt offset sums. */
+/* xf: the float fold. 0 (row formats): acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the
+ * generic tier's order). 1 (q4x, q6x): the decode kernels' (mv_q4x, mv_q6x): the offset term in a
+ * second accumulator, accm = fma(mm, s, accm) (q6x: mm = -32 dw and mm * s = dw * (-32 s) exactly, both
+ * scalings by a power of two), y = acc + accm. 2 (q3x, mv_q3x): as 1, but the offset term once per
+ * block, on its even chunk, against s_c + s_c+1 (gemm_interleave stores that sum there). With 1 and 2
+ * every row is bit for bit the T = 1 row. accb: the gt accumulators, then (xf) the gt offset sums. */
+static inline __attribute__((always_inline)) void
+gemm_chunk(const uint32_t *tb, int c, int pf, const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb,
+           __m512 *acc, __m512 *accm, const int gt, const int xf, const int with_m) {
+    const uint32_t *cb = tb + (size_t)c * CB;
+    if (pf) {   /* cached tiles stream from memory (the unpacked scratch tile is in L1 already) */
+        _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);
+        _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
+    }
+    const __m512i *w = (const __m512i *)cb;
+    const uint32_t *qc = qb + (size_t)c * 8 * gt;
+    __m512i is[GTT];
+    __m512i w0 = _mm512_load_si512(w);
+    for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
+    for (int s = 1; s < 8; s++) {
+        __m512i ws = _mm512_load_si512(w + s);
+        for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
+    }
+    __m512 dw = _mm512_load_ps((const float *)cb + 128), mm = _mm512_load_ps((const float *)cb + 144);
+    if (qsb)   /* q8: 128 * sum(q) of the chunk, see q8_fix */
+        for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
+    for (int i = 0; i < gt; i++) {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * gt + i])), acc[i]);
+        if (xf == 0) acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
+        else if (with_m) accm[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), accm[i]);
+    }
+}
+
 static inline __attribute__((always_inline)) void
 gemm_kernel(const uint32_t *tb, int nch, int pf,
             const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt,
@@ -100,33 +133,15 @@ gemm_kernel(const uint32_t *tb, int nch, int pf,
     __m512 acc[GTT], accm[GTT];
     for (int i = 0; i < gt; i++) {
         acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
-        if (xf) accm[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * (gt + i));
+        accm[i] = first || !xf ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * (gt + i));
     }
-    for (int c = 0; c < nch; c++) {
-        const uint32_t *cb = tb + (size_t)c * CB;
-        if (pf) {   /* cached tiles stream from memory (the unpacked scratch tile is in L1 already) */
-            _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);
-            _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
+    if (xf == 2)   /* q3x: nch is even (K slices start on whole blocks) */
+        for (int c = 0; c < nch; c += 2) {
+            gemm_chunk(tb, c, pf, qb, db, sb, qsb, acc, accm, gt, xf, 1);
+            gemm_chunk(tb, c + 1, pf, qb, db, sb, qsb, acc, accm, gt, xf, 0);
         }
-        const __m512i *w = (const __m512i *)cb;
-        const uint32_t *qc = qb + (size_t)c * 8 * gt;
-        __m512i is[GTT];
-        __m512i w0 = _mm512_load_si512(w);
-        for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
-        for (int s = 1; s < 8; s++) {
-            __m512i ws = _mm512_load_si512(w + s);
-            for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
-        }
-        __m512 dw = _mm512_load_ps((const float *)cb + 128), mm = _mm512_load_ps((const float *)cb + 144);
-        if (qsb)   /* q8: 128 * sum(q) of the chunk, see q8_fix */
-            for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
-        for (int i = 0; i < gt; i++) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * gt + i])), acc[i]);
-            if (xf == 0) acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
-            else if (xf == 1) accm[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), accm[i]);
-            else if ((c & 1) == 0) accm[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i] + sb[(c + 1) * gt + i]), accm[i]);
-        }
-    }
+    else
+        for (int c = 0; c < nch; c++) gemm_chunk(tb, c, pf, qb, db, sb, qsb, acc, accm, gt, xf, 1);
     for (int i = 0; i < gt; i++) {
         _mm512_store_ps(accb + 16 * i, acc[i]);
         if (xf) _mm512_store_ps(accb + 16 * (gt + i), accm[i]);
@@ -288,6 +303,8 @@ static void gemm_interleave(const mq_act *a, int fmt, int gt, int g0, int g1, ui
                 const float *xd = a->d + (size_t)t * ncp, *xs = a->s + (size_t)t * ncp;
                 for (int kk = 0; kk < k4; kk++) o[(size_t)kk * gt + i] = q[kk];
                 for (int c = 0; c < ncp; c++) { od[c * gt + i] = xd[c]; os[c * gt + i] = xs[c]; }
+                if (fmt == MQ_Q3X)   /* gemm_kernel's q3x fold: a block's two sums on its even chunk */
+                    for (int c = 0; c + 1 < ncp; c += 2) os[c * gt + i] = xs[c] + xs[c + 1];
                 if (fmt == MQ_Q8)
                     for (int c = 0; c < ncp; c++) {
                         const int8_t *qc = a->q + (size_t)t * a->kp + 32 * c;
