@@ -590,6 +590,7 @@ static inline __attribute__((always_inline)) void mv_q4x_few(const mq_mm_job *j,
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             __m512i is[MQ_FEW_T];
             for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
             for (int s = 0; s < 4; s++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q4X_CODES + 64 * s));
                 const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
@@ -618,20 +619,20 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
         __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
-            const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64));
             __m512i is[MQ_FEW_T];
             for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {   /* the levels U = lo4 | hi2 << 4 of step s, as the GEMM tile */
                 const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q6X_LO + 64 * (s & 3)));
                 const __m512i lo = s < 4 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                const __m512i h = (s & 1) ? h1 : h0;
+                const __m512i h = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64 * (s & 1)));
                 const int f = s >> 1;
                 const __m512i hs = f == 0 ? _mm512_slli_epi16(h, 4) : f == 1 ? _mm512_slli_epi16(h, 2) : f == 2 ? h : _mm512_srli_epi16(h, 2);
                 const __m512i u = _mm512_ternarylogic_epi32(lo, hs, m30, 0xF8);
                 for (int t = 0; t < nt; t++)
                     is[t] = _mm512_dpbusd_epi32(is[t], u, _mm512_set1_epi32((int)x32[t * kq + 8 * c + s]));
             }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
             for (int t = 0; t < nt; t++) {   /* mv_q6x: the offset term d * (-32 s) in its own sum */
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + c])), acc[t]);
                 accm[t] = _mm512_fmadd_ps(d, _mm512_set1_ps(-32.0f * a->s[t * ncp + c]), accm[t]);
@@ -641,34 +642,73 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
     }
 }
 
-static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1, const int nt) {
+/* q3x: each step's levels are made right before the tokens use them (q3x_steps one step at a time,
+ * the planes and level tables read from L1), so that 8 tokens' int32 sums, accumulators and offset
+ * sums stay in registers (all 16 level vectors of a block live beside them spilled from 7 tokens on) */
+static inline __attribute__((always_inline)) __m512i q3x_step(const uint8_t *b, const __m512i *t3, const int s) {
+    const __m512i *pl = (const __m512i *)(b + MQ_Q3X_CODES);
+    if (s < 12) return _mm512_permutexvar_epi8(_mm512_loadu_si512(pl + (s >> 1)), t3[(s & 1) ? Q3X_HI : Q3X_LO]);
+    const int w = s - 12;
+    const __m512i hb = _mm512_srli_epi16(_mm512_loadu_si512(pl + (w < 2 ? 4 : 5)), 4);
+    const __m512i lo = _mm512_srli_epi16(_mm512_loadu_si512(pl + w), 6);
+    return _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(lo, hb, _mm512_set1_epi8(0x03), 0xE4), t3[(w & 1) ? Q3X_T013 : Q3X_LO]);
+}
+
+static inline __attribute__((always_inline)) void
+q3x_few_group(const ctx_t *cx, const mq_mm_job *j, int g0, int t0, const int nt) {
     const mq_act *a = j->a;
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
-    const uint32_t *x32 = (const uint32_t *)a->q;
+    const uint32_t *x32 = (const uint32_t *)a->q + t0 * kq;
+    const float *dx = a->d + t0 * ncp, *sx = a->s + t0 * ncp;
     const int nb = j->nc / 2;
-    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
-        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
-        for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
-            const __m512i h = _mm512_loadu_si512((const void *)b);
-            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            __m512i lv[16];
-            q3x_steps(b, cx->t3x, lv);
-            for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
-                __m512i is[MQ_FEW_T];
-                for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
-                for (int s = 0; s < 8; s++) {
-                    for (int t = 0; t < nt; t++)
-                        is[t] = _mm512_dpbusd_epi32(is[t], lv[8 * half + s], _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
-                }
+    const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+    __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
+            __m512i is[MQ_FEW_T];
+            for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                const __m512i lv = q3x_step(b, cx->t3x, 8 * half + s);
                 for (int t = 0; t < nt; t++)
-                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + 2 * bi + half])), acc[t]);
+                    is[t] = _mm512_dpbusd_epi32(is[t], lv, _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
             }
-            for (int t = 0; t < nt; t++)   /* mv_q3x: m against the block's two activation sums at once */
-                accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s[t * ncp + 2 * bi] + a->s[t * ncp + 2 * bi + 1]), accm[t]);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(dx[t * ncp + 2 * bi + half])), acc[t]);
         }
-        few_store(j, g0, acc, accm, nt);
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
+        for (int t = 0; t < nt; t++)   /* mv_q3x: m against the block's two activation sums at once */
+            accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * ncp + 2 * bi] + sx[t * ncp + 2 * bi + 1]), accm[t]);
+    }
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)(t0 + t) * j->ldy + g0, _mm512_add_ps(acc[t], accm[t]));
+}
+
+#ifndef Q3X_FEW_BLK
+#define Q3X_FEW_BLK 8
+#endif
+static inline __attribute__((always_inline)) void q3x_few_tokens(const ctx_t *cx, const mq_mm_job *j, int g0, int t0, int n) {
+    switch (n) {
+    case 1: q3x_few_group(cx, j, g0, t0, 1); break;
+    case 2: q3x_few_group(cx, j, g0, t0, 2); break;
+    case 3: q3x_few_group(cx, j, g0, t0, 3); break;
+#if Q3X_FEW_BLK > 4
+    case 5: q3x_few_group(cx, j, g0, t0, 5); break;
+    case 6: q3x_few_group(cx, j, g0, t0, 6); break;
+    case 7: q3x_few_group(cx, j, g0, t0, 7); break;
+    case 8: q3x_few_group(cx, j, g0, t0, 8); break;
+#endif
+    default: q3x_few_group(cx, j, g0, t0, 4); break;
+    }
+}
+
+static void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const int T = j->T, ta = T <= Q3X_FEW_BLK ? T : (T + 1) / 2;
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        q3x_few_tokens(cx, j, g0, 0, ta);
+        if (ta < T) q3x_few_tokens(cx, j, g0, ta, T - ta);
     }
 }
 
@@ -676,7 +716,7 @@ static void mm_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
 #define MQ_FEW(T_) do { \
         if (j->fmt == MQ_Q4X) mv_q4x_few(j, n0, n1, T_); \
         else if (j->fmt == MQ_Q6X) mv_q6x_few(j, n0, n1, T_); \
-        else mv_q3x_few(cx, j, n0, n1, T_); } while (0)
+        else mv_q3x_few(cx, j, n0, n1); } while (0)
     switch (j->T) {
     case 2: MQ_FEW(2); break;
     case 3: MQ_FEW(3); break;
