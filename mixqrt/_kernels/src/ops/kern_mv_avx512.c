@@ -662,9 +662,13 @@ q3x_few_group(const ctx_t *cx, const mq_mm_job *j, int g0, int t0, const int nt)
     const float *dx = a->d + t0 * ncp, *sx = a->s + t0 * ncp;
     const int nb = j->nc / 2;
     const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+    const size_t pfd = mq_q3x_prefetch();   /* mv_q3x's software prefetch into L2 (MIXQRT_Q3X_PF) */
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
     __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+        if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
+            for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
             __m512i is[MQ_FEW_T];
