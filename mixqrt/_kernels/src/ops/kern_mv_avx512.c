@@ -581,11 +581,15 @@ static inline __attribute__((always_inline)) void mv_q4x_few(const mq_mm_job *j,
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
     const uint32_t *x32 = (const uint32_t *)a->q;
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const size_t pfd = mq_q3x_prefetch();   /* as q3x: software prefetch into L2 */
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
+            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             __m512i is[MQ_FEW_T];
@@ -614,11 +618,15 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
     const uint32_t *x32 = (const uint32_t *)a->q;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const size_t pfd = mq_q3x_prefetch();   /* as q3x: software prefetch into L2 */
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
+            if (pfd && b + pfd + MQ_Q6X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q6X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             __m512i is[MQ_FEW_T];
             for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
