@@ -117,7 +117,8 @@ def set_float_pf(size_t nbytes):
 
 def set_q3x_prefetch(nbytes=None):
     """q3x decode's software prefetch distance into L2, bytes (default 16384; 0: none), AVX-512 and
-    AVX2. None only queries. Returns the previous value."""
+    AVX2; also the AVX-512 few-row products' (q4x / q6x / q3x, 2-8 rows). None only queries. Returns
+    the previous value."""
     cdef size_t old = mq_q3x_prefetch()
     if nbytes is not None:
         mq_set_q3x_prefetch(<size_t>_count(nbytes, "set_q3x_prefetch: nbytes"))
