@@ -562,9 +562,13 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
  * interleaved formats: the decode kernels' unpack, each unpacked step feeding the T tokens' vpdpbusd,
  * and per chunk and token the decode kernel's float fold (mv_q4x / mv_q6x / mv_q3x: acc = fma(cvt(isum),
  * dw*dx, acc) and, in a second accumulator, accm = fma(m, s, accm); y = acc + accm), so each row is bit
- * for bit the T = 1 row (the int32 sums are exact in any order). The GEMM unpacked every group into a
- * VNNI tile in memory for the few tokens that read it: a batched decode step of 2-4 sequences cost
- * about as much as that many single steps. */
+ * for bit the T = 1 row (the int32 sums are exact in any order). The steps are fully unrolled so that
+ * 8 tokens' sums, accumulators and offset sums stay in registers (left to the compiler, 5-8 tokens
+ * spilled), and the group stream is prefetched into L2 as mv_q3x does (mq_q3x_prefetch): with up to 8
+ * vpdpbusd per loaded line the hardware prefetcher alone left the products of 2-4 rows 1.3-1.5x those
+ * of one (docs/lab/kernels-few-rows.md). The GEMM unpacked every group into a VNNI tile in memory for
+ * the few tokens that read it: a batched decode step of 2-4 sequences cost about as much as that many
+ * single steps. */
 static int mq_few_t = 1;   /* off: T = 2..8 through the GEMM (MIXQRT_FEW_T=0, set by mixqrt.platform.tuning) */
 int mq_avx512_set_few_t(int on) { int old = mq_few_t; if (on >= 0) mq_few_t = on != 0; return old; }
 int mq_avx512_few_on(void) { return mq_few_t; }
