@@ -212,9 +212,9 @@ def test_matmul_random_matches_base_and_threads(tier, fmt, t):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("k", [1, 33, 257, 896])
 def test_few_rows_equal_the_gemm_rows(fmt, k):
-    """Products of 2-8 rows (batched decode) go through the decode kernels' unpack with the GEMM's float
-    fold: each row is bit for bit that row of a GEMM product (the few-row path off, a 12-row product, the
-    cached tiles), on the pool or on one thread."""
+    """Products of 2-8 rows (batched decode) go through the decode kernels' unpack with their float fold,
+    as the GEMM does: each row is bit for bit that row of a GEMM product (the few-row path off, a 12-row
+    product, the cached tiles), on the pool or on one thread (and the T = 1 row: test_rows_exact.py)."""
     rng = np.random.default_rng(k)
     _, qx = x_of(fmt, 48, k, rng)
     x = rng.standard_normal((12, k)).astype(np.float32)

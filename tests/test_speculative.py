@@ -1,8 +1,9 @@
 """Speculative decoding (mixqrt.speculative, Engine._step_speculative) on the tiny model.
 
-With f32 weights a forward of k+1 rows gives the logits of k+1 single steps bit for bit, so the
-output with prompt lookup or a draft model must be the plain output token for token, greedy and
-seeded sampling alike. The acceptance walk's distribution is checked on its own with a
+With f32 weights, and with packed weights (the kernels give every row of a multi-row product as the
+single-row product, tests/test_rows_exact.py), a forward of k+1 rows gives the logits of k+1 single
+steps bit for bit, so the output with prompt lookup or a draft model must be the plain output token
+for token, greedy and seeded sampling alike. The acceptance walk's distribution is checked on its own with a
 chi-square test; drafters against brute-force references.
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ def models(tmp_path_factory):
         mxq = base / f"{name}.mxq"
         quantize_model(str(hf), "f32", mxq, progress=False)
         out[name] = LoadedModel(mxq)
+    hf = make_tiny_hf_model(base / "packed", arch="qwen2", tied=True, seed=0)
+    quantize_model(str(hf), "2356t", base / "packed.mxq", progress=False)
+    out["packed"] = LoadedModel(base / "packed.mxq")           # the target's weights as 2356t
     return out
 
 
@@ -86,6 +90,23 @@ def test_greedy_output_is_plain_output(models, kind):
     assert last.draft_tokens == stats["draft_tokens"]
     assert last.accepted_draft_tokens == stats["accepted_draft_tokens"]
     if kind == "draft-self":          # the target drafting for itself: every draft is right
+        assert stats["accepted_draft_tokens"] == stats["draft_tokens"]
+
+
+@pytest.mark.parametrize("kind", ["lookup", "draft-self", "draft-f32"])
+def test_greedy_output_is_plain_output_packed(models, kind):
+    """A 2356t target: the verify forward's rows are the single steps' rows bit for bit on every tier,
+    so speculative output is plain output here too."""
+    lm = models["packed"]
+    drafter = {"lookup": lambda: NgramDrafter(6),
+               "draft-self": lambda: ModelDrafter(lm.model, 4),
+               "draft-f32": lambda: ModelDrafter(models["target"].model, 5)}[kind]()
+    kw = dict(temperature=0, repetition_penalty=1.0)
+    want, _, _ = _run(lm, REPEAT, **kw)
+    got, _, stats = _run(lm, REPEAT, drafter, **kw)
+    assert got == want
+    assert stats["verify_steps"] > 0
+    if kind == "draft-self":
         assert stats["accepted_draft_tokens"] == stats["draft_tokens"]
 
 

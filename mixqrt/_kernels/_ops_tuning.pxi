@@ -1,10 +1,11 @@
 # Tuning switches of the products: the AVX-512 paths, the decode split over the pool, prefetch distances. Included by _ops.pyx (one extension; module-level names are shared).
 
-_gemm_min_t = 8
+_gemm_min_t = 18
 
 
 def set_gemm_min_t(int t):
-    """AVX-512 prefill GEMM path for matmuls with T >= t rows of x (t <= 0: off). Returns the old value."""
+    """AVX-512 GEMM path for row-format matmuls with T >= t rows of x (t <= 0: off; default 18). Below it
+    every row of a product is bit for bit the T = 1 row (q4x / q6x / q3x: at any T). Returns the old value."""
     global _gemm_min_t
     old = _gemm_min_t
     _gemm_min_t = t
@@ -116,7 +117,8 @@ def set_float_pf(size_t nbytes):
 
 def set_q3x_prefetch(nbytes=None):
     """q3x decode's software prefetch distance into L2, bytes (default 16384; 0: none), AVX-512 and
-    AVX2. None only queries. Returns the previous value."""
+    AVX2; also the AVX-512 few-row products' (q4x / q6x / q3x, 2-8 rows). None only queries. Returns
+    the previous value."""
     cdef size_t old = mq_q3x_prefetch()
     if nbytes is not None:
         mq_set_q3x_prefetch(<size_t>_count(nbytes, "set_q3x_prefetch: nbytes"))

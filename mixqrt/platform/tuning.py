@@ -66,7 +66,7 @@ SWITCHES: tuple[Switch, ...] = (
            "one row at a time (0)", "C: _ops.set_float_mv", "set_float_mv"),
     Switch("MIXQRT_FLOAT_PF", 2048, "bytes", "in-row prefetch distance of MIXQRT_FLOAT_MV's 4-row path "
            "(0: none)", "C: _ops.set_float_pf", "set_float_pf"),
-    Switch("MIXQRT_Q3X_PF", 16384, "bytes", "q3x decode's software prefetch distance into L2 (0: none)",
+    Switch("MIXQRT_Q3X_PF", 16384, "bytes", "q3x decode's and the q4x / q6x / q3x few-row products' software prefetch distance into L2 (0: none)",
            "C: _ops.set_q3x_prefetch", "set_q3x_prefetch"),
 )
 

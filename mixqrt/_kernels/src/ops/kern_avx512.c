@@ -1,9 +1,10 @@
 /* AVX-512 tier (F/BW/VL/DQ + VNNI + VBMI): every packed format is unpacked two chunks (64 codes)
  * at a time into one zmm of u8 levels with a broadcast, a per-qword shift and a mask (+ vpshufb for
  * table levels), then multiplied with the int8 activations by vpdpbusd. Decode (T == 1) runs fused
- * from the packed bytes; 1 < T < mq_gemm_min_t unpacks a 4-row tile once and reuses it for every token;
- * T >= mq_gemm_min_t (default 8) runs the VNNI-interleaved GEMM (gemm_fmt, see docs/kernels.md) in
- * token groups of 2, 4 or 8, which serves batched decode as well as prefill.
+ * from the packed bytes. On the row formats 1 < T < mq_gemm_min_t (default MQ_EXACT_T + 1 = 18) runs
+ * mq_avx512_rows_exact (every row bit for bit the T = 1 row), T >= mq_gemm_min_t the VNNI-interleaved
+ * GEMM (gemm_fmt, see docs/kernels.md) in token groups of 2, 4 or 8; on q4x / q6x / q3x 2 <= T <= 8
+ * runs the few-row kernels, more rows the GEMM, and every row of either is the T = 1 row.
  * The tier's files: kern_avx512_impl.h lists them; this one routes a product to its kernel family. */
 #include "kern_avx512_impl.h"
 
@@ -69,5 +70,7 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     else if (j->T == 1) mq_avx512_mv(j, n0, n1);
     else if ((j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X) && j->T <= MQ_FEW_T && mq_avx512_few_on())
         mq_avx512_few(j, n0, n1);
+    else if (j->fmt != MQ_Q4X && j->fmt != MQ_Q6X && j->fmt != MQ_Q3X && !mq_avx512_gemm_on(j->T))
+        mq_avx512_rows_exact(j, n0, n1);
     else mq_avx512_mm(j, n0, n1);
 }

@@ -194,6 +194,9 @@ static inline __attribute__((always_inline)) void q3x_steps(const uint8_t *b, co
 
 /* few-token products (kern_mv_avx512.c) take T <= MQ_FEW_T on the interleaved formats */
 #define MQ_FEW_T 8
+/* the row formats' products of 2 <= T <= MQ_EXACT_T rows give every row bit for bit as the T = 1
+ * product (mq_avx512_rows_exact): up to 16 drafted tokens + 1 of a speculative verify */
+#define MQ_EXACT_T 17
 
 static __attribute__((unused)) float dot_ps(const float *w, const float *x, int K) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -217,6 +220,9 @@ void ctx_init(ctx_t *cx, const mq_mm_job *j);
 void mq_avx512_mv(const mq_mm_job *j, int n0, int n1);      /* T == 1, packed formats */
 void mq_avx512_few(const mq_mm_job *j, int n0, int n1);     /* q4x / q6x / q3x, 2 <= T <= MQ_FEW_T */
 void mq_avx512_mm(const mq_mm_job *j, int n0, int n1);      /* T >= 2, packed formats */
+void mq_avx512_mm_tiles(const mq_mm_job *j, int n0, int n1); /* row formats, T >= 2: mm_fmt (mv_fmt's fold) */
+void mq_avx512_rows_exact(const mq_mm_job *j, int n0, int n1); /* row formats, 2 <= T <= MQ_EXACT_T */
 void mq_avx512_float(const mq_mm_job *j, int n0, int n1);   /* f32 / f16 / bf16 */
+int mq_avx512_gemm_on(int T);                               /* a row format's T-row product runs the GEMM */
 int mq_avx512_few_on(void);                                 /* the few-token switch (mq_set_few_t) */
 #endif

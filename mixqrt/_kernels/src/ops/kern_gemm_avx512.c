@@ -1,61 +1,67 @@
-/* AVX-512 tier, T >= 2: unpacked row tiles (1 < T < mq_gemm_min_t), the VNNI-interleaved GEMM
+/* AVX-512 tier, T >= 2: unpacked row tiles (mm_fmt, for mq_avx512_rows_exact), the VNNI-interleaved GEMM
  * (prefill and batched decode), its cached tiles (mq_gemm_tiles_build) and the activation layout
  * that _ops shares between the threads of one product. Internals: kern_avx512_impl.h. */
 #include "kern_avx512_impl.h"
 
-/* ------------------------------------------------------------------ prefill: unpacked row tiles */
+/* ------------------------------------------------------------------ unpacked row tiles (2 <= T <= MQ_EXACT_T)
+ * A tile of TR rows is unpacked once (unpack_pair: levels, dw and mm pairs) and reused for every
+ * token; each token's row is folded exactly as mv_fmt folds it (acc = fma(cvt(isum), dw*dx, acc),
+ * am = fma(mm, s, am) lane-wise on the pair vectors, y = reduce(acc + am)), so where the T = 1
+ * product of a format runs mv_fmt (mq_avx512_mv_plain) each row is bit for bit the T = 1 row. */
 #define TR 4
 static inline __attribute__((always_inline)) void
 mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
     const mq_act *a = j->a;
     int np = (j->nc + 1) / 2;
-    /* per row of the tile: np zmm of levels, np zmm of dw pairs, np floats x2 of mm */
-    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * np * (64 + 64 + 8));
+    /* per row of the tile: np zmm of levels, np zmm of dw pairs, np zmm of mm pairs */
+    uint8_t *buf = (uint8_t *)mq_scratch((size_t)TR * np * 192);
     __m512i *lv = (__m512i *)buf;
     __m512 *dwv = (__m512 *)(buf + (size_t)TR * np * 64);
-    float *mmv = (float *)(buf + (size_t)TR * np * 128);
+    __m512 *mmv = (__m512 *)(buf + (size_t)TR * np * 128);
     for (int nt = n0; nt < n1; nt += TR) {
         int nr = n1 - nt < TR ? n1 - nt : TR;
         for (int r = 0; r < nr; r++) {
             const uint8_t *row = j->w + (size_t)(nt + r) * j->row_bytes;
-            for (int p = 0; p < np; p++) {
-                __m512 mv;
-                float tmp[16];
-                lv[r * np + p] = unpack_pair(cx, fmt, row, p, &dwv[r * np + p], &mv);
-                _mm512_storeu_ps(tmp, mv);
-                mmv[(size_t)(r * np + p) * 2] = tmp[0];
-                mmv[(size_t)(r * np + p) * 2 + 1] = tmp[8];
-            }
+            for (int p = 0; p < np; p++)
+                lv[r * np + p] = unpack_pair(cx, fmt, row, p, &dwv[r * np + p], &mmv[r * np + p]);
         }
         for (int t = 0; t < j->T; t++) {
             const int8_t *q = a->q + (size_t)t * a->kp;
             const float *xd = a->d + (size_t)t * a->ncp, *xs = a->s + (size_t)t * a->ncp;
             float *y = j->y + (size_t)t * j->ldy + nt;
             if (nr == TR) {
-                __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+                __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, m0 = c0, m1 = c0, m2 = c0, m3 = c0;
                 const __m512i *l0 = lv, *l1 = lv + np, *l2 = lv + 2 * np, *l3 = lv + 3 * np;
                 const __m512 *w0 = dwv, *w1 = dwv + np, *w2 = dwv + 2 * np, *w3 = dwv + 3 * np;
+                const __m512 *v0 = mmv, *v1 = mmv + np, *v2 = mmv + 2 * np, *v3 = mmv + 3 * np;
                 for (int p = 0; p < np; p++) {
                     __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p)), corr = q8_corr(fmt, xq);
-                    __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
+                    __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]), sx = _mm512_maskz_mov_ps(0x0101, pairvec(xs[2 * p], xs[2 * p + 1]));
                     const __m512i z = _mm512_setzero_si512();
                     c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l0[p], xq), corr)), _mm512_mul_ps(w0[p], dx), c0);
                     c1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l1[p], xq), corr)), _mm512_mul_ps(w1[p], dx), c1);
                     c2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l2[p], xq), corr)), _mm512_mul_ps(w2[p], dx), c2);
                     c3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(z, l3[p], xq), corr)), _mm512_mul_ps(w3[p], dx), c3);
+                    m0 = _mm512_fmadd_ps(v0[p], sx, m0);
+                    m1 = _mm512_fmadd_ps(v1[p], sx, m1);
+                    m2 = _mm512_fmadd_ps(v2[p], sx, m2);
+                    m3 = _mm512_fmadd_ps(v3[p], sx, m3);
                 }
-                __m512 cs[4] = {c0, c1, c2, c3};
-                for (int r = 0; r < TR; r++) y[r] = _mm512_reduce_add_ps(cs[r]) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
+                y[0] = _mm512_reduce_add_ps(_mm512_add_ps(c0, m0));
+                y[1] = _mm512_reduce_add_ps(_mm512_add_ps(c1, m1));
+                y[2] = _mm512_reduce_add_ps(_mm512_add_ps(c2, m2));
+                y[3] = _mm512_reduce_add_ps(_mm512_add_ps(c3, m3));
             } else {
                 for (int r = 0; r < nr; r++) {
-                    __m512 c0 = _mm512_setzero_ps();
+                    __m512 c0 = _mm512_setzero_ps(), m0 = c0;
                     for (int p = 0; p < np; p++) {
                         __m512i xq = _mm512_loadu_si512((const void *)(q + 64 * p));
-                        __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]);
+                        __m512 dx = pairvec(xd[2 * p], xd[2 * p + 1]), sx = _mm512_maskz_mov_ps(0x0101, pairvec(xs[2 * p], xs[2 * p + 1]));
                         c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q8_fix(fmt, _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[r * np + p], xq), q8_corr(fmt, xq))),
                                              _mm512_mul_ps(dwv[r * np + p], dx), c0);
+                        m0 = _mm512_fmadd_ps(mmv[r * np + p], sx, m0);
                     }
-                    y[r] = _mm512_reduce_add_ps(c0) + dot_ps(mmv + (size_t)r * np * 2, xs, 2 * np);
+                    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(c0, m0));
                 }
             }
         }
@@ -75,38 +81,71 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
 #define GKS 16
 #define GTT 8
 #define CB 160   /* one chunk of a tile, in u32: levels [8 k4 steps][16 rows], dw[16], mm[16] (640 B) */
-static int mq_gemm_min_t = 8;   /* the GEMM for T >= this (<= 0: never) */
+/* the row formats' GEMM for T >= this (<= 0: never); below it mq_avx512_rows_exact (each row the T = 1
+ * row). q4x / q6x / q3x run the GEMM above MQ_FEW_T rows whatever it is (their GEMM rows are the T = 1 rows). */
+static int mq_gemm_min_t = MQ_EXACT_T + 1;
 void mq_avx512_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
+int mq_avx512_gemm_on(int T) { return mq_gemm_min_t > 0 && T >= mq_gemm_min_t; }
+
+/* xf: the float fold. 0 (row formats): acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the
+ * generic tier's order). 1 (q4x, q6x): the decode kernels' (mv_q4x, mv_q6x): the offset term in a
+ * second accumulator, accm = fma(mm, s, accm) (q6x: mm = -32 dw and mm * s = dw * (-32 s) exactly, both
+ * scalings by a power of two), y = acc + accm. 2 (q3x, mv_q3x): as 1, but the offset term once per
+ * block (the even chunk; both chunks of a block carry its m) against s_c + s_c+1. With 1 and 2 every
+ * row is bit for bit the T = 1 row. accb: the gt accumulators, then (xf) the gt offset sums. */
+/* xf: the float fold. 0 (row formats): acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the
+ * generic tier's order). 1 (q4x, q6x): the decode kernels' (mv_q4x, mv_q6x): the offset term in a
+ * second accumulator, accm = fma(mm, s, accm) (q6x: mm = -32 dw and mm * s = dw * (-32 s) exactly, both
+ * scalings by a power of two), y = acc + accm. 2 (q3x, mv_q3x): as 1, but the offset term once per
+ * block, on its even chunk, against s_c + s_c+1 (gemm_interleave stores that sum there). With 1 and 2
+ * every row is bit for bit the T = 1 row. accb: the gt accumulators, then (xf) the gt offset sums. */
+static inline __attribute__((always_inline)) void
+gemm_chunk(const uint32_t *tb, int c, int pf, const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb,
+           __m512 *acc, __m512 *accm, const int gt, const int xf, const int with_m) {
+    const uint32_t *cb = tb + (size_t)c * CB;
+    if (pf) {   /* cached tiles stream from memory (the unpacked scratch tile is in L1 already) */
+        _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);
+        _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
+    }
+    const __m512i *w = (const __m512i *)cb;
+    const uint32_t *qc = qb + (size_t)c * 8 * gt;
+    __m512i is[GTT];
+    __m512i w0 = _mm512_load_si512(w);
+    for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
+    for (int s = 1; s < 8; s++) {
+        __m512i ws = _mm512_load_si512(w + s);
+        for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
+    }
+    __m512 dw = _mm512_load_ps((const float *)cb + 128), mm = _mm512_load_ps((const float *)cb + 144);
+    if (qsb)   /* q8: 128 * sum(q) of the chunk, see q8_fix */
+        for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
+    for (int i = 0; i < gt; i++) {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * gt + i])), acc[i]);
+        if (xf == 0) acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
+        else if (with_m) accm[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), accm[i]);
+    }
+}
 
 static inline __attribute__((always_inline)) void
 gemm_kernel(const uint32_t *tb, int nch, int pf,
-            const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt) {
-    __m512 acc[GTT];
-    for (int i = 0; i < gt; i++) acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
-    for (int c = 0; c < nch; c++) {
-        const uint32_t *cb = tb + (size_t)c * CB;
-        if (pf) {   /* cached tiles stream from memory (the unpacked scratch tile is in L1 already) */
-            _mm_prefetch((const char *)(cb + 4 * CB), _MM_HINT_T0);
-            _mm_prefetch((const char *)(cb + 4 * CB) + 320, _MM_HINT_T0);
-        }
-        const __m512i *w = (const __m512i *)cb;
-        const uint32_t *qc = qb + (size_t)c * 8 * gt;
-        __m512i is[GTT];
-        __m512i w0 = _mm512_load_si512(w);
-        for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_set1_epi32((int)qc[i]));
-        for (int s = 1; s < 8; s++) {
-            __m512i ws = _mm512_load_si512(w + s);
-            for (int i = 0; i < gt; i++) is[i] = _mm512_dpbusd_epi32(is[i], ws, _mm512_set1_epi32((int)qc[s * gt + i]));
-        }
-        __m512 dw = _mm512_load_ps((const float *)cb + 128), mm = _mm512_load_ps((const float *)cb + 144);
-        if (qsb)   /* q8: 128 * sum(q) of the chunk, see q8_fix */
-            for (int i = 0; i < gt; i++) is[i] = _mm512_sub_epi32(is[i], _mm512_set1_epi32(qsb[c * gt + i]));
-        for (int i = 0; i < gt; i++) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[i]), _mm512_mul_ps(dw, _mm512_set1_ps(db[c * gt + i])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sb[c * gt + i]), acc[i]);
-        }
+            const uint32_t *qb, const float *db, const float *sb, const int32_t *qsb, float *accb, int first, const int gt,
+            const int xf) {
+    __m512 acc[GTT], accm[GTT];
+    for (int i = 0; i < gt; i++) {
+        acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * i);
+        accm[i] = first || !xf ? _mm512_setzero_ps() : _mm512_load_ps(accb + 16 * (gt + i));
     }
-    for (int i = 0; i < gt; i++) _mm512_store_ps(accb + 16 * i, acc[i]);
+    if (xf == 2)   /* q3x: nch is even (K slices start on whole blocks) */
+        for (int c = 0; c < nch; c += 2) {
+            gemm_chunk(tb, c, pf, qb, db, sb, qsb, acc, accm, gt, xf, 1);
+            gemm_chunk(tb, c + 1, pf, qb, db, sb, qsb, acc, accm, gt, xf, 0);
+        }
+    else
+        for (int c = 0; c < nch; c++) gemm_chunk(tb, c, pf, qb, db, sb, qsb, acc, accm, gt, xf, 1);
+    for (int i = 0; i < gt; i++) {
+        _mm512_store_ps(accb + 16 * i, acc[i]);
+        if (xf) _mm512_store_ps(accb + 16 * (gt + i), accm[i]);
+    }
 }
 
 /* 16x16 transpose of 32-bit elements: v[r] lane j -> v[j] lane r */
@@ -264,6 +303,8 @@ static void gemm_interleave(const mq_act *a, int fmt, int gt, int g0, int g1, ui
                 const float *xd = a->d + (size_t)t * ncp, *xs = a->s + (size_t)t * ncp;
                 for (int kk = 0; kk < k4; kk++) o[(size_t)kk * gt + i] = q[kk];
                 for (int c = 0; c < ncp; c++) { od[c * gt + i] = xd[c]; os[c * gt + i] = xs[c]; }
+                if (fmt == MQ_Q3X)   /* gemm_kernel's q3x fold: a block's two sums on its even chunk */
+                    for (int c = 0; c + 1 < ncp; c += 2) os[c * gt + i] = xs[c] + xs[c + 1];
                 if (fmt == MQ_Q8)
                     for (int c = 0; c < ncp; c++) {
                         const int8_t *qc = a->q + (size_t)t * a->kp + 32 * c;
@@ -284,7 +325,7 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
     const mq_act *a = j->a;
     const int nc = j->nc, T = j->T, ng = (T + gt - 1) / gt, k4 = a->kp / 4, ncp = a->ncp;
     const int shared = a->il != NULL && a->il_gt == gt;   /* interleaved once for every thread */
-    size_t qbytes, dbytes, abytes = (size_t)ng * gt * 64, tile = (size_t)GKS * CB * 4;
+    size_t qbytes, dbytes, abytes = (size_t)ng * gt * 128, tile = (size_t)GKS * CB * 4;
     const size_t ilbytes = gemm_act_layout(a, gt, &qbytes, &dbytes);
     uint8_t *buf = (uint8_t *)mq_scratch((shared ? 0 : ilbytes) + tile + abytes + 256);
     const uint8_t *il = shared ? a->il : buf;
@@ -295,6 +336,7 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
     float *accb = (float *)(((uintptr_t)((uint8_t *)tileb + tile) + 63) & ~(uintptr_t)63);
     if (!shared) gemm_interleave(a, fmt, gt, 0, ng, buf);
     const int cached = j->tiles != NULL && n0 % GR == 0;
+    const int xf = fmt == MQ_Q4X || fmt == MQ_Q6X ? 1 : fmt == MQ_Q3X ? 2 : 0;   /* gemm_kernel's fold */
     const size_t tstride = mq_gemm_tile_stride(nc);
     for (int nt = n0; nt < n1; nt += GR) {
         int nr = n1 - nt < GR ? n1 - nt : GR;
@@ -316,13 +358,16 @@ gemm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, con
                     gemm_unpack_pair(cx, fmt, j->w + (size_t)nt * j->row_bytes, j->row_bytes, nr, p, 2 * p - c0, tileb);
             int first = c0 == 0, last = c0 + nch >= nc;
             for (int g = 0; g < ng; g++) {
-                float *ab = accb + (size_t)g * gt * 16;
+                float *ab = accb + (size_t)g * gt * 32;
                 gemm_kernel(tl, nch, cached && g == 0, qp + ((size_t)g * k4 + (size_t)c0 * 8) * gt,
                             dxp + ((size_t)g * ncp + c0) * gt, sxp + ((size_t)g * ncp + c0) * gt,
-                            fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt);
+                            fmt == MQ_Q8 ? qsp + ((size_t)g * ncp + c0) * gt : NULL, ab, first, gt, xf);
                 if (last)
-                    for (int i = 0; i < gt && g * gt + i < T; i++)
-                        _mm512_mask_storeu_ps(j->y + (size_t)(g * gt + i) * j->ldy + nt, smask, _mm512_load_ps(ab + 16 * i));
+                    for (int i = 0; i < gt && g * gt + i < T; i++) {
+                        __m512 r = _mm512_load_ps(ab + 16 * i);
+                        if (xf) r = _mm512_add_ps(r, _mm512_load_ps(ab + 16 * (gt + i)));
+                        _mm512_mask_storeu_ps(j->y + (size_t)(g * gt + i) * j->ldy + nt, smask, r);
+                    }
             }
         }
     }
@@ -381,7 +426,7 @@ int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
     if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
     if (j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X)
         return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && mq_avx512_few_on()) ? GTT : 0;
-    return (mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || j->tiles ? GTT : 0;
+    return mq_avx512_gemm_on(j->T) ? GTT : 0;   /* below: mq_avx512_rows_exact */
 }
 
 size_t mq_gemm_act_bytes_avx512(const mq_act *a, int gt) {
@@ -400,9 +445,19 @@ void mq_gemm_interleave_avx512(const mq_act *a, int fmt, int gt, int g0, int g1,
         else if (j->T <= 4) gemm_fmt(&cx, F, j, n0, n1, 4); \
         else gemm_fmt(&cx, F, j, n0, n1, GTT); } while (0)
 #define MM_CASE(F) case F: \
-    if ((mq_gemm_min_t > 0 && j->T >= mq_gemm_min_t) || (j->tiles && j->T >= 2)) GEMM_GT(F); \
+    if (mq_avx512_gemm_on(j->T)) GEMM_GT(F); \
     else mm_fmt(&cx, F, j, n0, n1); \
     break;
+
+#define TILE_CASE(F) case F: mm_fmt(&cx, F, j, n0, n1); break;
+void mq_avx512_mm_tiles(const mq_mm_job *j, int n0, int n1) {
+    ctx_t cx;
+    ctx_init(&cx, j);
+    switch (j->fmt) {
+        TILE_CASE(MQ_Q8) TILE_CASE(MQ_Q6) TILE_CASE(MQ_Q4) TILE_CASE(MQ_Q3U) TILE_CASE(MQ_Q3P) TILE_CASE(MQ_Q2C)
+        TILE_CASE(MQ_Q5G)
+    }
+}
 
 void mq_avx512_mm(const mq_mm_job *j, int n0, int n1) {
     ctx_t cx;

@@ -560,54 +560,60 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
 
 /* ------------------------------------------------------------------ few tokens (2 <= T <= MQ_FEW_T = 8) on the
  * interleaved formats: the decode kernels' unpack, each unpacked step feeding the T tokens' vpdpbusd,
- * and per chunk and token the GEMM's float fold (acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s,
- * acc)), so the rows are bit for bit the GEMM's for any T >= 2 (its isum is an exact int32 sum in any
- * order). The GEMM unpacked every group into a VNNI tile in memory for the few tokens that read it:
- * a batched decode step of 2-4 sequences cost about as much as that many single steps. */
+ * and per chunk and token the decode kernel's float fold (mv_q4x / mv_q6x / mv_q3x: acc = fma(cvt(isum),
+ * dw*dx, acc) and, in a second accumulator, accm = fma(m, s, accm); y = acc + accm), so each row is bit
+ * for bit the T = 1 row (the int32 sums are exact in any order). The steps are fully unrolled so that
+ * 8 tokens' sums, accumulators and offset sums stay in registers (left to the compiler, 5-8 tokens
+ * spilled), and the group stream is prefetched into L2 as mv_q3x does (mq_q3x_prefetch): with up to 8
+ * vpdpbusd per loaded line the hardware prefetcher alone left the products of 2-4 rows 1.3-1.5x those
+ * of one (docs/lab/kernels-few-rows.md). The GEMM unpacked every group into a VNNI tile in memory for
+ * the few tokens that read it: a batched decode step of 2-4 sequences cost about as much as that many
+ * single steps. */
 static int mq_few_t = 1;   /* off: T = 2..8 through the GEMM (MIXQRT_FEW_T=0, set by mixqrt.platform.tuning) */
 int mq_avx512_set_few_t(int on) { int old = mq_few_t; if (on >= 0) mq_few_t = on != 0; return old; }
 int mq_avx512_few_on(void) { return mq_few_t; }
 
 static inline __attribute__((always_inline)) void
-few_fold(__m512 *acc, const __m512i *is, const __m512 dw, const __m512 mm, const float *dx, const float *sx,
-         size_t ncp, int c, const int nt) {
-    for (int t = 0; t < nt; t++) {
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[t * ncp + c])), acc[t]);
-        acc[t] = _mm512_fmadd_ps(mm, _mm512_set1_ps(sx[t * ncp + c]), acc[t]);
-    }
+few_store(const mq_mm_job *j, int g0, const __m512 *acc, const __m512 *accm, const int nt) {
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)t * j->ldy + g0, _mm512_add_ps(acc[t], accm[t]));
 }
 
-static inline __attribute__((always_inline)) void few_store(const mq_mm_job *j, int g0, const __m512 *acc, const int nt) {
-    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)t * j->ldy + g0, acc[t]);
-}
-
+/* q4x: the low nibbles of step s meet activations 4s..4s+3, the high ones (shifted down once for all
+ * tokens) 16+4s..19+4s, into one int32 sum per token: mv_q4x's il + (ih >> 4) exactly */
 static inline __attribute__((always_inline)) void mv_q4x_few(const mq_mm_job *j, int n0, int n1, const int nt) {
     const mq_act *a = j->a;
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
     const uint32_t *x32 = (const uint32_t *)a->q;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const size_t pfd = mq_q3x_prefetch();   /* as q3x: software prefetch into L2 */
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
+            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            __m512i il[MQ_FEW_T], ih[MQ_FEW_T];
-            for (int t = 0; t < nt; t++) il[t] = ih[t] = _mm512_setzero_si512();
+            __m512i is[MQ_FEW_T];
+            for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
             for (int s = 0; s < 4; s++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q4X_CODES + 64 * s));
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(v, m4h);
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 for (int t = 0; t < nt; t++) {
                     const uint32_t *xc = x32 + t * kq + 8 * c;
-                    il[t] = _mm512_dpbusd_epi32(il[t], lo, _mm512_set1_epi32((int)xc[s]));
-                    ih[t] = _mm512_dpbusd_epi32(ih[t], hi, _mm512_set1_epi32((int)xc[4 + s]));
+                    is[t] = _mm512_dpbusd_epi32(is[t], lo, _mm512_set1_epi32((int)xc[s]));
+                    is[t] = _mm512_dpbusd_epi32(is[t], hi, _mm512_set1_epi32((int)xc[4 + s]));
                 }
             }
-            for (int t = 0; t < nt; t++) il[t] = _mm512_add_epi32(il[t], _mm512_srai_epi32(ih[t], 4));
-            few_fold(acc, il, d, m, a->d, a->s, ncp, c, nt);
+            for (int t = 0; t < nt; t++) {
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + c])), acc[t]);
+                accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s[t * ncp + c]), accm[t]);
+            }
         }
-        few_store(j, g0, acc, nt);
+        few_store(j, g0, acc, accm, nt);
     }
 }
 
@@ -616,56 +622,109 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
     const uint32_t *x32 = (const uint32_t *)a->q;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    const size_t pfd = mq_q3x_prefetch();   /* as q3x: software prefetch into L2 */
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+        for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
-            const __m512i h0 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI)), h1 = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64));
+            if (pfd && b + pfd + MQ_Q6X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q6X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             __m512i is[MQ_FEW_T];
             for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
             for (int s = 0; s < 8; s++) {   /* the levels U = lo4 | hi2 << 4 of step s, as the GEMM tile */
                 const __m512i v = _mm512_loadu_si512((const void *)(b + MQ_Q6X_LO + 64 * (s & 3)));
                 const __m512i lo = s < 4 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                const __m512i h = (s & 1) ? h1 : h0;
+                const __m512i h = _mm512_loadu_si512((const void *)(b + MQ_Q6X_HI + 64 * (s & 1)));
                 const int f = s >> 1;
                 const __m512i hs = f == 0 ? _mm512_slli_epi16(h, 4) : f == 1 ? _mm512_slli_epi16(h, 2) : f == 2 ? h : _mm512_srli_epi16(h, 2);
                 const __m512i u = _mm512_ternarylogic_epi32(lo, hs, m30, 0xF8);
                 for (int t = 0; t < nt; t++)
                     is[t] = _mm512_dpbusd_epi32(is[t], u, _mm512_set1_epi32((int)x32[t * kq + 8 * c + s]));
             }
-            few_fold(acc, is, d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)), a->d, a->s, ncp, c, nt);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+            for (int t = 0; t < nt; t++) {   /* mv_q6x: the offset term d * (-32 s) in its own sum */
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(a->d[t * ncp + c])), acc[t]);
+                accm[t] = _mm512_fmadd_ps(d, _mm512_set1_ps(-32.0f * a->s[t * ncp + c]), accm[t]);
+            }
         }
-        few_store(j, g0, acc, nt);
+        few_store(j, g0, acc, accm, nt);
     }
 }
 
-static inline __attribute__((always_inline)) void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1, const int nt) {
+/* q3x: each step's levels are made right before the tokens use them (q3x_steps one step at a time,
+ * the planes and level tables read from L1), so that 8 tokens' int32 sums, accumulators and offset
+ * sums stay in registers (all 16 level vectors of a block live beside them spilled from 7 tokens on) */
+static inline __attribute__((always_inline)) __m512i q3x_step(const uint8_t *b, const __m512i *t3, const int s) {
+    const __m512i *pl = (const __m512i *)(b + MQ_Q3X_CODES);
+    if (s < 12) return _mm512_permutexvar_epi8(_mm512_loadu_si512(pl + (s >> 1)), t3[(s & 1) ? Q3X_HI : Q3X_LO]);
+    const int w = s - 12;
+    const __m512i hb = _mm512_srli_epi16(_mm512_loadu_si512(pl + (w < 2 ? 4 : 5)), 4);
+    const __m512i lo = _mm512_srli_epi16(_mm512_loadu_si512(pl + w), 6);
+    return _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(lo, hb, _mm512_set1_epi8(0x03), 0xE4), t3[(w & 1) ? Q3X_T013 : Q3X_LO]);
+}
+
+static inline __attribute__((always_inline)) void
+q3x_few_group(const ctx_t *cx, const mq_mm_job *j, int g0, int t0, const int nt) {
     const mq_act *a = j->a;
     const size_t kq = (size_t)a->kp / 4, ncp = (size_t)a->ncp;
-    const uint32_t *x32 = (const uint32_t *)a->q;
+    const uint32_t *x32 = (const uint32_t *)a->q + t0 * kq;
+    const float *dx = a->d + t0 * ncp, *sx = a->s + t0 * ncp;
     const int nb = j->nc / 2;
-    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
-        const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
-        __m512 acc[MQ_FEW_T];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-        for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
-            const __m512i h = _mm512_loadu_si512((const void *)b);
-            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-            __m512i lv[16];
-            q3x_steps(b, cx->t3x, lv);
-            for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
-                __m512i is[MQ_FEW_T];
-                for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
-                for (int s = 0; s < 8; s++) {
-                    for (int t = 0; t < nt; t++)
-                        is[t] = _mm512_dpbusd_epi32(is[t], lv[8 * half + s], _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
-                }
-                few_fold(acc, is, d, m, a->d, a->s, ncp, 2 * bi + half, nt);
+    const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
+    const size_t pfd = mq_q3x_prefetch();   /* mv_q3x's software prefetch into L2 (MIXQRT_Q3X_PF) */
+    const uint8_t *end = j->w + (size_t)j->N * j->row_bytes;
+    __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
+    for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
+    for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
+        if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
+            for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
+            __m512i is[MQ_FEW_T];
+            for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int s = 0; s < 8; s++) {
+                const __m512i lv = q3x_step(b, cx->t3x, 8 * half + s);
+                for (int t = 0; t < nt; t++)
+                    is[t] = _mm512_dpbusd_epi32(is[t], lv, _mm512_set1_epi32((int)x32[t * kq + 16 * bi + 8 * half + s]));
             }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_mul_ps(d, _mm512_set1_ps(dx[t * ncp + 2 * bi + half])), acc[t]);
         }
-        few_store(j, g0, acc, nt);
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
+        for (int t = 0; t < nt; t++)   /* mv_q3x: m against the block's two activation sums at once */
+            accm[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * ncp + 2 * bi] + sx[t * ncp + 2 * bi + 1]), accm[t]);
+    }
+    for (int t = 0; t < nt; t++) _mm512_storeu_ps(j->y + (size_t)(t0 + t) * j->ldy + g0, _mm512_add_ps(acc[t], accm[t]));
+}
+
+#ifndef Q3X_FEW_BLK
+#define Q3X_FEW_BLK 8
+#endif
+static inline __attribute__((always_inline)) void q3x_few_tokens(const ctx_t *cx, const mq_mm_job *j, int g0, int t0, int n) {
+    switch (n) {
+    case 1: q3x_few_group(cx, j, g0, t0, 1); break;
+    case 2: q3x_few_group(cx, j, g0, t0, 2); break;
+    case 3: q3x_few_group(cx, j, g0, t0, 3); break;
+#if Q3X_FEW_BLK > 4
+    case 5: q3x_few_group(cx, j, g0, t0, 5); break;
+    case 6: q3x_few_group(cx, j, g0, t0, 6); break;
+    case 7: q3x_few_group(cx, j, g0, t0, 7); break;
+    case 8: q3x_few_group(cx, j, g0, t0, 8); break;
+#endif
+    default: q3x_few_group(cx, j, g0, t0, 4); break;
+    }
+}
+
+static void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const int T = j->T, ta = T <= Q3X_FEW_BLK ? T : (T + 1) / 2;
+    for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
+        q3x_few_tokens(cx, j, g0, 0, ta);
+        if (ta < T) q3x_few_tokens(cx, j, g0, ta, T - ta);
     }
 }
 
@@ -673,7 +732,7 @@ static void mm_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
 #define MQ_FEW(T_) do { \
         if (j->fmt == MQ_Q4X) mv_q4x_few(j, n0, n1, T_); \
         else if (j->fmt == MQ_Q6X) mv_q6x_few(j, n0, n1, T_); \
-        else mv_q3x_few(cx, j, n0, n1, T_); } while (0)
+        else mv_q3x_few(cx, j, n0, n1); } while (0)
     switch (j->T) {
     case 2: MQ_FEW(2); break;
     case 3: MQ_FEW(3); break;
@@ -692,14 +751,26 @@ static int mq_q6_fold = 1;   /* q6 short rows through mv_q6f (MIXQRT_Q6_FOLD=0: 
 int mq_avx512_set_lean_mv(int on) { int old = mq_lean_mv; if (on >= 0) mq_lean_mv = on != 0; return old; }
 int mq_avx512_set_q6_fold(int on) { int old = mq_q6_fold; if (on >= 0) mq_q6_fold = on != 0; return old; }
 
+/* the T = 1 kernel of a row-format product (mq_avx512_mv below and mq_avx512_rows_exact agree on it) */
+enum { MV_FMT, MV_Q3C, MV_Q4C, MV_Q6F, MV_LEAN };
+static int mv_kind(const mq_mm_job *j) {
+    const int F = j->fmt, even = j->nc % 2 == 0, shortr = (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE;
+    if (!mq_lean_mv) return MV_FMT;
+    if (F == MQ_Q3P) return MV_Q3C;
+    if (F == MQ_Q4 && even) return MV_Q4C;
+    if (F == MQ_Q6 && even && shortr && mq_q6_fold) return MV_Q6F;
+    if (F == MQ_Q3U || (F == MQ_Q6 && even && !shortr)) return MV_LEAN;
+    return MV_FMT;
+}
+
 #define MV_CASE(F) case F: \
-    if (mq_lean_mv && F == MQ_Q3P) mv_q3c(&cx, j, n0, n1); \
-    else if (mq_lean_mv && F == MQ_Q4 && j->nc % 2 == 0) mv_q4c(&cx, j, n0, n1); \
-    else if (mq_lean_mv && F == MQ_Q6 && j->nc % 2 == 0 && (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE \
-             && mq_q6_fold) mv_q6f(&cx, j, n0, n1); \
-    else if (mq_lean_mv && (F == MQ_Q3U || (F == MQ_Q6 && j->nc % 2 == 0 \
-            && (size_t)NRL * j->row_bytes > LEAN_SHORT_TILE))) mv_lean(&cx, F, j, n0, n1); \
-    else mv_fmt(&cx, F, j, n0, n1); \
+    switch (mv_kind(j)) { \
+    case MV_Q3C: mv_q3c(&cx, j, n0, n1); break; \
+    case MV_Q4C: mv_q4c(&cx, j, n0, n1); break; \
+    case MV_Q6F: mv_q6f(&cx, j, n0, n1); break; \
+    case MV_LEAN: mv_lean(&cx, F, j, n0, n1); break; \
+    default: mv_fmt(&cx, F, j, n0, n1); \
+    } \
     break;
 
 void mq_avx512_mv(const mq_mm_job *j, int n0, int n1) {
@@ -718,4 +789,33 @@ void mq_avx512_few(const mq_mm_job *j, int n0, int n1) {
     ctx_t cx;
     ctx_init(&cx, j);
     mm_few(&cx, j, n0, n1);
+}
+
+/* ------------------------------------------------------------------ row formats, 2 <= T <= MQ_EXACT_T
+ * Every row bit for bit the T = 1 row: where T = 1 runs mv_fmt, the unpacked 4-row tiles of mm_fmt
+ * (mv_fmt's fold, the unpack once for all tokens); where it runs one of the lean kernels (each with
+ * its own fold: lanes across rows, tile and tail rows summed differently), that kernel itself, token
+ * by token, over blocks of rows that stay in L2 for the next token. Block edges are multiples of 16
+ * rows from n0 and the last one ends at n1, so each row falls in the same 4-row tile (or tail) as in
+ * the T = 1 product (whose parts start at multiples of 16 rows too). */
+#ifndef EXACT_BLOCK_BYTES
+#define EXACT_BLOCK_BYTES (128 << 10)
+#endif
+void mq_avx512_rows_exact(const mq_mm_job *j, int n0, int n1) {
+    if (mv_kind(j) == MV_FMT) { mq_avx512_mm_tiles(j, n0, n1); return; }
+    const mq_act *a = j->a;
+    size_t rows = EXACT_BLOCK_BYTES / j->row_bytes / 16 * 16;
+    if (rows < 16) rows = 16;
+    mq_act at = *a;
+    at.T = 1; at.il = NULL; at.il_gt = 0;
+    mq_mm_job jt = *j;
+    jt.T = 1; jt.a = &at; jt.tiles = NULL;
+    for (int b0 = n0; b0 < n1; b0 += (int)rows) {
+        const int b1 = (size_t)(n1 - b0) <= rows ? n1 : b0 + (int)rows;
+        for (int t = 0; t < j->T; t++) {
+            at.q = a->q + (size_t)t * a->kp; at.d = a->d + (size_t)t * a->ncp; at.s = a->s + (size_t)t * a->ncp;
+            jt.y = j->y + (size_t)t * j->ldy;
+            mq_avx512_mv(&jt, b0, b1);
+        }
+    }
 }

@@ -51,7 +51,8 @@ void *mq_tl_grow(uint8_t **buf, size_t *cap, size_t n);
 /* bytes of one 16-row block of cached GEMM tiles for rows of nc chunks (layout: mq_ops.h) */
 size_t mq_gemm_tile_stride(int nc);
 /* q3x decode's software prefetch distance into L2, bytes (default 16384; 0: none), shared by the
- * AVX-512 and AVX2 mv_q3x; set from MIXQRT_Q3X_PF by mixqrt.platform.tuning */
+ * AVX-512 and AVX2 mv_q3x and the AVX-512 few-row kernels (q4x / q6x / q3x); set from MIXQRT_Q3X_PF
+ * by mixqrt.platform.tuning */
 size_t mq_q3x_prefetch(void);
 void mq_set_q3x_prefetch(size_t nbytes);
 #endif

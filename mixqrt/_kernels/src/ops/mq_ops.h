@@ -40,7 +40,7 @@ int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1);
 /* Tuning switches of the AVX-512 tier (no-ops returning 0 elsewhere). mixqrt.platform.tuning sets them once at
  * import from the MIXQRT_* environment; the kernels never read the environment themselves. The int
  * setters take on < 0 as a query and return the previous state. */
-void mq_set_gemm_min_t(int t);  /* prefill GEMM path for T >= t (t <= 0: never); default 8 */
+void mq_set_gemm_min_t(int t);  /* row formats: the AVX-512 GEMM for T >= t (t <= 0: never); default 18 */
 int mq_set_few_t(int on);      /* q4x/q6x/q3x products of 2-8 rows by the decode unpack (default on) */
 int mq_set_lean_mv(int on);    /* lean decode path for q3p/q4/q3u/q6 (default on) */
 int mq_set_q6_fold(int on);    /* q6 short-row decode by mv_q6f (default on) */
