@@ -60,3 +60,27 @@ def test_moe_file_runs_and_bench_reports_rss(moe_mxq):
     routed = sum(t.nbytes for n, t in w.items() if ".mlp.experts." in n)
     rest = sum(t.nbytes for n, t in w.items() if ".mlp.experts." not in n)
     assert decode_bytes_per_token(m.model, 0) == pytest.approx(rest + routed * 2 / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_single_token_path_is_bit_identical(tmp_path, arch, monkeypatch):
+    """Decode's single-token MoE path (models/moe._moe_one: no grouping, silu inside the down product)
+    gives the general path's bits, on packed (2356t) and float weights."""
+    import mixqrt
+    from mixqrt.models import moe
+    from mixqrt.quantize.convert import quantize_model
+    src = make_tiny_hf_model(tmp_path / "hf", arch=arch, dtype="f32")
+    one = moe._moe_one
+    for recipe in ("2356t", "f32"):
+        out = tmp_path / f"{recipe}.mxq"
+        quantize_model(str(src), recipe, out, progress=False)
+        m = mixqrt.load(str(out)).model
+        got, calls = {}, []
+        monkeypatch.setattr(moe, "_moe_one", lambda *a: calls.append(1) or one(*a))
+        for fast in (True, False):
+            monkeypatch.setattr(moe, "FAST_DECODE", fast)
+            cache = m.make_cache(32)
+            m(np.array([5, 77, 3]), cache, 0, last_only=True)
+            got[fast] = np.stack([m(np.array([t]), cache, None, last_only=True) for t in (9, 123, 300, 7)])
+        np.testing.assert_array_equal(got[True], got[False])
+        assert len(calls) == 4 * 2                  # 4 decode steps x 2 sparse layers, fast path only
