@@ -122,9 +122,9 @@ A27B = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, nu
 
 # llama.cpp's Q3_K_M types for a qwen2moe file of this shape (llama_tensor_get_type): Q3_K (3.4375 bits per
 # weight) by default, Q4_K (4.5) for attn_v / attn_output / ffn_down*, but the routed experts' ffn_down_exps
-# has 1408 columns, not a multiple of 256, so its Q4_K falls back to Q5_0 (5.5); output Q6_K (6.5625); 1-D
-# tensors and the routers F32.
-_Q3KM = {"expert_down": 5.5, "shexp_down": 4.5, "attn_v": 4.5, "attn_o": 4.5, "lm_head": 6.5625, "router": 32.0,
+# has 1408 columns, not a multiple of 256, so its Q4_K falls back to Q5_0 (5.5; llama-quantize's log says
+# so); output Q6_K (6.5625); the router stays F16, 1-D tensors F32.
+_Q3KM = {"expert_down": 5.5, "shexp_down": 4.5, "attn_v": 4.5, "attn_o": 4.5, "lm_head": 6.5625, "router": 16.0,
          "norm": 32.0, "bias": 32.0}
 
 
