@@ -269,6 +269,7 @@ def main(argv=None) -> int:
             q.setdefault(key, {})["bytes"] = mxq.stat().st_size
         save()
         b = res.setdefault("bench", {})
+        load0 = os.getloadavg()
         for ft, path in files.items():
             if "bench" in redo or not b.get(ft, {}).get("ok"):
                 log(f"llama-bench {ft} -t {a.threads} -p {a.n_prompt} -n {a.n_gen} -r {a.reps}")
@@ -283,6 +284,7 @@ def main(argv=None) -> int:
                 row = _last_json(out)
                 b[key] = dict(row or {}, ok=rc == 0 and isinstance(row, dict), wall_s=wall)
                 save()
+        res["loadavg"] = {"before_benches": load0, "after_benches": os.getloadavg()}
         res["settings"] = {"layers": a.layers, "vocab": a.vocab, "threads": a.threads, "n_prompt": a.n_prompt,
                            "n_gen": a.n_gen, "reps": a.reps, "recipe": recipe, "types": types,
                            "variants": {k: v for k, v in variants.items()},
@@ -312,6 +314,9 @@ def doc_blocks(res: dict) -> dict:
          f"- llama.cpp: `llama-bench -t {st.get('threads')} -p {st.get('n_prompt')} -n {st.get('n_gen')} "
          f"-r {st.get('reps')}` (mean); mixqrt: `mixqrt bench -t {st.get('threads')} -p {st.get('n_prompt')} "
          f"-n {st.get('n_gen')} -r {st.get('reps')}` (median), recipe {st.get('recipe')}",
+         *([f"- 1/5/15-minute load average before the benches {', '.join(f'{v:.1f}' for v in la['before_benches'])}, "
+            f"after {', '.join(f'{v:.1f}' for v in la['after_benches'])} (2 cores; above 2 means other jobs shared them)"]
+           if (la := res.get("loadavg")) else []),
          "", f"| file | bytes | bits/weight | pp{st.get('n_prompt')} tok/s | tg{st.get('n_gen')} tok/s |",
          "|---|---|---|---|---|"]
     p = st.get("params") or 1
