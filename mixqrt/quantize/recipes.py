@@ -53,8 +53,9 @@ def _fill(**kw) -> dict:
 # Routed experts in the 2356 family: 2-bit k-means gate/up (q2c, 2.5 bits/weight), 3-bit piecewise down
 # (q3p, 3.5). They are ~90 % of a MoE file's bytes (Qwen1.5-MoE-A2.7B: 60 experts x 3 x 1408 x 2048 per
 # layer against 34.6 M shared-expert and 16.8 M attention weights), so their bits set the file size: at
-# the dense FFN rule (q3p gate/up, q4 down: 4.0 bits/weight) the file is ~1.05x llama.cpp's Q3_K_M
-# (Q3_K gate/up, Q4_K down: 3.8), at this rule ~0.78x (docs/moe.md measures it). A token runs top-k of
+# the dense FFN rule (q3p gate/up, q4 down: 4.0 bits/weight) the file is 0.99x llama.cpp's Q3_K_M (Q3_K
+# gate/up, the experts' down Q4_K -> Q5_0 at 1408 columns), all q3p 0.88x, at this rule 0.74x (measured
+# on 4 layers, docs/moe.md). q2c decodes on a slower kernel than q3x (docs/moe.md). A token runs top-k of
 # the experts, so each expert's error reaches ~k/E of the tokens; quality not yet measured on a real
 # MoE checkpoint (docs/moe.md). Recipe "auto" places expert bits by the same per-role sensitivity.
 EXPERT_2356 = {"ffn_gate": "q2c", "ffn_up": "q2c", "ffn_down": "q3p"}
