@@ -46,6 +46,37 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def rss_bytes() -> int | None:
+    """This process's resident memory now (VmRSS: anonymous + mapped file pages), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def file_rss_bytes(path) -> int | None:
+    """Bytes of `path`'s mapping(s) resident in this process (the Rss of its /proc/self/smaps entries):
+    the weights a run has touched, against the file's size; None where smaps is not readable."""
+    import os
+    try:
+        want = os.path.realpath(path)
+        total, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 5)
+                if len(head) >= 5 and "-" in head[0] and ":" in head[3]:      # a mapping's first line
+                    inside = len(head) == 6 and os.path.realpath(head[5].strip()) == want
+                elif inside and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+        return total
+    except (OSError, ValueError):
+        return None
+
+
 def _vm_hwm_bytes() -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -59,15 +90,20 @@ def _vm_hwm_bytes() -> int | None:
 
 def decode_bytes_per_token(model, ctx_tokens: int) -> int:
     """Bytes a decode step must read: every weight but the embedding table (one row is gathered;
-    a tied table is read whole as the lm_head), plus the K and V cache rows attended to."""
+    a tied table is read whole as the lm_head), plus the K and V cache rows attended to. A routed
+    expert counts top_k / num_experts of its bytes: what one token reads on average."""
     from mixqrt.models.base import is_qtensor
-    from mixqrt.models.spec import EMBED
+    from mixqrt.models.spec import EMBED, role_of
     total = 0
     tied = model.lm_head is model.embed_tokens
+    moe = getattr(model, "_moe_layout", None)
     for name, t in _weights(model):
         if name == EMBED and not tied:
             continue
-        total += t.nbytes if is_qtensor(t) or hasattr(t, "nbytes") else 0
+        nb = t.nbytes if is_qtensor(t) or hasattr(t, "nbytes") else 0
+        if moe is not None and ".mlp.experts." in name and role_of(name).startswith("expert_"):
+            nb = nb * moe.top_k / moe.n_experts
+        total += nb
     a = model.args
     total += 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4 * ctx_tokens
     return total
@@ -101,6 +137,10 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         hwm_reset = _reset_peak_rss()
         cache = model.make_cache(n_prompt + n_gen + 8)
         model(prompt[:32], cache, 0, last_only=True)        # warm-up: page in weights, JIT nothing
+        path = getattr(loaded, "path", None)
+        rss_warm = rss_bytes()
+        frss_warm = file_rss_bytes(path) if path else None
+        rss_decode = frss_decode = None
         arena = getattr(getattr(loaded, "file", None), "arena", None)
         huge = arena.huge_fraction() if arena is not None else None   # weights in 2 MiB pages (decode speed)
         pp, tg, ttft, steal = [], [], [], []
@@ -127,6 +167,9 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                     tok = int(np.argmax(logits))
             tg.append(n_gen / (time.perf_counter() - t))
             steal.append(steal_fraction(j0, cpu_jiffies()))
+            if r == 0:      # resident after the first pp + n_gen decode steps
+                rss_decode = rss_bytes()
+                frss_decode = file_rss_bytes(path) if path else None
         peak = (_vm_hwm_bytes() if hwm_reset else None) or peak_rss_bytes()
         probe = max(bw, measure_bandwidth(int(nt), probe_bytes, probes))   # probed before and after the timed runs
         tg_med = statistics.median(tg)
@@ -139,6 +182,12 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                # achieved decode bandwidth / measured bandwidth; 1.0 = at the memory limit
                "bandwidth_ratio": tg_med * bpt / bw, "n_prompt": n_prompt, "n_gen": n_gen,
                "weights_huge_fraction": huge,
+               # resident memory after the warm-up (a 32-token prompt) and after the first repetition's
+               # pp + n_gen decode steps: all of it (VmRSS) and the model file's mapped pages, against
+               # the file's size (a MoE model reads only the experts its tokens pick)
+               "rss_after_warmup_bytes": rss_warm, "rss_after_decode_bytes": rss_decode,
+               "file_rss_after_warmup_bytes": frss_warm, "file_rss_after_decode_bytes": frss_decode,
+               "file_bytes": _file_size(path),
                # CPU time the hypervisor took during the decode runs (all CPUs): a noisy-neighbour gauge
                "steal_fraction": statistics.median(steal) if None not in steal else None}
         if perf:
@@ -149,6 +198,14 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                 row["perf_error"] = counters.error if counters is not None else "not measured"
         rows.append(row)
     return rows
+
+
+def _file_size(path) -> int | None:
+    import os
+    try:
+        return os.path.getsize(path) if path else None
+    except OSError:
+        return None
 
 
 class _null:
@@ -172,6 +229,12 @@ def format_rows(rows, label: str) -> str:
         if r.get("steal_fraction") is not None and r["steal_fraction"] >= 0.02:
             out.append(f"NOTE: the hypervisor took {100 * r['steal_fraction']:.0f} % of the CPU time during decode "
                        "(steal, /proc/stat): the machine is shared; compare ratios from one run")
+        if r.get("rss_after_decode_bytes") is not None and r.get("file_bytes"):
+            fr = r.get("file_rss_after_decode_bytes")
+            out.append(f"RSS after warm-up {r['rss_after_warmup_bytes'] / 2**20:.0f} MiB, after pp{r['n_prompt']} + "
+                       f"tg{r['n_gen']} {r['rss_after_decode_bytes'] / 2**20:.0f} MiB"
+                       + (f" (model file pages {fr / 2**20:.0f} MiB = {fr / r['file_bytes']:.2f}x the file)" if fr is not None else "")
+                       + f"; file {r['file_bytes'] / 2**20:.0f} MiB")
         if r.get("weights_huge_fraction") is not None and r["weights_huge_fraction"] < 0.5:
             out.append(f"NOTE: only {100 * r['weights_huge_fraction']:.0f} % of the weights are mapped in 2 MiB pages "
                        "(a copied or freshly written file); `mixqrt doctor --model FILE --recache` fixes that and "

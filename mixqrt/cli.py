@@ -259,7 +259,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--tensor-type", action="append", default=None, metavar="PATTERN=FMT",
                    help="override a tensor's format (regex on the HF name, or a role like ffn_down); repeatable")
     s.add_argument("-o", "--output", default=None, help="output .mxq path")
-    s.add_argument("--dry-run", action="store_true", help="plan and size only; write nothing")
+    s.add_argument("--dry-run", action="store_true", help="plan and size only: a table of tensors, params, formats, bits/weight and bytes per role; write nothing")
     s.add_argument("--imatrix", default=None, metavar="FILE",
                    help="importance matrix from `mixqrt imatrix`: activation-weighted quantization")
     s.add_argument("--calibrate", action="append", default=None, metavar="TEXT|self",
@@ -349,8 +349,10 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
         description="llama-bench-style speed table. Per thread count: prompt processing (pp) of an N_PROMPT-token "
                     "prompt, time to first token of a 128-token prompt, N_GEN greedy decode steps (tg); medians "
                     "of REPETITIONS. The read bandwidth is the best of 3 probes (1 GiB) before and 3 after the "
-                    "timed runs; bandwidth ratio = tg tok/s x bytes per decode step / that bandwidth. Peak RSS "
-                    "counts from after the first probe (its buffer is freed).")
+                    "timed runs; bandwidth ratio = tg tok/s x bytes per decode step / that bandwidth (a routed expert "
+                    "counts top_k / num_experts of its bytes). Peak RSS counts from after the first probe (its "
+                    "buffer is freed); RSS and the model file's resident pages are reported after the warm-up and "
+                    "after the first repetition's decode steps, against the file's size.")
     s.add_argument("model")
     s.add_argument("--recipe", default=None, help=f"recipe when MODEL needs quantizing (default {DEFAULT_RECIPE})")
     s.add_argument("-t", "--threads", default="2", help="comma list of thread counts (default 2)")

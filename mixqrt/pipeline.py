@@ -35,8 +35,12 @@ class LoadedModel:
         self.path = str(path)
         # MADV_HUGEPAGE + MADV_WILLNEED on the mapping: measured 1.08x median over plain mmap in
         # docs/lab/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
-        self.file = MxqFile(path, hugepages=hugepages, willneed=willneed)
+        # a mixture of experts gets no whole-file read-ahead: the experts no token picks stay on disk
+        self.file = MxqFile(path, hugepages=hugepages, willneed=False)
         meta = self.file.meta
+        from mixqrt.models.spec import MOE_ARCHS
+        if willneed and meta.get("arch") not in MOE_ARCHS:
+            self.file.arena.advise("willneed")
         if meta.get("kind") != "mixqrt-llm":
             raise ModelError(f"{path}: not a mixqrt language model file (kind={meta.get('kind')!r})")
         self.meta = meta

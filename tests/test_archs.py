@@ -320,14 +320,19 @@ def test_moe_grouped_by_expert_equals_token_by_token(t, ek, shared, seed):
     assert top.shape == (t, k)
 
 
-@pytest.mark.parametrize("extra,field", [
-    ({"num_experts": 0}, "num_experts"),
-    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4"),
-    ({"moe_intermediate_size": None}, "moe_intermediate_size"),
-    ({"mlp_only_layers": "all"}, "mlp_only_layers"),
+@pytest.mark.parametrize("arch,extra,field", [
+    ("qwen3_moe", {"num_experts": 0}, "num_experts"),
+    ("qwen3_moe", {"num_experts": -2}, "num_experts"),
+    ("qwen3_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_experts=4"),
+    ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size"),
+    ("qwen3_moe", {"mlp_only_layers": "all"}, "mlp_only_layers"),
+    ("qwen3_moe", {"head_dim": 7}, "head_dim"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
 ])
-def test_bad_moe_config_names_the_field(tmp_path, extra, field):
-    d = make_tiny_hf_model(tmp_path, arch="qwen3_moe", dtype="f32", config_extra=extra)
+def test_bad_moe_config_names_the_field(tmp_path, arch, extra, field):
+    d = make_tiny_hf_model(tmp_path, arch=arch, dtype="f32", config_extra=extra)
     with pytest.raises(ModelError, match=field):
         with HFSource(d) as src:
             load_f32(src)

@@ -403,11 +403,17 @@ class MxqWriter:
     Only the tensor table (a few hundred small entries) stays in memory, never tensor data.
     """
 
-    def __init__(self, path, meta: dict, *, page: int = PAGE, blob_min: int = BLOB_MIN):
+    def __init__(self, path, meta: dict, *, page: int = PAGE, blob_min: int = BLOB_MIN, alignment: int = ALIGN):
         if not isinstance(meta, dict):
             raise FormatError(f"meta must be a dict, got {type(meta).__name__}")
         if not (is_pow2(page) and PAGE <= page <= MAX_PAGE):
             raise FormatError(f"page {page} must be a power of two in [{PAGE}, {MAX_PAGE}]")
+        # every tensor starts on a multiple of `alignment` (the header's "alignment"): ALIGN (64) by
+        # default; `page` for a mixture of experts, so each expert's tensors sit on pages of their own
+        # and an expert no token routes to is never read in from disk under mmap (docs/mxq-file.md)
+        if not (is_pow2(alignment) and ALIGN <= alignment <= page):
+            raise FormatError(f"alignment {alignment} must be a power of two in [{ALIGN}, page {page}]")
+        self.alignment = alignment
         try:  # fail now, not after hours of quantization; the copy also freezes meta against later edits
             self._meta = json.loads(json.dumps(meta, allow_nan=False, ensure_ascii=False))
             self._blobs = {k: v.encode("utf-8") for k, v in self._meta.items()
@@ -477,7 +483,7 @@ class MxqWriter:
                 raise FormatError(f"tensor {name!r}: layer {layer} was already closed; a layer's tensors "
                                   "must be added one after another")
             self._span = {"key": key, "offset": self._pos, "nbytes": 0}
-        self._pad_to(align_up(self._pos, ALIGN))
+        self._pad_to(align_up(self._pos, self.alignment))
         off = self._pos
         self._f.write(memoryview(raw))
         self._pos += want
@@ -502,7 +508,7 @@ class MxqWriter:
             version = (VERSION_Q3X if any(t["fmt"] == "q3x" for t in self._tensors.values())
                        else VERSION_X if any(t["fmt"] in layout.INTERLEAVED for t in self._tensors.values())
                        else VERSION_ROT if any("rot" in t for t in self._tensors.values()) else VERSION)
-            header = {"format": "mxq", "version": version, "alignment": ALIGN, "page": self.page,
+            header = {"format": "mxq", "version": version, "alignment": self.alignment, "page": self.page,
                       "meta": self._meta, "blobs": blobs, "tensors": self._tensors, "spans": self._spans}
             raw = json.dumps(header, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
             if len(raw) > MAX_HEADER:

@@ -36,7 +36,17 @@ MOE_ARCHS = ("qwen2_moe", "qwen3_moe")
 ARCH_ALIASES = {"gemma3_text": "gemma3"}
 
 ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
-         "norm", "bias", "lm_head", "router")
+         "norm", "bias", "lm_head", "router", "expert_gate", "expert_up", "expert_down",
+         "shexp_gate", "shexp_up", "shexp_down", "qk_norm")
+# A role's family: the role whose recipe entry, rotation, depth rules and sensitivity it takes where a
+# recipe does not name it itself (a recipe table written before the role existed, a --tensor-type
+# override by family name like ffn_down=q6, which then covers every down projection). Routed experts
+# (expert_*: one FFN per expert, top-k of them run per token), the shared expert (shexp_*: a dense FFN
+# every token runs) and the per-head q/k norms (qk_norm: Qwen3, Gemma 3) are their own roles so a
+# recipe can give them their own formats and `quantize --dry-run` reports their bytes apart.
+ROLE_FAMILY = {"expert_gate": "ffn_gate", "expert_up": "ffn_up", "expert_down": "ffn_down",
+               "shexp_gate": "ffn_gate", "shexp_up": "ffn_up", "shexp_down": "ffn_down", "qk_norm": "norm"}
+VECTOR_ROLES = ("norm", "bias", "qk_norm")
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 _GLOBAL_ROLES = {EMBED: "embed", FINAL_NORM: "norm", LM_HEAD: "lm_head"}
@@ -56,16 +66,16 @@ _LAYER_ROLES = {
     "mlp.gate_proj.weight": "ffn_gate",
     "mlp.up_proj.weight": "ffn_up",
     "mlp.down_proj.weight": "ffn_down",
-    "self_attn.q_norm.weight": "norm",                   # qwen3, gemma3: RMSNorm per head on q and k
-    "self_attn.k_norm.weight": "norm",
+    "self_attn.q_norm.weight": "qk_norm",                # qwen3, gemma3: RMSNorm per head on q and k
+    "self_attn.k_norm.weight": "qk_norm",
     "pre_feedforward_layernorm.weight": "norm",          # gemma3: norms before and after the FFN
     "post_feedforward_layernorm.weight": "norm",
 }
-# mixture-of-experts layers: routed experts and the shared expert are FFNs (their roles), the router
-# (and the shared expert's sigmoid gate, a one-row router) has its own role
+# mixture-of-experts layers: routed experts (expert_*) and the shared expert (shexp_*) are FFNs of their
+# own roles (ROLE_FAMILY), the router (and the shared expert's sigmoid gate, a one-row router) has its own
 _MOE_ROLES = {"mlp.gate.weight": "router", "mlp.shared_expert_gate.weight": "router",
-              "mlp.shared_expert.gate_proj.weight": "ffn_gate", "mlp.shared_expert.up_proj.weight": "ffn_up",
-              "mlp.shared_expert.down_proj.weight": "ffn_down"}
+              "mlp.shared_expert.gate_proj.weight": "shexp_gate", "mlp.shared_expert.up_proj.weight": "shexp_up",
+              "mlp.shared_expert.down_proj.weight": "shexp_down"}
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # buffers some checkpoints carry that are not weights of the graph (recomputed from the config)
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
@@ -117,12 +127,17 @@ def role_of(name: str) -> str:
     layer, rest = split_layer(name)
     role = (_LAYER_ROLES.get(rest) or _MOE_ROLES.get(rest)) if layer is not None else _GLOBAL_ROLES.get(name)
     if role is None and layer is not None and (m := _EXPERT.match(rest)):
-        role = f"ffn_{m.group(2)}"
+        role = f"expert_{m.group(2)}"
     if role is None and layer is not None and rest in _GROUP_BY_TARGET:
         role = _GROUP_BY_TARGET[rest].role
     if role is None:
         raise ModelError(f"tensor {name!r} is not part of any supported graph (no known role)")
     return role
+
+
+def family(role: str) -> str:
+    """The role a recipe falls back to for `role` (ROLE_FAMILY), or the role itself."""
+    return ROLE_FAMILY.get(role, role)
 
 
 def group_of(name: str) -> tuple[str, tuple[str, ...]] | None:

@@ -6,7 +6,13 @@ KL scaled by its share of the role's parameters (costs are assumed additive acro
 is what a first-order analysis of small perturbations gives). Greedy allocation, like a knapsack
 by marginal utility: every matrix starts in its cheapest format; then, while bytes remain, take the
 single upgrade (tensor -> any larger format) with the largest cost reduction per extra byte that
-still fits the budget. Norm vectors and biases stay f32 (0.01 % of the bytes).
+still fits the budget. Norm vectors and biases stay f32 (0.01 % of the bytes), and so do routers.
+
+Roles without a measurement of their own take their family's (spec.ROLE_FAMILY): the routed experts
+(expert_*) and the shared expert (shexp_*) of a MoE layer are each costed like one dense FFN, their
+KL spread over their parameters. A token runs k of E routed experts, so the routed experts together
+perturb a token like one FFN of k experts' width, while they hold E experts' bytes: per byte they are
+the cheapest place to take bits from, and the greedy plan gives them fewer.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from collections import defaultdict
 
 from mixqrt.errors import QuantError
 from mixqrt.formats import layout
-from mixqrt.models.spec import group_of
+from mixqrt.models.spec import VECTOR_ROLES, family, group_of
 from mixqrt.quantize.recipes import Recipe, get_recipe, parse_overrides, role_of, tensor_plan
 
 # ladder of matrix formats, cheapest first (q3u is dominated by q3p at the same size)
@@ -54,7 +60,7 @@ def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]
         n = 1
         for s in shape:
             n *= int(s)
-        if role in ("norm", "bias") or len(shape) != 2:
+        if role in VECTOR_ROLES or role == "router" or len(shape) != 2:
             fixed_bytes += layout.expected_nbytes("f32", shape)
             continue
         g = _GROUP.get(role, role)
@@ -64,7 +70,7 @@ def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]
     def cost(members, fmt):
         c = 0.0
         for _, role, _, n in members:
-            table = sens.get(role)
+            table = sens.get(role) or sens.get(family(role))
             if table is None or fmt not in table:
                 raise QuantError(f"no sensitivity measured for role {role!r} in {fmt}")
             c += table[fmt] * n / role_params[role]

@@ -54,13 +54,14 @@ class QuantReport:
         return 8.0 * self.total_bytes / max(1, sum(int(np.prod(t.shape)) for t in self.tensors))
 
     def by_role(self) -> dict:
-        out = defaultdict(lambda: {"params": 0, "bytes": 0, "formats": set()})
+        out = defaultdict(lambda: {"tensors": 0, "params": 0, "bytes": 0, "formats": set()})
         for t in self.tensors:
             r = out[t.role]
+            r["tensors"] += 1
             r["params"] += int(np.prod(t.shape))
             r["bytes"] += t.nbytes
             r["formats"].add(t.fmt)
-        return {k: {"params": v["params"], "bytes": v["bytes"], "formats": sorted(v["formats"]),
+        return {k: {"tensors": v["tensors"], "params": v["params"], "bytes": v["bytes"], "formats": sorted(v["formats"]),
                     "bpw": 8.0 * v["bytes"] / max(1, v["params"])} for k, v in out.items()}
 
     def to_dict(self) -> dict:
@@ -193,7 +194,9 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
         meta["recipe"]["calibration"] = dict(rec.calibration)
         report.calibration = dict(rec.calibration)
     pending: dict[str, QTensor] = {}
-    with MxqWriter(out_path, meta) as w:
+    # a mixture of experts: every tensor on its own pages, so experts no token picks stay on disk
+    from mixqrt.io.arena import ALIGN, PAGE
+    with MxqWriter(out_path, meta, alignment=PAGE if source.arch in spec.MOE_ARCHS else ALIGN) as w:
         for name, role, fmt, shape in tqdm(plan, desc="quantizing", unit="tensor", disable=not progress):
             arr = source.get(src_name(name))
             _check_finite(name, arr)
@@ -247,11 +250,17 @@ def _q3p_levels():
 
 
 def describe(report: QuantReport) -> str:
-    lines = [f"{'role':10s} {'formats':12s} {'params':>12s} {'bytes':>12s} {'bpw':>6s}"]
-    for role, r in sorted(report.by_role().items()):
-        lines.append(f"{role:10s} {','.join(r['formats']):12s} {r['params']:12,d} {r['bytes']:12,d} {r['bpw']:6.3f}")
-    lines.append(f"{'total':10s} {'':12s} {sum(int(np.prod(t.shape)) for t in report.tensors):12,d} "
-                 f"{report.total_bytes:12,d} {report.bits_per_weight:6.3f}")
+    """The bytes per role: role, tensors, formats, params, bits/weight, bytes, share of the file; in
+    network order (runtime/placement's), then the total."""
+    from mixqrt.runtime.placement import _ROLE_ORDER
+    order = {r: i for i, r in enumerate(_ROLE_ORDER)}
+    total = max(1, report.total_bytes)
+    lines = [f"{'role':12s} {'tensors':>7s} {'formats':12s} {'params':>14s} {'bpw':>6s} {'bytes':>14s} {'share':>6s}"]
+    for role, r in sorted(report.by_role().items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
+        lines.append(f"{role:12s} {r['tensors']:7d} {','.join(r['formats']):12s} {r['params']:14,d} {r['bpw']:6.3f} "
+                     f"{r['bytes']:14,d} {100 * r['bytes'] / total:5.1f}%")
+    lines.append(f"{'total':12s} {len(report.tensors):7d} {'':12s} {sum(int(np.prod(t.shape)) for t in report.tensors):14,d} "
+                 f"{report.bits_per_weight:6.3f} {report.total_bytes:14,d} {'':>6s}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,10 @@
 """Recipes: which format each tensor gets, by its role in the network.
 
-A recipe maps roles (embed, attn_q/k/v/o, ffn_gate/up/down, norm, bias, lm_head; models/spec.py
-says which tensor plays which) to format names.
+A recipe maps roles (embed, attn_q/k/v/o, ffn_gate/up/down, norm, bias, lm_head; for mixtures of
+experts expert_gate/up/down (routed experts), shexp_gate/up/down (the shared expert) and router; the
+per-head q/k norms qk_norm; models/spec.py says which tensor plays which) to format names. A role a
+table does not name takes its family's entry (spec.ROLE_FAMILY: shexp_down -> ffn_down, qk_norm ->
+norm), with the family's depth rules and rotation.
 Per-tensor overrides work like llama-quantize's --tensor-type: ``PATTERN=FMT``, where PATTERN is a
 regular expression searched in the Hugging Face tensor name, or an exact role name.
 """
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 
 from mixqrt.errors import QuantError
 from mixqrt.formats import layout
-from mixqrt.models.spec import LM_HEAD, ROLES, ModelSpec, role_of  # noqa: F401  (ROLES re-exported)
+from mixqrt.models.spec import LM_HEAD, ROLES, VECTOR_ROLES, ModelSpec, family, role_of  # noqa: F401  (ROLES re-exported)
 
 _ATTN = {"attn_q": None, "attn_k": None, "attn_v": None, "attn_o": None}
 # Architectures whose norms multiply by (1 + weight) (Gemma): a range format (q5g) spends its 32
@@ -30,11 +33,16 @@ def _vector_ok(fmt: str) -> bool:
 
 
 def _fill(**kw) -> dict:
-    table = {"bias": "f32", "norm": "f32", "router": "f32"}   # a router is small and picks the experts
+    # a router is small (experts x hidden) and picks the experts; the per-head q/k norms are
+    # head_dim floats scaling every attention score: both stay float32 (not measured otherwise)
+    table = {"bias": "f32", "norm": "f32", "router": "f32", "qk_norm": "f32"}
     for role in _ATTN:
         table[role] = kw.get("attn")
     for role in _FFN:
         table[role] = kw.get("ffn")
+        # routed experts: the FFN's format unless the recipe gives them their own (EXPERT_2356); the
+        # shared expert is not in the table, so it is a dense FFN (family ffn_*: format, depth rules)
+        table["expert_" + role[4:]] = kw.get("expert", {}).get(role, kw.get("ffn"))
     table["embed"] = kw["embed"]
     table["lm_head"] = kw["lm_head"]
     if "norm" in kw:
@@ -42,22 +50,32 @@ def _fill(**kw) -> dict:
     return table
 
 
+# Routed experts in the 2356 family: 2-bit k-means gate/up (q2c, 2.5 bits/weight), 3-bit piecewise down
+# (q3p, 3.5). They are ~90 % of a MoE file's bytes (Qwen1.5-MoE-A2.7B: 60 experts x 3 x 1408 x 2048 per
+# layer against 34.6 M shared-expert and 16.8 M attention weights), so their bits set the file size: at
+# the dense FFN rule (q3p gate/up, q4 down: 4.0 bits/weight) the file is 0.99x llama.cpp's Q3_K_M (Q3_K
+# gate/up, the experts' down Q4_K -> Q5_0 at 1408 columns), all q3p 0.88x, at this rule 0.74x (measured
+# on 4 layers, docs/moe.md). q2c decodes on a slower kernel than q3x (docs/moe.md). A token runs top-k of
+# the experts, so each expert's error reaches ~k/E of the tokens; quality not yet measured on a real
+# MoE checkpoint (docs/moe.md). Recipe "auto" places expert bits by the same per-role sensitivity.
+EXPERT_2356 = {"ffn_gate": "q2c", "ffn_up": "q2c", "ffn_down": "q3p"}
+
 RECIPES: dict[str, dict[str, str]] = {
     # 2-bit k-means embedding, 3-bit piecewise FFN, 6-bit attention, 5-bit norms with a range per
     # vector (docs/design.md); the output projection keeps its own 6-bit copy even when tied.
-    "2356": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
+    "2356": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6", expert=EXPERT_2356),
     "f32": _fill(embed="f32", attn="f32", ffn="f32", lm_head="f32"),
     "f16": _fill(embed="f16", attn="f16", ffn="f16", lm_head="f16"),
     "q8": _fill(embed="q8", attn="q8", ffn="q8", lm_head="q8"),       # baseline "INT8 uniform"
     "q4": _fill(embed="q4", attn="q4", ffn="q4", lm_head="q4"),       # baseline "4-bit uniform"
     # ablations of 2356 (docs/results.md)
-    "2356-q3u": _fill(embed="q2c", attn="q6", ffn="q3u", norm="q5g", lm_head="q6"),
-    "2356-q8embed": _fill(embed="q8", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
-    "2356-f32norm": _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q6"),
+    "2356-q3u": _fill(embed="q2c", attn="q6", ffn="q3u", norm="q5g", lm_head="q6", expert=EXPERT_2356),
+    "2356-q8embed": _fill(embed="q8", attn="q6", ffn="q3p", norm="q5g", lm_head="q6", expert=EXPERT_2356),
+    "2356-f32norm": _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q6", expert=EXPERT_2356),
     # "dynamic range binding": one 5-bit range shared by every norm vector. Measured worse
     # than a range per vector on Qwen2.5 (norm weights span -1.2 .. 17; layer 0's fall into 2 levels),
     # so 2356 binds per vector and this recipe keeps the global variant for comparison (docs/results.md).
-    "2356-bound": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6"),
+    "2356-bound": _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q6", expert=EXPERT_2356),
 }
 # how q5g ranges are bound: "vector" (each norm vector its own lo/hi) or "global" (one over all)
 RECIPE_OPTIONS: dict[str, dict] = {"2356-bound": {"q5g_binding": "global"},
@@ -77,7 +95,7 @@ RECIPE_OPTIONS["2356+"] = {"tie": True, "tied_table": {"ffn_gate": "q6", "ffn_up
 # head q6 -> q4 (+0.019 KL, -25.5 MB on Qwen2.5-Coder-0.5B) pays for ffn_down q4 in every layer and
 # gate/up q4 in layers 1-7 of 24 (each worth -0.002..-0.008 KL per 0.8-1.6 MB); embedding q2c,
 # attention q6 and norms q5g as in 2356. File 1.017x 2356's. Meant for calibrated quantization.
-RECIPES["2356c"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q4")
+RECIPES["2356c"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="q5g", lm_head="q4", expert=EXPERT_2356)
 RECIPES["2356c"]["ffn_down"] = "q4"
 RECIPE_OPTIONS["2356c"] = {"layer_rules": [(("ffn_gate", "ffn_up"), "q4", tuple(i / 23 for i in range(1, 8)))]}
 # Randomized block Hadamard rotation (formats/rotation.py, docs/quality.md §0.5) of the FFN weights
@@ -166,7 +184,8 @@ class Recipe:
     def rotation_for(self, name: str, fmt: str, shape, role: str | None = None) -> dict | None:
         """The rotation record of one tensor ({"block", "seed"}) or None."""
         from mixqrt.formats.rotation import DEFAULT_SEED, rotatable
-        b = self.rotate.get(self._role(name, role))
+        role = self._role(name, role)
+        b = self.rotate.get(role, self.rotate.get(family(role)))
         if not b or not rotatable(fmt, shape) or tuple(shape)[1] % b:
             return None
         return {"block": int(b), "seed": DEFAULT_SEED}
@@ -179,18 +198,29 @@ class Recipe:
                    arch: str | None = None) -> str:
         role = self._role(name, role)
         table = {**self.table, **self.tied_table} if (self.tie and self.tie_source) else self.table
-        fmt = self.per_tensor.get(name, table.get(role, "f32") if role == "router" else table[role])
-        if role == "norm" and arch in FLOAT_NORM_ARCHS and fmt == "q5g":
+        # a role the table does not name is its family (spec.ROLE_FAMILY), depth rules included;
+        # tables written before the router / q-k norm roles: router f32, q/k norms as the norms
+        fam = family(role)
+        as_role = role if (role in table or fam not in table) else fam
+        if name in self.per_tensor:
+            fmt = self.per_tensor[name]
+        elif as_role in table:
+            fmt = table[as_role]
+        elif role == "router":
+            fmt = "f32"
+        else:
+            raise QuantError(f"{name}: recipe {self.name!r} has no format for role {role!r}")
+        if fam == "norm" and arch in FLOAT_NORM_ARCHS and fmt == "q5g":
             fmt = "f32"                   # before overrides: a user's explicit choice still wins
         if self.layer_rules and n_layers and name.startswith("model.layers."):
             i = int(name.split(".")[2])
             for roles, rfmt, layers in self.rule_layers(n_layers):
-                if role in roles and i in layers:
+                if as_role in roles and i in layers:
                     fmt = rfmt
         for pat, ofmt in self.overrides:  # later overrides win, like llama-quantize
-            if pat == role or re.search(pat, name):
+            if pat == role or pat == fam or re.search(pat, name):
                 fmt = ofmt
-        if role in ("norm", "bias") and not _vector_ok(fmt):
+        if role in VECTOR_ROLES and not _vector_ok(fmt):
             raise QuantError(f"{name}: format {fmt} is not allowed for a 1-D {role} vector")
         return fmt
 

@@ -30,7 +30,8 @@ from mixqrt.platform.topology import Topology, allowed_cpus
 
 TIERED_DEFAULT = {"embed": "far"}  # everything else: local
 _ROLE_ORDER = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
-               "norm", "bias", "lm_head")  # network order, for printing
+               "router", "expert_gate", "expert_up", "expert_down", "shexp_gate", "shexp_up", "shexp_down",
+               "norm", "qk_norm", "bias", "lm_head")  # network order, for printing
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def role_class(role: str) -> str:
         return "embed"
     if r.startswith("attn") or r.startswith("self_attn"):
         return "attn"
-    if r.startswith("ffn") or r.startswith("mlp"):
+    if r.startswith(("ffn", "mlp", "expert", "shexp")):
         return "ffn"
     if r in ("norm", "bias") or r.endswith("norm"):
         return "norm"
