@@ -17,7 +17,8 @@ def tiny(tmp_path_factory):
 
 
 def _sizes(tiny):
-    lo = quantize_model(str(tiny), "2356", dry_run=True, overrides=[".*=q2c", "norm=f32", "bias=f32"])
+    # the tied model keeps one embedding/output matrix under auto, as under 2356t
+    lo = quantize_model(str(tiny), "2356t", dry_run=True, overrides=[".*=q2c", "norm=f32", "bias=f32"])
     hi = quantize_model(str(tiny), "q8", dry_run=True)
     return lo.total_bytes, hi.total_bytes
 
@@ -39,7 +40,7 @@ def test_budget_is_respected_and_used(tiny, frac):
 
 def test_more_budget_never_costs_more_kl(tiny):
     lo, hi = _sizes(tiny)
-    plan = [(t.name, t.role, t.shape) for t in quantize_model(str(tiny), "2356", dry_run=True).tensors]
+    plan = [(t.name, t.role, t.shape) for t in quantize_model(str(tiny), "2356t", dry_run=True).tensors]
 
     def cost(fmts):
         from mixqrt.quantize.auto import _GROUP
@@ -76,3 +77,13 @@ def test_auto_writes_a_loadable_model_and_cli(tiny, tmp_path, monkeypatch):
     assert m.meta["recipe"]["name"] == "auto" and m.meta["recipe"]["per_tensor"]
     with pytest.raises(SystemExit):
         cli_main(["quantize", str(tiny), "--recipe", "auto", "-o", str(tmp_path / "b.mxq")])
+
+
+def test_tied_model_keeps_one_matrix_costed_as_both_roles(tiny):
+    """A tied model: auto stores the embedding once (no lm_head copy), and that matrix, which is also
+    the output head, is never left at the lookup's cheap q2c while the budget allows more."""
+    lo, hi = _sizes(tiny)
+    rep = quantize_model(str(tiny), "auto", dry_run=True, budget_bytes=int(lo + 0.5 * (hi - lo)))
+    names = {t.name: t.fmt for t in rep.tensors}
+    assert "lm_head.weight" not in names
+    assert names["model.embed_tokens.weight"] != "q2c"

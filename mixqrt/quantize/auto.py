@@ -7,6 +7,8 @@ is what a first-order analysis of small perturbations gives). Greedy allocation,
 by marginal utility: every matrix starts in its cheapest format; then, while bytes remain, take the
 single upgrade (tensor -> any larger format) with the largest cost reduction per extra byte that
 still fits the budget. Norm vectors and biases stay f32 (0.01 % of the bytes), and so do routers.
+A tied model keeps one embedding/output matrix (as 2356t does), costed as both roles' error; the
+budget counts tensor bytes (the file adds its header: tokenizer and config, ~2 MB).
 
 Roles without a measurement of their own take their family's (spec.ROLE_FAMILY): the routed experts
 (expert_*) and the shared expert (shexp_*) of a MoE layer are each costed like one dense FFN, their
@@ -20,7 +22,7 @@ from collections import defaultdict
 
 from mixqrt.errors import QuantError
 from mixqrt.formats import layout
-from mixqrt.models.spec import VECTOR_ROLES, family, group_of
+from mixqrt.models.spec import EMBED, VECTOR_ROLES, family, group_of
 from mixqrt.quantize.recipes import Recipe, get_recipe, parse_overrides, role_of, tensor_plan
 
 # ladder of matrix formats, cheapest first (q3u is dominated by q3p at the same size)
@@ -41,6 +43,8 @@ SENSITIVITY: dict[str, dict[str, float]] = {
     "lm_head":  {"q2c": 0.256, "q3p": 0.0776, "q4": 0.0155, "q6": 0.00093, "q8": 0.0},      # m: q3p, q4
 }
 _GROUP = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv"}
+# a tied model's one embedding/output matrix (Recipe.tie): costed as the lookup plus the head
+TIED = "tied_embed_head"
 
 
 def _unit_key(name: str) -> str:
@@ -109,8 +113,14 @@ def auto_recipe(source, budget_bytes: int, *, overrides=None, sensitivity=None) 
     if budget_bytes is None or int(budget_bytes) <= 0:
         raise QuantError(f"recipe auto needs a positive budget in bytes, got {budget_bytes!r}")
     base = get_recipe("2356")
-    base = Recipe("auto", dict(base.table, norm="f32"), [])
+    base = Recipe("auto", dict(base.table, norm="f32"), [], tie=True)
     plan = tensor_plan(source, base)
-    per = plan_formats([(n, role_of(n), shape) for n, _, _, shape in plan], int(budget_bytes), sensitivity)
-    rec = Recipe("auto", dict(base.table, norm="f32"), parse_overrides(overrides), per_tensor=per)
+    sens = dict(sensitivity or SENSITIVITY)
+    tied = base.tie_source is not None
+    if tied:                 # one matrix is the lookup and the output head: it pays both roles' error
+        sens[TIED] = {f: sens["embed"][f] + sens["lm_head"][f] for f in LADDER}
+    roles = [(n, TIED if (tied and n == EMBED) else role_of(n), shape) for n, _, _, shape in plan]
+    per = plan_formats(roles, int(budget_bytes), sens)
+    rec = Recipe("auto", dict(base.table, norm="f32"), parse_overrides(overrides), per_tensor=per, tie=True)
+    rec.tie_source = base.tie_source
     return rec
