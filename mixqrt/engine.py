@@ -648,12 +648,15 @@ class Engine:
         drafts: list[int] = []
         done = None
         try:
+            t0 = time.perf_counter()
             if k > 0:
                 drafts = sp.drafter.propose(sp.state, seq.history[:seq.n], k)[:k]
             if not drafts:
                 return False
+            t1 = time.perf_counter()
             rows = self.model(np.asarray([s.tok] + drafts, dtype=np.int64), kv)      # [k+1, V]
             now = time.perf_counter()
+            sp.record_times(len(drafts), t1 - t0, len(drafts) + 1, now - t1)
             accepted = 0
             s.req.draft_tokens += len(drafts)
             for i in range(len(drafts) + 1):

@@ -167,13 +167,14 @@ def _vocab_fingerprint(tok) -> int:
 
 
 # Cost of a forward of T rows of one sequence relative to one row, T = 1..9 (the few-row kernels on
-# the 0.5B 2356t file at 2 threads, docs/lab/kernels-few-rows.md: 2 / 4 / 8 rows cost 1.26 / 1.66 /
-# 2.94 steps; the rest interpolated). k is chosen to maximise expected tokens per unit of cost.
-ROW_COST = (1.0, 1.26, 1.45, 1.66, 1.98, 2.3, 2.62, 2.94, 3.26)
+# the 0.5B 2356t file at 2 threads, benchmarks/decode_batch.py, 2026-12-05 after the fold work
+# (docs/kernels.md): 2 / 4 / 6 / 8 rows cost 1.16 / 1.38 / 1.63 / 1.95 steps; the rest interpolated).
+# k is chosen to maximise expected tokens per unit of cost.
+ROW_COST = (1.0, 1.16, 1.27, 1.38, 1.5, 1.63, 1.79, 1.95, 2.1)
 
 
 def row_cost(t: int) -> float:
-    return ROW_COST[t - 1] if t <= len(ROW_COST) else ROW_COST[-1] + 0.32 * (t - len(ROW_COST))
+    return ROW_COST[t - 1] if t <= len(ROW_COST) else ROW_COST[-1] + 0.16 * (t - len(ROW_COST))
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -185,7 +186,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class Speculation:
     """Per-sequence speculation state: the drafter's state, the adaptive k and the counters."""
 
-    __slots__ = ("drafter", "state", "k_max", "alpha", "drafted", "accepted", "steps", "idle")
+    __slots__ = ("drafter", "state", "k_max", "alpha", "drafted", "accepted", "steps", "idle", "draft_cost")
 
     PROBE_EVERY = 16        # plain steps between probes once drafting stopped paying
 
@@ -196,6 +197,9 @@ class Speculation:
         self.alpha = 0.6               # per-draft acceptance probability, exponential average
         self.drafted = self.accepted = self.steps = 0
         self.idle = 0                  # plain steps since drafting stopped paying
+        # a drafted token's cost in target steps: 0 for prompt lookup; for a draft model a prior
+        # (a 2356t draft of an f16 target measured 0.22), then the measured ratio (record_times)
+        self.draft_cost = 0.25 if drafter.kind == "draft" else 0.0
 
     def next_k(self) -> int:
         """Drafts to ask for this step: the k that maximises expected tokens per unit of forward
@@ -203,17 +207,25 @@ class Speculation:
         beats a plain step, except for a probe every PROBE_EVERY steps."""
         if self.k_max == 0:
             return 0
-        draft_cost = 0.2 if self.drafter.kind == "draft" else 0.0    # per drafted token, in target steps
+        draft_cost = self.draft_cost
         best, best_k = 1.0, 0
         for k in range(1, self.k_max + 1):
             v = expected_tokens(self.alpha, k) / (row_cost(k + 1) + draft_cost * k)
             if v > best * 1.02:
                 best, best_k = v, k
         if best_k == 0:
-            self.idle += 1
-            return self.k_max if self.idle % self.PROBE_EVERY == 0 else 0
+            self.idle += 1       # a probe: one draft, the cheapest verify that can lift the estimate
+            return min(self.k_max, 1) if self.idle % self.PROBE_EVERY == 0 else 0
         self.idle = 0
         return best_k
+
+    def record_times(self, drafted: int, draft_s: float, rows: int, verify_s: float) -> None:
+        """A draft model's measured cost: seconds per drafted token over the seconds of one target
+        step (the verify's time over its row cost), averaged like the acceptance."""
+        if self.drafter.kind != "draft" or drafted <= 0 or verify_s <= 0:
+            return
+        step = verify_s / row_cost(rows)
+        self.draft_cost = 0.7 * self.draft_cost + 0.3 * (draft_s / drafted) / step
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
