@@ -108,6 +108,14 @@ def llama_lookup(gguf, prompts_by_set, max_tokens, threads, settings):
 
 
 LLAMA_SPEC = {"plain": [],
+              # llama.cpp's defaults look up 12-token n-grams and draft 48 tokens (sized for GPUs);
+              # the -nNmM settings use mixqrt's sizes (3-token n-grams, 8 drafts) and smaller
+              "ngram-simple-n3m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                    "--spec-ngram-simple-size-m", "8"],
+              "ngram-simple-n2m4": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                                    "--spec-ngram-simple-size-m", "4"],
+              "ngram-map-k-n3m8": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",
+                                   "--spec-ngram-map-k-size-m", "8"],
               "ngram-simple": ["--spec-type", "ngram-simple"],
               "ngram-map-k": ["--spec-type", "ngram-map-k"],
               "ngram-mod": ["--spec-type", "ngram-mod"],
@@ -159,7 +167,7 @@ def main():
     ap.add_argument("--llama-server-gguf", default=None,
                     help="run llama.cpp's llama-server on this GGUF: plain and with its speculation types")
     ap.add_argument("--llama-server-draft", default=None, help="llama-server --model-draft for its draft run")
-    ap.add_argument("--llama-spec", default="plain,ngram-simple,ngram-map-k,ngram-mod",
+    ap.add_argument("--llama-spec", default="plain,ngram-simple-n3m8,ngram-simple-n2m4,ngram-map-k-n3m8",
                     help=f"llama-server settings, of {', '.join(LLAMA_SPEC)}")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tag", default="", help="names this run's table (docs/speculative.md marker "
