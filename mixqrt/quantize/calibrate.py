@@ -39,7 +39,8 @@ from mixqrt.errors import QuantError
 from mixqrt.models import get_model_class, spec
 from mixqrt.models.base import product_inputs
 from mixqrt.formats import rotation
-from mixqrt.formats.codec import dequantize
+from mixqrt.formats.codec import dequantize, to_storage
+from mixqrt.formats.qtensor import QTensor
 from mixqrt.quantize.gptq import GPTQ_FORMATS, Hessian, gptq_quantize
 
 
@@ -224,15 +225,18 @@ class Calibrator:
         def run(x):
             m.layer_forward(i, x, self._cache, 0)
 
+        def stored(ws):           # run the layout the file will hold (q4 -> q4x ...): the runtime's kernels
+            return {n: (to_storage(w) if isinstance(w, QTensor) else w) for n, w in ws.items()}
+
         while any(isinstance(w, _Pending) for w in cur.values()):
-            m.load_layer(i, cur)
+            m.load_layer(i, stored(cur))
             names, h = self._record(m.layer_weights(i), run)
             for n in names:       # h None: experts never routed in calibration, rounded without a Hessian
                 if h is None:
                     cur[n] = self.out[n] = self.plain(n, self.fmts[n], self.load(n))
                 else:
                     cur[n] = self._linear(n, self.fmts[n], h, ratios.get(n))
-        m.load_layer(i, cur)
+        m.load_layer(i, stored(cur))
         for x in self.x:
             run(x)
         m.unload_layer(i)
