@@ -209,18 +209,15 @@ def main():
     for p in pipes.values():
         p.close()
     llama = None
+    tok = pipes["plain"].tokenizer
+    enc = {name: [tok.encode_chat(p, add_generation_prompt=True) if not isinstance(p, str) else tok.encode(p)
+                  for p in prompts] for name, prompts in sets.items()}    # the same ids for llama.cpp
     if a.llama_gguf:
-        tok = pipes["plain"].tokenizer
-        enc = {name: [tok.encode_chat(p, add_generation_prompt=True) if not isinstance(p, str) else tok.encode(p)
-                      for p in prompts] for name, prompts in sets.items()}
         llama = llama_lookup(a.llama_gguf, enc, a.max_tokens, a.threads,
                              [int(x) for x in a.llama_lookup.split(",")])
         print("llama.cpp", llama, flush=True)
     server = None
     if a.llama_server_gguf:
-        tok = pipes["plain"].tokenizer
-        enc = {name: [tok.encode_chat(p, add_generation_prompt=True) if not isinstance(p, str) else tok.encode(p)
-                      for p in prompts] for name, prompts in sets.items()}
         server = llama_server_runs(a.llama_server_gguf, enc, a.max_tokens, a.threads, a.llama_spec.split(","),
                                    draft=a.llama_server_draft)
     res = {"machine": machine_info(), "target": a.target, "draft": a.draft, "threads": a.threads,

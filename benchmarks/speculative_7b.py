@@ -30,6 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from _common import provenance, update_doc, write_json  # noqa: E402
 
+from mixqrt.speculative import expected_tokens  # noqa: E402
+
 KS = range(1, 9)
 
 
@@ -53,10 +55,6 @@ def step_times(lm, ctx: int, rows: list[int], rounds: int, seed: int) -> dict[in
             if r:                          # round 0 warms every shape up
                 out[t].append(dt)
     return out
-
-
-def expected_tokens(a: float, k: int) -> float:
-    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def acceptance(path: Path) -> dict[str, dict[str, float]]:
