@@ -241,3 +241,20 @@ def update_doc(path, blocks: dict[str, str], title: str = "") -> None:
         print(f"{path}: no markers for {', '.join(missing)}; appended at the end (move them where they belong)",
               file=sys.stderr)
     _write_atomic(path, new)
+
+
+def last_json(text: str):
+    """The last line of a child's output that parses as JSON (a report printed after its logs), else
+    the whole text as JSON, else None."""
+    import json
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith(("{", "[")):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None

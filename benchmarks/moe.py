@@ -34,7 +34,7 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks")]
 
-from _common import llama_cpp_bin, provenance, update_doc, write_json  # noqa: E402
+from _common import last_json as _last_json, llama_cpp_bin, provenance, update_doc, write_json  # noqa: E402
 
 FULL_LAYERS = 24
 SHAPE = {"hidden": 2048, "n_head": 16, "n_head_kv": 16, "head_dim": 128, "n_expert": 60, "n_expert_used": 4,
@@ -158,19 +158,6 @@ def run(cmd, log_path: Path, timeout=None) -> tuple[int, str, float]:
         p = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=err, text=True, cwd=_ROOT,
                            timeout=timeout)
     return p.returncode, p.stdout, time.perf_counter() - t
-
-
-def _last_json(text: str):
-    for line in reversed(text.strip().splitlines()):
-        if line.strip().startswith(("{", "[")):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                pass
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
 
 
 def lcpp_bench(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, work: Path) -> dict:

@@ -31,7 +31,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT), str(_ROOT / "benchmarks")]
 
 import mixqrt.testing.synthetic as sc  # noqa: E402
-from _common import gguf_decode_bytes, update_doc, write_json  # noqa: E402
+from _common import gguf_decode_bytes, last_json as _last_json, update_doc, write_json  # noqa: E402
 
 RECIPES = ("2356", "q8", "q4")
 ARTICLE_ROWS = {   # the article's Qwen2-7B table (docs/design.md; Xeon Silver 4310, 64 GB DDR4-2666)
@@ -131,20 +131,6 @@ def run_measured(cmd: list[str], log: Path, *, watch: Path | None = None, env=No
             "peak_anon_bytes": peaks["RssAnon"], "peak_file_bytes": peaks["RssFile"],
             "major_faults": ru.ru_majflt, "stdout": stdout,
             "output_seen_while_running": early[0] if early else None, "temps_seen": sorted(temps)}
-
-
-def _last_json(text: str):
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith(("{", "[")):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                pass
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
 
 
 def _tail(path: Path, n: int = 15) -> str:
