@@ -348,7 +348,7 @@ def test_gemm_shared_activation_layout_is_bit_identical(fmt):
         isa.set_isa(before)
 
 
-@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6", "q6-fold", "q4"])
+@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q6", "q6-fold", "q4", "q2c"])
 @pytest.mark.parametrize("lean", [True, False])
 @settings(max_examples=10, deadline=None)
 @given(n=st.sampled_from([1, 3, 4, 5, 31, 33, 257]), k=st.sampled_from([1, 31, 33, 64, 255, 257, 896, 4864]),
@@ -372,6 +372,52 @@ def test_avx512_decode_paths(fmt, lean, n, k, seed):
     finally:
         _ops.set_lean_mv(old)
         _ops.set_q6_fold(old_fold)
+        isa.set_isa(before)
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.sampled_from([1, 2, 3, 4, 5, 16, 33]), k=st.sampled_from([128, 256, 896, 1408, 2048, 384]),
+       seed=st.integers(0, 2**31))
+def test_avx512_q2c_block_kernel(n, k, seed):
+    """mv_q2c (whole 128-weight blocks, 4 rows a tile, tail rows as a repeated tile) and the unpack
+    path it replaces both give the emulation's exact result on exact inputs; _ops.set_q2c_mv switches."""
+    if "avx512" not in isa.available():
+        pytest.skip("no AVX-512 tier on this CPU")
+    before, old = isa.current(), _ops.set_q2c_mv(None)
+    isa.set_isa("avx512")
+    try:
+        rng = np.random.default_rng(seed)
+        w = random_qtensor("q2c", n, k, rng, exact=True)
+        x = exact_activations(1, k, rng)
+        ye, _ = emulate_matmul("q2c", (n, k), w.raw, x)
+        for on in (True, False):
+            assert _ops.set_q2c_mv(on) in (True, False)
+            np.testing.assert_array_equal(guarded_matmul(w, x), ye.astype(np.float32))
+    finally:
+        _ops.set_q2c_mv(old)
+        isa.set_isa(before)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q6"])
+def test_avx512_interleaved_decode_prefetch_keeps_bits(fmt):
+    """mv_q4x / mv_q6x with and without their L2 software prefetch (_ops.set_mv_xpf) give the same bits,
+    for a matrix longer than the prefetch distance and one shorter."""
+    if "avx512" not in isa.available():
+        pytest.skip("no AVX-512 tier on this CPU")
+    from mixqrt.formats import codec
+    before, old = isa.current(), _ops.set_mv_xpf(None)
+    isa.set_isa("avx512")
+    try:
+        rng = np.random.default_rng(5)
+        for n in (16, 512):
+            w = codec.to_storage(codec.quantize(rng.standard_normal((n, 512)).astype(np.float32), fmt))
+            x = rng.standard_normal((1, 512)).astype(np.float32)
+            _ops.set_mv_xpf(True)
+            a = ops.matmul(w, x)
+            _ops.set_mv_xpf(False)
+            np.testing.assert_array_equal(ops.matmul(w, x), a)
+    finally:
+        _ops.set_mv_xpf(old)
         isa.set_isa(before)
 
 

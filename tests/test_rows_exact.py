@@ -84,7 +84,7 @@ def test_interleaved_gemm_rows_equal_single_rows(tier, fmt, k):
         _ops.set_few_t(before)
 
 
-@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q4", "q6", "q8"])
+@pytest.mark.parametrize("fmt", ["q3p", "q3u", "q4", "q6", "q8", "q2c"])
 @pytest.mark.parametrize("lean,fold", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("k", [256, 257, 2048])
 def test_avx512_rows_follow_the_decode_kernel(fmt, lean, fold, k):

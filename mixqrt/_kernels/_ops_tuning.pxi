@@ -37,6 +37,23 @@ def set_q6_fold(on=None):
     return bool(mq_set_q6_fold(-1 if on is None else (1 if on else 0)))
 
 
+def set_mv_xpf(on=None):
+    """AVX-512 decode (T == 1) of q4x / q6x with a software prefetch into L2, mv_q3x's distance ahead
+    (MIXQRT_Q3X_PF; on, the default) or on the hardware prefetcher alone (off; MIXQRT_MV_XPF=0
+    starts a process with it off). The same bits either way. on=None only queries. Returns the
+    previous state."""
+    return bool(mq_set_mv_xpf(-1 if on is None else (1 if on else 0)))
+
+
+def set_q2c_mv(on=None):
+    """AVX-512 decode of q2c (the routed experts' gate/up and embedding tables of the 2356 family)
+    through mv_q2c, whole 128-weight blocks of 4 rows with one broadcast load and one level lookup
+    per 64 codes (on, the default) or the generic unpack path (off; MIXQRT_Q2C_MV=0 starts a process
+    with it off). Same integer sums; the float accumulation order differs. on=None only queries.
+    Returns the previous state."""
+    return bool(mq_set_q2c_mv(-1 if on is None else (1 if on else 0)))
+
+
 cdef size_t _decode_chunk = 256 << 10   # bytes per chunk of a decode product's rows (0: static halves)
 
 

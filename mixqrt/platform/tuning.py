@@ -60,6 +60,11 @@ SWITCHES: tuple[Switch, ...] = (
            "unpack path)", "C: _ops.set_lean_mv", "set_lean_mv"),
     Switch("MIXQRT_Q6_FOLD", 1, "bool", "AVX-512 q6 decode of short rows by the 4-row fold mv_q6f (0: the "
            "unpack path)", "C: _ops.set_q6_fold", "set_q6_fold"),
+    Switch("MIXQRT_MV_XPF", 1, "bool", "AVX-512 q4x / q6x decode with a software prefetch into L2, "
+           "MIXQRT_Q3X_PF bytes ahead (0: the hardware prefetcher alone); the same bits", "C: _ops.set_mv_xpf",
+           "set_mv_xpf"),
+    Switch("MIXQRT_Q2C_MV", 1, "bool", "AVX-512 q2c decode by whole blocks of 4 rows, mv_q2c (0: the generic "
+           "unpack path)", "C: _ops.set_q2c_mv", "set_q2c_mv"),
     Switch("MIXQRT_FEW_T", 1, "bool", "AVX-512 q4x / q6x / q3x products of 2-8 rows by the decode unpack "
            "(0: through the GEMM); the same bits", "C: _ops.set_few_t", "set_few_t"),
     Switch("MIXQRT_FLOAT_MV", 0, "bool", "AVX-512 4-row prefetched decode of f32 / f16 / bf16 weights (1) or "

@@ -108,6 +108,8 @@ int mq_set_lean_mv(int on) { return mq_avx512_set_lean_mv(on); }
 int mq_set_few_t(int on) { return mq_avx512_set_few_t(on); }
 int mq_set_float_mv(int on) { return mq_avx512_set_float_mv(on); }
 int mq_set_q6_fold(int on) { return mq_avx512_set_q6_fold(on); }
+int mq_set_q2c_mv(int on) { return mq_avx512_set_q2c_mv(on); }
+int mq_set_mv_xpf(int on) { return mq_avx512_set_mv_xpf(on); }
 void mq_set_float_pf(size_t nbytes) { mq_avx512_set_float_pf(nbytes); }
 #else
 /* the tier files compile to nothing off x86: their tuning knobs still exist (and do nothing) */
@@ -116,5 +118,7 @@ int mq_set_lean_mv(int on) { (void)on; return 0; }
 int mq_set_few_t(int on) { (void)on; return 0; }
 int mq_set_float_mv(int on) { (void)on; return 0; }
 int mq_set_q6_fold(int on) { (void)on; return 0; }
+int mq_set_q2c_mv(int on) { (void)on; return 0; }
+int mq_set_mv_xpf(int on) { (void)on; return 0; }
 void mq_set_float_pf(size_t nbytes) { (void)nbytes; }
 #endif

@@ -15,6 +15,8 @@ void mq_avx512_set_gemm_min_t(int t);
 int mq_avx512_set_few_t(int on);
 int mq_avx512_set_lean_mv(int on);
 int mq_avx512_set_q6_fold(int on);
+int mq_avx512_set_q2c_mv(int on);
+int mq_avx512_set_mv_xpf(int on);
 int mq_avx512_set_float_mv(int on);
 void mq_avx512_set_float_pf(size_t nbytes);
 #endif

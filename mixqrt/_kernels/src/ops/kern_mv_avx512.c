@@ -2,6 +2,10 @@
  * products (2 <= T <= MQ_FEW_T) of the interleaved formats. Internals: kern_avx512_impl.h. */
 #include "kern_avx512_impl.h"
 
+/* mv_q4x / mv_q6x software prefetch into L2, mv_q3x's distance (MIXQRT_Q3X_PF) ahead (MIXQRT_MV_XPF) */
+static int mq_mv_xpf = 1;
+int mq_avx512_set_mv_xpf(int on) { int old = mq_mv_xpf; if (on >= 0) mq_mv_xpf = on != 0; return old; }
+
 /* ------------------------------------------------------------------ decode: fused, 2 rows at once */
 /* pv[p]: dx of chunk 2p in lanes 0-7 and of 2p+1 in lanes 8-15, then s of 2p in lane 0 and of
  * 2p+1 in lane 8 (other lanes 0) */
@@ -386,6 +390,107 @@ static __attribute__((noinline)) void mv_q4c(const ctx_t *cx, const mq_mm_job *j
     if (n < n1) mv_fmt(cx, MQ_Q4, j, n, n1);
 }
 
+/* ------------------------------------------------------------------ decode: q2c, whole blocks
+ * q2c (2-bit codes, a u8 level table per 128-weight block: L = lut[q]; chunk bytes hold codes b,
+ * 8 + b, 16 + b, 24 + b at bits 0, 2, 4, 6) through the generic unpack ran at ~3.5 GB/s a thread, the
+ * slowest kernel of a MoE decode step (the routed experts' gate/up, docs/moe.md). Here a block of a
+ * row is one 32-byte broadcast load (lanes c0 c1 c2 c3 c0 c1 c2 c3, no shuffle): a per-qword shift by
+ * (0, 0, 0, 0, 2, 2, 2, 2) puts codes 0-7 of chunk c in qword c and 8-15 in qword 4 + c, a shift by
+ * (4, .., 6, ..) codes 16-31, and one vpermb on the block's level table broadcast as a dword
+ * (entry i = lut[i & 3]: the bits above a code are ignored) gives the levels. The activations are
+ * re-ordered to match once per call (xa). Two vpdpbusd per row and block; the 4 rows' 16 x 16 int32
+ * lanes are folded (4 lane shuffles, 4 unpacks, 3 adds) to lane 4k + e = row (e & 1 ? 2 : 0) + (k >> 1),
+ * chunk 2 (k & 1) + (e >> 1) of the block, converted once and scaled by d_row x dx_chunk; m x (sum of
+ * the block's 4 s) accumulates per row. Tail rows run as a tile of one row repeated: each lane
+ * depends on its own row only, so a row's bits do not depend on the tile it falls in. Chunk counts
+ * that are not whole blocks take mv_fmt. */
+static inline __attribute__((always_inline)) void
+q2c_tile(const uint8_t *const rp[4], int nb, const __m512i *xa, const __m512 *dxa, const float *sb,
+         float out[4], const size_t pd, const size_t rb, const int in_row, const size_t tile) {
+    const __m512i sh0 = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), sh1 = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+    /* d of row(lane) from (d0 m0 d1 m1 d2 m2 d3 m3): lane 4k + e -> 2 row */
+    const __m512i dsel = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 2, 6, 2, 6, 2, 6, 2, 6);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 am = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const size_t o = (size_t)b * MQ_Q2C_BLOCK;
+        if (in_row) {
+            size_t v = o + pd;
+            size_t pfo = v < rb ? v : v - rb + tile;   /* past the row: same row, next tile */
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(rp[i] + pfo), LEAN_PF_HINT);
+        }
+        __m512i I[4];
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *B = rp[i] + o;
+            const __m512i c = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(B + MQ_Q2C_HEADER)));
+            const __m512i lut = _mm512_set1_epi32((int)rd32(B + MQ_Q2C_LUT));
+            const __m512i l0 = _mm512_permutexvar_epi8(_mm512_srlv_epi64(c, sh0), lut);
+            const __m512i l1 = _mm512_permutexvar_epi8(_mm512_srlv_epi64(c, sh1), lut);
+            I[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), l0, xa[2 * b]), l1, xa[2 * b + 1]);
+        }
+        /* dword d of I[i]: chunk (d >> 1) & 3. Rows 0, 1 (2, 3): 128-bit lanes 0-1 + 2-3 of each */
+        const __m512i A = _mm512_add_epi32(_mm512_shuffle_i64x2(I[0], I[1], 0x44), _mm512_shuffle_i64x2(I[0], I[1], 0xEE));
+        const __m512i Bv = _mm512_add_epi32(_mm512_shuffle_i64x2(I[2], I[3], 0x44), _mm512_shuffle_i64x2(I[2], I[3], 0xEE));
+        const __m512i lo = _mm512_unpacklo_epi32(A, Bv), hi = _mm512_unpackhi_epi32(A, Bv);
+        const __m512i R = _mm512_add_epi32(_mm512_unpacklo_epi64(lo, hi), _mm512_unpackhi_epi64(lo, hi));
+        const __m128i h = _mm_setr_epi32((int)rd32(rp[0] + o), (int)rd32(rp[1] + o), (int)rd32(rp[2] + o), (int)rd32(rp[3] + o));
+        const __m256 dm = _mm256_cvtph_ps(h);   /* d0 m0 d1 m1 d2 m2 d3 m3 */
+        const __m512 wv = _mm512_mul_ps(_mm512_permutexvar_ps(dsel, _mm512_castps256_ps512(dm)), dxa[b]);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R), wv, acc);
+        am = _mm256_fmadd_ps(dm, _mm256_broadcast_ss(sb + b), am);   /* the d lanes collect junk, never read */
+    }
+    float t[16], u[8];
+    _mm512_storeu_ps(t, acc); _mm256_storeu_ps(u, am);
+    /* row 0: lanes 0 2 4 6, row 2: 1 3 5 7, row 1: 8 10 12 14, row 3: 9 11 13 15 */
+    static const int base[4] = {0, 8, 1, 9};
+    for (int i = 0; i < 4; i++) {
+        const float *q = t + base[i];
+        out[i] = ((q[0] + q[2]) + (q[4] + q[6])) + u[2 * i + 1];
+    }
+}
+
+static __attribute__((noinline)) void mv_q2c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const int8_t *q = j->a->q;
+    const int nb = j->nc / 4;
+    const size_t rb = j->row_bytes;
+    const float *dx = j->a->d, *s = j->a->s;
+    /* per block: the activations in the weights' qword order (2 zmm), dx of chunk(lane), sum of s */
+    uint8_t *scr = (uint8_t *)mq_scratch((size_t)nb * 196 + 128);
+    __m512i *xa = (__m512i *)(((uintptr_t)scr + 63) & ~(uintptr_t)63);
+    __m512 *dxa = (__m512 *)(xa + 2 * nb);
+    float *sb = (float *)(dxa + nb);
+    for (int b = 0; b < nb; b++) {
+        uint8_t *x0 = (uint8_t *)(xa + 2 * b), *x1 = (uint8_t *)(xa + 2 * b + 1);
+        const int8_t *xb = q + 128 * b;
+        for (int c = 0; c < 4; c++) {
+            memcpy(x0 + 8 * c, xb + 32 * c, 8); memcpy(x0 + 32 + 8 * c, xb + 32 * c + 8, 8);
+            memcpy(x1 + 8 * c, xb + 32 * c + 16, 8); memcpy(x1 + 32 + 8 * c, xb + 32 * c + 24, 8);
+        }
+        float f[16];
+        for (int l = 0; l < 16; l++) f[l] = dx[4 * b + 2 * ((l >> 2) & 1) + ((l & 3) >> 1)];   /* lane 4k + e: chunk 2 (k & 1) + (e >> 1) */
+        dxa[b] = _mm512_loadu_ps(f);
+        sb[b] = (s[4 * b] + s[4 * b + 1]) + (s[4 * b + 2] + s[4 * b + 3]);
+    }
+    const size_t pd = rb < LEAN_PF ? rb : LEAN_PF, tile = (size_t)NRL * rb;
+    const int in_row = tile > LEAN_SHORT_TILE;
+    const size_t tile_pf = tile * ((LEAN_TILE_PF + tile - 1) / tile);
+    float out[4];
+    int n = n0;
+    for (; n + NRL <= n1; n += NRL) {
+        const uint8_t *r = j->w + (size_t)n * rb;
+        if (!in_row) lean_tile_prefetch(r, tile, tile_pf, cx->end);
+        const uint8_t *rp[4] = {r, r + rb, r + 2 * rb, r + 3 * rb};
+        q2c_tile(rp, nb, xa, dxa, sb, out, pd, rb, in_row, tile);
+        for (int i = 0; i < 4; i++) j->y[n + i] = out[i];
+    }
+    for (; n < n1; n++) {
+        const uint8_t *r = j->w + (size_t)n * rb;
+        const uint8_t *rp[4] = {r, r, r, r};
+        q2c_tile(rp, nb, xa, dxa, sb, out, pd, rb, 0, tile);
+        j->y[n] = out[0];
+    }
+}
+
 /* q6 with an even chunk count: mv_q3c's 4-row fold of the float work (lanes 4j + r, j < 2 chunk A
  * of the pair, else chunk B) on mv_lean's q6 unpack; the 4 rows' 8 fp16 scales (d of both blocks)
  * are gathered by scalar loads into one xmm, the offset term (-32 d s) accumulates in one ymm.
@@ -458,10 +563,14 @@ static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
     const float *dx = j->a->d, *sx = j->a->s;
     const int nc = j->nc;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
+    const size_t pfd = mq_mv_xpf ? mq_q3x_prefetch() : 0;
+    const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int c = 0; c < nc; c++, b += MQ_Q4X_CHUNK) {
+            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             const uint32_t *xc = x32 + 8 * c;
@@ -489,10 +598,14 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
     const int nc = j->nc;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m4h = _mm512_set1_epi8((char)0xf0);
     const __m512i mf[4] = {_mm512_set1_epi8(0x03), _mm512_set1_epi8(0x0c), _mm512_set1_epi8(0x30), _mm512_set1_epi8((char)0xc0)};
+    const size_t pfd = mq_mv_xpf ? mq_q3x_prefetch() : 0;
+    const uint8_t *end = j->w + (size_t)n1 * j->row_bytes;
     for (int g0 = n0; g0 < n1; g0 += MQ_XROWS) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int c = 0; c < nc; c++, b += MQ_Q6X_CHUNK) {
+            if (pfd && b + pfd + MQ_Q6X_CHUNK <= end)
+                for (int o = 0; o < MQ_Q6X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
             const uint32_t *xc = x32 + 8 * c;
             const __m512i z = _mm512_setzero_si512();
@@ -750,14 +863,17 @@ static int mq_lean_mv = 1;   /* the lean paths for q3p / q4 / q3u / q6 (MIXQRT_L
 static int mq_q6_fold = 1;   /* q6 short rows through mv_q6f (MIXQRT_Q6_FOLD=0: off) */
 int mq_avx512_set_lean_mv(int on) { int old = mq_lean_mv; if (on >= 0) mq_lean_mv = on != 0; return old; }
 int mq_avx512_set_q6_fold(int on) { int old = mq_q6_fold; if (on >= 0) mq_q6_fold = on != 0; return old; }
+static int mq_q2c_mv = 1;    /* q2c through mv_q2c (MIXQRT_Q2C_MV=0: the unpack path) */
+int mq_avx512_set_q2c_mv(int on) { int old = mq_q2c_mv; if (on >= 0) mq_q2c_mv = on != 0; return old; }
 
 /* the T = 1 kernel of a row-format product (mq_avx512_mv below and mq_avx512_rows_exact agree on it) */
-enum { MV_FMT, MV_Q3C, MV_Q4C, MV_Q6F, MV_LEAN };
+enum { MV_FMT, MV_Q3C, MV_Q4C, MV_Q6F, MV_LEAN, MV_Q2C };
 static int mv_kind(const mq_mm_job *j) {
     const int F = j->fmt, even = j->nc % 2 == 0, shortr = (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE;
     if (!mq_lean_mv) return MV_FMT;
     if (F == MQ_Q3P) return MV_Q3C;
     if (F == MQ_Q4 && even) return MV_Q4C;
+    if (F == MQ_Q2C && j->nc % 4 == 0 && mq_q2c_mv) return MV_Q2C;
     if (F == MQ_Q6 && even && shortr && mq_q6_fold) return MV_Q6F;
     if (F == MQ_Q3U || (F == MQ_Q6 && even && !shortr)) return MV_LEAN;
     return MV_FMT;
@@ -769,6 +885,7 @@ static int mv_kind(const mq_mm_job *j) {
     case MV_Q4C: mv_q4c(&cx, j, n0, n1); break; \
     case MV_Q6F: mv_q6f(&cx, j, n0, n1); break; \
     case MV_LEAN: mv_lean(&cx, F, j, n0, n1); break; \
+    case MV_Q2C: mv_q2c(&cx, j, n0, n1); break; \
     default: mv_fmt(&cx, F, j, n0, n1); \
     } \
     break;
