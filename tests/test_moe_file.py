@@ -83,4 +83,5 @@ def test_single_token_path_is_bit_identical(tmp_path, arch, monkeypatch):
             m(np.array([5, 77, 3]), cache, 0, last_only=True)
             got[fast] = np.stack([m(np.array([t]), cache, None, last_only=True) for t in (9, 123, 300, 7)])
         np.testing.assert_array_equal(got[True], got[False])
-        assert len(calls) == 4 * 2                  # 4 decode steps x 2 sparse layers, fast path only
+        # 4 decode steps x 2 sparse layers, fast path only, + the prompt's last layer (last row only)
+        assert len(calls) == 4 * 2 + 1

@@ -6,7 +6,7 @@ everything else runs the model through these methods, never through its private 
 
     n_layers, embed(ids) -> x [T, D], head(x) -> logits [T, V], make_cache(n), check_tokens(tokens)
     layer_forward(li, x, cache, pos0, positions)   layer li over T rows of one sequence, x in place
-    forward_hidden(ids, cache, pos0) -> x            every layer (fused native decode where it has one)
+    forward_hidden(ids, cache, pos0[, last_row]) -> x  every layer (fused native decode where it has one)
     begin_batch / layer_batch(li, x, step) / end_batch    one batched decode step, layer by layer
     attn_stage / ffn_stage, ffn_in / ffn_halves / ffn_out  a layer's two halves (core-slicing)
     layer_weights(li), named_weights()               the runtime tensors by spec name (fused targets

@@ -405,7 +405,8 @@ class Model:
         out = None if last_only else np.empty((t, self.args.vocab_size), dtype=np.float32)   # [T, V]
         for s in range(0, t, chunk_size):
             e = min(t, s + chunk_size)
-            h = self.forward_hidden(ids[s:e], cache, pos0 + s)                  # [t, D]
+            # the last chunk of a last_only call needs the last row only out of the last layer
+            h = self.forward_hidden(ids[s:e], cache, pos0 + s, last_row=last_only and e == t)   # [t, D]
             if last_only:
                 if e == t:
                     return self.head(h[-1:])[0]
@@ -413,9 +414,12 @@ class Model:
                 out[s:e] = self.head(h)
         return out
 
-    def forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int) -> np.ndarray:
+    def forward_hidden(self, ids: np.ndarray, cache: KVCache, pos0: int, last_row: bool = False) -> np.ndarray:
         """Hidden states [t, D] of checked ids at positions pos0..; writes the KV cache and advances it.
-        A single token runs the fused native layers where the model has them (the same bits)."""
+        A single token runs the fused native layers where the model has them (the same bits).
+        last_row: only the last row of the result is wanted (the logits of a prompt's last position):
+        the last layer's FFN then runs on that row alone (its attention still writes every row's K/V),
+        as llama.cpp's prompt processing does; the other rows of the result are not final."""
         x = self.embed(ids)                                                     # [t, D]
         if ids.size == 1 and ops.FUSED_DECODE and cache.dtype == np.float32:
             fused = self.fused_layers()
@@ -424,8 +428,13 @@ class Model:
                 cache.advance(pos0 + 1)
                 return x
         positions = self.positions(pos0, ids.size)
-        for li in range(len(self.layers)):
-            self.layer_forward(li, x, cache, pos0, positions)
+        n = len(self.layers)
+        for li in range(n):
+            if last_row and li == n - 1 and ids.size > 1:
+                self.attn_stage(li, x, cache, pos0, positions)
+                self.ffn_stage(li, x[-1:])                  # a view: the last row is updated in place
+            else:
+                self.layer_forward(li, x, cache, pos0, positions)
         cache.advance(pos0 + ids.size)
         return x
 
