@@ -196,11 +196,24 @@ def main(argv=None) -> int:
     ap.add_argument("--redo", default="", help="comma list: gguf,quantize,bench")
     ap.add_argument("--doc", default=str(_ROOT / "docs" / "moe.md"))
     ap.add_argument("--doc-only", action="store_true")
+    ap.add_argument("--depth-fit", default="", metavar="L1,L2",
+                    help="no benches: fit step time = fixed + layers x per-layer to the results of two --layers "
+                         "runs already in --work (same vocabulary) and project the full 24-layer model's decode "
+                         "and prefill per runtime into docs/moe.md's moe-projection table (labelled projected)")
     a = ap.parse_args(argv)
     from mixqrt.resolve import DEFAULT_RECIPE
     recipe = a.recipe or DEFAULT_RECIPE
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    if a.depth_fit:
+        pair = [int(v) for v in a.depth_fit.split(",")]
+        if len(pair) != 2 or pair[0] == pair[1] or min(pair) < 1:
+            raise SystemExit("--depth-fit wants two different layer counts, e.g. 1,4")
+        runs = {n: json.loads((work / f"results-l{n}-v{a.vocab}.json").read_text()) for n in pair}
+        block = depth_fit_block(runs, "python benchmarks/moe.py " + " ".join(sys.argv[1:] if argv is None else argv))
+        update_doc(a.doc, {"moe-projection": block}, title="Mixture of experts: Qwen1.5-MoE-A2.7B shape against llama.cpp")
+        print(block)
+        return 0
     tag = f"l{a.layers}-v{a.vocab}"
     rpath = work / f"results-{tag}.json"
     res = json.loads(rpath.read_text()) if rpath.exists() else {}
@@ -284,6 +297,55 @@ def main(argv=None) -> int:
     print(doc_blocks(res)["moe-results"])
     log(f"wrote {a.doc} and {data}")
     return 0
+
+
+# ----------------------------------------------------------------------------- depth projection
+def depth_fit(runs: dict, key: str, what: str, tokens: int = 1):
+    """Seconds per token (decode: tokens 1) or per prompt (prefill: tokens = n_prompt) at two layer counts
+    -> (fixed, per layer, projected at FULL_LAYERS) seconds, or None where a run lacks the row."""
+    (la, ra), (lb, rb) = sorted(runs.items())
+    va, vb = ra.get("bench", {}).get(key, {}).get(what), rb.get("bench", {}).get(key, {}).get(what)
+    if not va or not vb:
+        return None
+    ta, tb = tokens / va, tokens / vb
+    per = (tb - ta) / (lb - la)
+    fixed = ta - la * per
+    return fixed, per, fixed + FULL_LAYERS * per
+
+
+def depth_fit_block(runs: dict, command: str) -> str:
+    """The moe-projection table: per runtime, the measured step times at the two layer counts, the fitted
+    per-layer cost and the projected full-depth decode and prefill speed, and mixqrt's ratios."""
+    (la, ra), (lb, rb) = sorted(runs.items())
+    st = rb.get("settings", {})
+    n_prompt = st.get("n_prompt", 512)
+    keys = [k for k in st.get("types", []) if k in ra.get("bench", {})] + ["mixqrt"]
+    L = [f"- command: `{command}` (no benches of its own: a fit to the two runs below, both in `--work`)",
+         f"- runs: {la} layers ({ra.get('settings', {}).get('provenance', '').strip().splitlines()[-1].lstrip('- ')}) and "
+         f"{lb} layers ({st.get('provenance', '').strip().splitlines()[-1].lstrip('- ')})",
+         f"- model: step time = fixed + layers x per-layer, fitted to the two runs' tg{st.get('n_gen')} and "
+         f"pp{n_prompt} speeds; **projected** to the full {FULL_LAYERS} layers, not measured",
+         "", f"| file | tg at {la} / {lb} layers tok/s | decode ms per layer | **projected tg at {FULL_LAYERS} layers** | "
+             f"pp{n_prompt} at {la} / {lb} layers tok/s | prefill s per layer | **projected pp{n_prompt} at {FULL_LAYERS} layers** |",
+         "|---|---|---|---|---|---|---|"]
+    proj = {}
+    for k in keys:
+        d, p = depth_fit(runs, k, "tg_tok_s"), depth_fit(runs, k, "pp_tok_s", n_prompt)
+        proj[k] = (None if d is None else 1 / d[2], None if p is None else n_prompt / p[2])
+        label = f"llama.cpp {k}" if k != "mixqrt" else f"mixqrt {st.get('recipe')}"
+        va = [r.get("bench", {}).get(k, {}) for r in (ra, rb)]
+        L.append(f"| {label} | {_f(va[0].get('tg_tok_s'), '{:.1f}')} / {_f(va[1].get('tg_tok_s'), '{:.1f}')} | "
+                 f"{_f(None if d is None else d[1] * 1e3)} | **{_f(proj[k][0], '{:.1f}')}** | "
+                 f"{_f(va[0].get('pp_tok_s'), '{:.0f}')} / {_f(va[1].get('pp_tok_s'), '{:.0f}')} | "
+                 f"{_f(None if p is None else p[1], '{:.3f}')} | **{_f(proj[k][1], '{:.0f}')}** |")
+    other = [k for k in keys if k != "mixqrt" and proj[k][0]]
+    if other and proj["mixqrt"][0]:
+        tg_best = max(other, key=lambda k: proj[k][0])
+        pp_best = max(other, key=lambda k: proj[k][1] or 0)
+        L += ["", f"Projected at {FULL_LAYERS} layers: mixqrt decode **{proj['mixqrt'][0] / proj[tg_best][0]:.2f}x** "
+                  f"llama.cpp's faster type there ({tg_best}), prefill **{proj['mixqrt'][1] / proj[pp_best][1]:.2f}x** "
+                  f"({pp_best})."]
+    return "\n".join(L)
 
 
 # ----------------------------------------------------------------------------- the page

@@ -514,6 +514,45 @@ def gelu_tanh_mul(gate, up) -> np.ndarray:
             * np.asarray(up, dtype=np.float32)).astype(np.float32, copy=False)
 
 
+def router_logits(w, x) -> np.ndarray:
+    """x [T, K] (or [K]) @ w [N, K]^T for a mixture-of-experts router: the same bits on every ISA tier
+    and in ops_ref (products exact in float64, a fixed summation order), so the experts a token is
+    routed to do not depend on the CPU. w: a float array or a QTensor (a packed router, from a
+    --tensor-type override, is dequantized once and cached, like the kernel arguments)."""
+    w = _router_f32(w)
+    x = np.asarray(x, dtype=np.float32)
+    x2 = np.ascontiguousarray(x.reshape(1, -1) if x.ndim == 1 else x)
+    if w.ndim != 2 or x2.ndim != 2 or x2.shape[1] != w.shape[1]:
+        raise KernelError(f"router_logits: x {x.shape} against a router {w.shape}")
+    if _ops is None:
+        y = ops_ref.router_logits(w, x2)
+    else:
+        y = _ops.dot_rows(w, x2, np.empty((x2.shape[0], w.shape[0]), np.float32))
+    return y.reshape(-1) if x.ndim == 1 else y
+
+
+_ROUTER_CACHE: dict = {}
+
+
+def _router_f32(w) -> np.ndarray:
+    """w as a C-contiguous float32 array; other dtypes and QTensors converted once (cached per object,
+    validated by its identity, bounded like _ARGS_CACHE)."""
+    if isinstance(w, np.ndarray) and w.dtype == np.float32 and w.flags.c_contiguous:
+        return w
+    hit = _ROUTER_CACHE.get(id(w))
+    if hit is not None and hit[0] is w:
+        return hit[1]
+    if isinstance(w, np.ndarray):
+        f32 = np.ascontiguousarray(w, dtype=np.float32)
+    else:
+        from mixqrt.formats import codec
+        f32 = np.ascontiguousarray(codec.dequantize(w), dtype=np.float32)
+    if len(_ROUTER_CACHE) > 256:
+        _ROUTER_CACHE.clear()
+    _ROUTER_CACHE[id(w)] = (w, f32)
+    return f32
+
+
 def silu_mul(gate, up, out=None) -> np.ndarray:
     if (isinstance(gate, np.ndarray) and isinstance(up, np.ndarray) and gate.ndim == 2 and gate.shape == up.shape
             and gate.dtype == np.float32 and up.dtype == np.float32 and gate.strides[1] == 4 and up.strides[1] == 4

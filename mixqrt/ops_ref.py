@@ -63,6 +63,24 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, inv_freq=None) -> n
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
 
 
+def router_logits(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ w [N, K]^T as the kernels' mq_dot_rows computes it, bit for bit: float products exact in
+    float64, lane l (l < 8) sums k = l mod 8 in order (the K % 8 tail into lane 0), the 8 lanes in a
+    fixed tree, one rounding to float32."""
+    w64 = np.asarray(w, dtype=np.float32).astype(np.float64)
+    x64 = np.asarray(x, dtype=np.float32).astype(np.float64)
+    n, k = w64.shape
+    k8 = k // 8 * 8
+    p = x64[:, None, :] * w64[None, :, :]                                   # [T, N, K], exact
+    lanes = np.zeros(p.shape[:2] + (8,))
+    if k8:
+        lanes = np.cumsum(p[..., :k8].reshape(p.shape[0], n, k8 // 8, 8), axis=2)[:, :, -1, :]   # in order
+    for i in range(k8, k):
+        lanes[..., 0] = lanes[..., 0] + p[..., i]
+    a = lanes
+    return (((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))).astype(np.float32)
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     g = gate.astype(np.float64)
     return (g / (1.0 + np.exp(-g)) * up).astype(np.float32)

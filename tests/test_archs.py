@@ -320,6 +320,203 @@ def test_moe_grouped_by_expert_equals_token_by_token(t, ek, shared, seed):
     assert top.shape == (t, k)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 130), st.integers(1, 2100), st.integers(1, 5), st.integers(0, 2**31))
+def test_router_scores_are_the_same_bits_on_every_tier(n, k, t, seed):
+    """ops.router_logits (a MoE router's scores) gives the same bits on every ISA tier and in ops_ref,
+    for odd widths too, so the experts a token is routed to never depend on the CPU; the matmul
+    kernels' float products do not promise that."""
+    import mixqrt.platform.isa as isa
+    from mixqrt import ops, ops_ref
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = (rng.standard_normal((t, k)) * 3).astype(np.float32)
+    want = ops_ref.router_logits(w, x)
+    np.testing.assert_allclose(want, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    before = isa.current()
+    try:
+        for tier in isa.available():
+            isa.set_isa(tier)
+            np.testing.assert_array_equal(ops.router_logits(w, x), want, err_msg=tier)
+            np.testing.assert_array_equal(ops.router_logits(w, x[0]), want[0], err_msg=tier)
+    finally:
+        isa.set_isa(before)
+
+
+@pytest.mark.parametrize("arch,extra,field", [
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": -1, "low_freq_factor": 1, "high_freq_factor": 4,
+                                "original_max_position_embeddings": 64}}, "rope_scaling.factor"),
+    ("gemma3", {"layer_types": ["full_attention"]}, "layer_types"),
+    ("gemma3", {"sliding_window": 0}, "sliding_window"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
+    ("qwen3", {"head_dim": 7}, "head_dim"),
+])
+def test_bad_config_names_the_field(tmp_path, arch, extra, field):
+    d = make_tiny_hf_model(tmp_path, arch=arch, dtype="f32", config_extra=extra)
+    with pytest.raises(ModelError, match=field.replace(".", r"\.")):
+        with HFSource(d) as src:
+            load_f32(src)
+
+
+# ----------------------------------------------------------------------------- SentencePiece GGUF vocabularies
+def _spm_meta():
+    """A small Gemma-style vocabulary: controls, 256 byte tokens, pieces with scores (higher merges first)."""
+    pieces = ["\u2581", "a", "b", "c", "\u2581a", "ab", "bc", "abc", "\u2581ab", "ca", "\u2581\u2581", "cab", "bb"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces)
+    rng = np.random.default_rng(0)
+    scores = [-1000.0] * 4 + [0.0] * 256 + list(-rng.permutation(len(pieces)).astype(float) - 1)
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": np.array(types, dtype=np.int32),
+            "tokenizer.ggml.scores": np.array(scores, dtype=np.float32), "tokenizer.ggml.bos_token_id": 2,
+            "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_space_prefix": False}
+
+
+def _spm_reference(meta, text):
+    """llama.cpp's SPM tokenizer: join the adjacent pair whose join is a normal token of the highest
+    score (leftmost on ties) until none is; pieces not in the vocabulary as their UTF-8 bytes."""
+    tokens, types, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], \
+        meta["tokenizer.ggml.scores"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    sym = list(text.replace(" ", "\u2581"))
+    while True:
+        best = None
+        for j in range(len(sym) - 1):
+            i = vocab.get(sym[j] + sym[j + 1])
+            if i is not None and types[i] == 1 and (best is None or scores[i] > best[0]):
+                best = (scores[i], j)
+        if best is None:
+            break
+        j = best[1]
+        sym[j:j + 2] = [sym[j] + sym[j + 1]]
+    out = []
+    for s in sym:
+        out.extend([vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()])
+    return out
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abc é", max_size=24))
+def test_spm_gguf_tokenizer_is_llama_cpps(text):
+    from mixqrt.tokenizer import Tokenizer
+    meta = _spm_meta()
+    tok = _SPM.get("tok") or _SPM.setdefault("tok", Tokenizer.from_gguf_metadata(meta))
+    assert tok.encode(text, parse_special=False) == _spm_reference(meta, text)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode(text, add_special_tokens=True)[:1] == [2]
+
+
+_SPM: dict = {}
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 8), st.data())
+def test_route_top_k_with_ties(t, e, data):
+    """route(): the k largest softmax probabilities, lower expert index first among equal ones,
+    weights renormalised only with norm_topk_prob; logits drawn from few values so ties are common."""
+    from mixqrt.models.moe import route
+    k = data.draw(st.integers(1, e))
+    logits = np.array(data.draw(st.lists(st.lists(st.sampled_from([-2.0, 0.0, 0.5, 3.0]), min_size=e, max_size=e),
+                                         min_size=t, max_size=t)), dtype=np.float32)
+    top, w = route(logits, k, False)
+    top_n, w_n = route(logits, k, True)
+    assert top.shape == (t, k) and np.array_equal(top, top_n)
+    for r in range(t):
+        order = sorted(range(e), key=lambda i: (-logits[r, i], i))[:k]     # exact ties: by index
+        assert list(top[r]) == order
+        p = np.exp(logits[r].astype(np.float64) - logits[r].max())
+        p /= p.sum()
+        np.testing.assert_allclose(w[r], p[order], rtol=1e-6)
+        np.testing.assert_allclose(w_n[r].sum(), 1.0, rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 9), st.sampled_from([(4, 1), (4, 2), (4, 4), (3, 2)]), st.booleans(), st.integers(0, 1000))
+def test_moe_grouped_by_expert_equals_token_by_token(t, ek, shared, seed):
+    """Tokens that share experts are run together (one product per expert over its tokens): the same
+    result as each token through its own experts."""
+    from mixqrt.models.moe import Experts, moe_ffn, route
+    e, k = ek
+    rng = np.random.default_rng(seed)
+    d, i = 16, 8
+    ex = Experts(rng.standard_normal((e, d)).astype(np.float32),
+                 [rng.standard_normal((i, d)).astype(np.float32) for _ in range(e)],
+                 [rng.standard_normal((i, d)).astype(np.float32) for _ in range(e)],
+                 [rng.standard_normal((d, i)).astype(np.float32) for _ in range(e)],
+                 tuple(rng.standard_normal(s).astype(np.float32) for s in ((i, d), (i, d), (d, i))) if shared else None,
+                 rng.standard_normal((1, d)).astype(np.float32) if shared else None)
+    h = rng.standard_normal((t, d)).astype(np.float32)
+    got = moe_ffn(ex, h, k, True)
+    for r in range(t):
+        one = moe_ffn(ex, h[r:r + 1], k, True)
+        np.testing.assert_allclose(got[r], one[0], rtol=1e-5, atol=1e-5)
+    top, _ = route(h @ ex.router.T, k, True)
+    assert top.shape == (t, k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 130), st.integers(1, 2100), st.integers(1, 5), st.integers(0, 2**31))
+def test_router_scores_are_the_same_bits_on_every_tier(n, k, t, seed):
+    """ops.router_logits (a MoE router's scores) gives the same bits on every ISA tier and in ops_ref,
+    for odd widths too, so the experts a token is routed to never depend on the CPU; the matmul
+    kernels' float products do not promise that."""
+    import mixqrt.platform.isa as isa
+    from mixqrt import ops, ops_ref
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = (rng.standard_normal((t, k)) * 3).astype(np.float32)
+    want = ops_ref.router_logits(w, x)
+    np.testing.assert_allclose(want, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+    before = isa.current()
+    try:
+        for tier in isa.available():
+            isa.set_isa(tier)
+            np.testing.assert_array_equal(ops.router_logits(w, x), want, err_msg=tier)
+            np.testing.assert_array_equal(ops.router_logits(w, x[0]), want[0], err_msg=tier)
+    finally:
+        isa.set_isa(before)
+
+
+def test_moe_model_routes_alike_on_every_tier(tmp_path):
+    """A packed (2356t) MoE model: the experts each token of a prompt and of decode steps is routed to
+    are the same on every ISA tier (the routes recorded through moe.route)."""
+    import mixqrt
+    import mixqrt.platform.isa as isa
+    from mixqrt.models import moe
+    from mixqrt.quantize.convert import quantize_model
+    src = make_tiny_hf_model(tmp_path / "hf", arch="qwen2_moe", dtype="f32")
+    out = tmp_path / "m.mxq"
+    quantize_model(str(src), "2356t", out, progress=False)
+    m = mixqrt.load(str(out)).model
+    route, before, seen = moe.route, isa.current(), {}
+    try:
+        for tier in isa.available():
+            isa.set_isa(tier)
+            got = seen[tier] = []
+            moe.route = lambda z, k, norm: got.append(route(z, k, norm)[0]) or route(z, k, norm)
+            cache = m.make_cache(32)
+            m(np.array([5, 77, 3, 9, 41]), cache, 0, last_only=True)
+            for tok in (9, 123, 300):
+                m(np.array([tok]), cache, None, last_only=True)
+            moe.route = route
+    finally:
+        moe.route = route
+        isa.set_isa(before)
+    tiers = list(seen)
+    for tier in tiers[1:]:
+        assert len(seen[tier]) == len(seen[tiers[0]])
+        for a, b in zip(seen[tier], seen[tiers[0]]):
+            np.testing.assert_array_equal(a, b, err_msg=tier)
+
+
 @pytest.mark.parametrize("arch,extra,field", [
     ("qwen3_moe", {"num_experts": 0}, "num_experts"),
     ("qwen3_moe", {"num_experts": -2}, "num_experts"),

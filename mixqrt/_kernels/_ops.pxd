@@ -71,6 +71,7 @@ cdef extern from "mq_ops.h" nogil:
     void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps)
     void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta)
     void mq_silu_mul(const float *g, const float *u, float *y, size_t n)
+    void mq_dot_rows(const float *w, const float *x, float *y, int N, int K, int T)
     void mq_hadamard(const float *x, float *y, const float *s, int T, int K, int b, float scale)
     void mq_softmax_rows(float *x, int rows, int n, int fast)
     void mq_softmax_causal(float *x, int n, int T, int pos0, int r0, int r1)

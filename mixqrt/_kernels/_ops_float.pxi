@@ -116,6 +116,22 @@ def rope_(cnp.ndarray x, cnp.ndarray pos, double theta, int threads=0):
     return x
 
 
+def dot_rows(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out):
+    """out [T, N] = x [T, K] @ w [N, K]^T, float32 C-contiguous, the same bits on every ISA tier
+    (products exact in double, 8 lanes summed in a fixed order): a MoE router's scores."""
+    _f32c(w, "w"); _f32c(x, "x"); _f32c(out, "out")
+    if w.ndim != 2 or x.ndim != 2 or out.ndim != 2 or x.shape[1] != w.shape[1] \
+            or out.shape[0] != x.shape[0] or out.shape[1] != w.shape[0]:
+        raise ValueError("dot_rows: w [N, K], x [T, K] and out [T, N]")
+    cdef const float *pw = <const float*>_ptr(w)
+    cdef const float *px = <const float*>_ptr(x)
+    cdef float *po = <float*>_ptr(out)
+    cdef int N = w.shape[0], K = w.shape[1], T = x.shape[0]
+    with nogil:
+        mq_dot_rows(pw, px, po, N, K, T)
+    return out
+
+
 def silu_mul(cnp.ndarray g, cnp.ndarray u, cnp.ndarray out):
     _f32c(g, "gate"); _f32c(u, "up"); _f32c(out, "out")
     if g.size != u.size or out.size != g.size:

@@ -54,7 +54,8 @@ _HOOK = threading.local()
 
 @contextmanager
 def product_inputs(fn, *, prefetch: bool = True):
-    """Within the block, each product the model graph makes (ops.matmul) first calls fn(w, x): w the
+    """Within the block, each product the model graph makes (ops.matmul, and ops.router_logits for a
+    MoE router) first calls fn(w, x): w the
     weight object multiplied, x its input [T, K] as the weight sees it (for a down projection fed the
     fused gate-up output, silu=True, the SiLU product). fn may raise to stop the forward right there.
     prefetch=False drops the gap-prefetch hint (then=), whose weight may be a placeholder.
@@ -63,7 +64,7 @@ def product_inputs(fn, *, prefetch: bool = True):
     them), so what calibration records is what the forward multiplies. Not reentrant across threads:
     the graph must run on the calling thread (the forward does; core-slicing runners do not)."""
     from mixqrt import ops
-    orig = ops.matmul
+    orig, orig_router = ops.matmul, ops.router_logits
 
     def matmul(w, x, out=None, then=None, silu=False):
         if not getattr(_HOOK, "inside", False):      # ops.matmul's own fallbacks call matmul again
@@ -79,8 +80,12 @@ def product_inputs(fn, *, prefetch: bool = True):
         finally:
             _HOOK.inside = False
 
-    ops.matmul = matmul
+    def router_logits(w, x):              # a MoE router's product (tier-exact, not ops.matmul)
+        fn(w, x)
+        return orig_router(w, x)
+
+    ops.matmul, ops.router_logits = matmul, router_logits
     try:
         yield
     finally:
-        ops.matmul = orig
+        ops.matmul, ops.router_logits = orig, orig_router

@@ -4,8 +4,10 @@ token; each expert is a SiLU-gated FFN; Qwen2-MoE adds a shared expert scaled by
 `MoEMixin` goes before the attention graph's Model in a subclass (qwen2_moe.py, qwen3_moe.py): it
 replaces the FFN of the sparse layers (spec.MoELayout.sparse) and keeps the dense ones. Prefill
 groups a chunk's tokens by expert and runs one product per expert over its tokens; decode reads only
-the selected experts. Routing runs in numpy float32 (the same on every ISA tier): ties between equal
-probabilities go to the lower expert index.
+the selected experts. Routing is the same on every ISA tier: the router's scores come from
+ops.router_logits (float products exact in float64, one summation order: bit-identical on every tier,
+where the matmul kernels fold in a tier's own order), softmax and top-k in numpy float32; ties between
+equal probabilities go to the lower expert index.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def _mlp_one(gate, up, down, h, buf):
 
 def _moe_one(ex: Experts, h: np.ndarray, k: int, norm_topk_prob: bool) -> np.ndarray:
     """moe_ffn for a single token: the experts in ascending index order (the order moe_ffn adds them)."""
-    top, w = route(ops.matmul(ex.router, h), k, norm_topk_prob)
+    top, w = route(ops.router_logits(ex.router, h), k, norm_topk_prob)
     order = np.argsort(top[0], kind="stable")
     es, ws = top[0][order].tolist(), w[0][order]
     x = h.reshape(-1)
@@ -111,7 +113,7 @@ def moe_ffn(ex: Experts, h: np.ndarray, k: int, norm_topk_prob: bool) -> np.ndar
     the tokens routed to it; a token's expert outputs are added in ascending expert order."""
     if h.shape[0] == 1 and FAST_DECODE and ops._ops is not None:
         return _moe_one(ex, h, k, norm_topk_prob)
-    top, w = route(ops.matmul(ex.router, h), k, norm_topk_prob)
+    top, w = route(ops.router_logits(ex.router, h), k, norm_topk_prob)
     out = np.zeros_like(h)
     for e in np.unique(top):
         rows, slot = np.nonzero(top == e)

@@ -9,6 +9,7 @@
 MQ_DECL(float, mq_expf_fast_, (float x))
 MQ_DECL(void, mq_rmsnorm_, (const float *x, const float *w, float *y, int T, int D, float eps))
 MQ_DECL(void, mq_silu_mul_, (const float *g, const float *u, float *y, size_t n))
+MQ_DECL(void, mq_dot_rows_, (const float *w, const float *x, float *y, int N, int K, int T))
 MQ_DECL(void, mq_hadamard_, (const float *x, float *y, const float *s, int T, int K, int b, float scale))
 MQ_DECL(void, mq_softmax_rows_, (float *x, int rows, int n, int fast))
 MQ_DECL(void, mq_softmax_causal_, (float *x, int n, int T, int pos0, int r0, int r1))
@@ -27,6 +28,7 @@ MQ_DECL(void, mq_attention_, (const float *q, const void *k, const void *v, int 
 float mq_expf_fast(float x) { MQ_DISPATCH(mq_expf_fast_, x); }
 void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps) { MQ_DISPATCH(mq_rmsnorm_, x, w, y, T, D, eps); }
 void mq_silu_mul(const float *g, const float *u, float *y, size_t n) { MQ_DISPATCH(mq_silu_mul_, g, u, y, n); }
+void mq_dot_rows(const float *w, const float *x, float *y, int N, int K, int T) { MQ_DISPATCH(mq_dot_rows_, w, x, y, N, K, T); }
 void mq_hadamard(const float *x, float *y, const float *s, int T, int K, int b, float scale) {
     MQ_DISPATCH(mq_hadamard_, x, y, s, T, K, b, scale);
 }

@@ -139,6 +139,25 @@ void MQ_FN(mq_rmsnorm_)(const float *x, const float *w, float *y, int T, int D, 
     }
 }
 
+/* y[t, n] = sum_k w[n, k] x[t, k] for a router (a MoE's expert scores): every product of two floats is
+ * exact in double, 8 double lanes (lane l takes k = l mod 8, in order) are summed in a fixed tree, one
+ * rounding to float at the end. gcc vectorizes the lanes without reassociating and a contracted FMA
+ * rounds an exact product the same way, so every tier gives the same bits (the packed and float
+ * matmul kernels fold in a tier's own order, and a router's top-k must not depend on the CPU). */
+void MQ_FN(mq_dot_rows_)(const float *w, const float *x, float *y, int N, int K, int T) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * K;
+        for (int n = 0; n < N; n++) {
+            const float *wr = w + (size_t)n * K;
+            double a[8] = {0};
+            int i = 0;
+            for (; i + 8 <= K; i += 8) for (int l = 0; l < 8; l++) a[l] += (double)wr[i + l] * (double)xr[i + l];
+            for (; i < K; i++) a[0] += (double)wr[i] * (double)xr[i];
+            y[(size_t)t * N + n] = (float)(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
+        }
+    }
+}
+
 void MQ_FN(mq_silu_mul_)(const float *g, const float *u, float *y, size_t n) {
     float ng[256], e[256];
     for (size_t i0 = 0; i0 < n; i0 += 256) {
