@@ -516,7 +516,7 @@ def gelu_tanh_mul(gate, up) -> np.ndarray:
 
 def router_logits(w, x) -> np.ndarray:
     """x [T, K] (or [K]) @ w [N, K]^T for a mixture-of-experts router: the same bits on every ISA tier
-    and in ops_ref (products exact in float64, a fixed summation order), so the experts a token is
+    and in ops_ref (float32 in one fixed summation order, no FMA contraction), so the experts a token is
     routed to do not depend on the CPU. w: a float array or a QTensor (a packed router, from a
     --tensor-type override, is dequantized once and cached, like the kernel arguments)."""
     w = _router_f32(w)

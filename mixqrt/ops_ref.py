@@ -64,21 +64,24 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, inv_freq=None) -> n
 
 
 def router_logits(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """x [T, K] @ w [N, K]^T as the kernels' mq_dot_rows computes it, bit for bit: float products exact in
-    float64, lane l (l < 8) sums k = l mod 8 in order (the K % 8 tail into lane 0), the 8 lanes in a
-    fixed tree, one rounding to float32."""
-    w64 = np.asarray(w, dtype=np.float32).astype(np.float64)
-    x64 = np.asarray(x, dtype=np.float32).astype(np.float64)
-    n, k = w64.shape
-    k8 = k // 8 * 8
-    p = x64[:, None, :] * w64[None, :, :]                                   # [T, N, K], exact
-    lanes = np.zeros(p.shape[:2] + (8,))
-    if k8:
-        lanes = np.cumsum(p[..., :k8].reshape(p.shape[0], n, k8 // 8, 8), axis=2)[:, :, -1, :]   # in order
-    for i in range(k8, k):
-        lanes[..., 0] = lanes[..., 0] + p[..., i]
-    a = lanes
-    return (((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))).astype(np.float32)
+    """x [T, K] @ w [N, K]^T as the kernels' mq_dot_rows computes it, bit for bit, in float32: lane l
+    (l < 16) sums the rounded products of k = l mod 16 in order (the K % 16 tail into lane 0), then
+    the 16 lanes in a fixed tree."""
+    w = np.asarray(w, dtype=np.float32)
+    x = np.asarray(x, dtype=np.float32)
+    n, k = w.shape
+    k16 = k // 16 * 16
+    p = x[:, None, :] * w[None, :, :]                                       # [T, N, K] float32 products
+    a = np.zeros(p.shape[:2] + (16,), np.float32)
+    if k16:
+        a = np.cumsum(p[..., :k16].reshape(p.shape[0], n, k16 // 16, 16), axis=2, dtype=np.float32)[:, :, -1, :]
+    a = np.array(a, dtype=np.float32)
+    for i in range(k16, k):
+        a[..., 0] = a[..., 0] + p[..., i]
+
+    def s(i, j):
+        return a[..., i] + a[..., j]
+    return ((((s(0, 1) + s(2, 3)) + (s(4, 5) + s(6, 7))) + ((s(8, 9) + s(10, 11)) + (s(12, 13) + s(14, 15)))))
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

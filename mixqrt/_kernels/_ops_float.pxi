@@ -118,7 +118,7 @@ def rope_(cnp.ndarray x, cnp.ndarray pos, double theta, int threads=0):
 
 def dot_rows(cnp.ndarray w, cnp.ndarray x, cnp.ndarray out):
     """out [T, N] = x [T, K] @ w [N, K]^T, float32 C-contiguous, the same bits on every ISA tier
-    (products exact in double, 8 lanes summed in a fixed order): a MoE router's scores."""
+    (16 float lanes summed in a fixed order, no FMA contraction): a MoE router's scores."""
     _f32c(w, "w"); _f32c(x, "x"); _f32c(out, "out")
     if w.ndim != 2 or x.ndim != 2 or out.ndim != 2 or x.shape[1] != w.shape[1] \
             or out.shape[0] != x.shape[0] or out.shape[1] != w.shape[0]:

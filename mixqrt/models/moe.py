@@ -5,7 +5,7 @@ token; each expert is a SiLU-gated FFN; Qwen2-MoE adds a shared expert scaled by
 replaces the FFN of the sparse layers (spec.MoELayout.sparse) and keeps the dense ones. Prefill
 groups a chunk's tokens by expert and runs one product per expert over its tokens; decode reads only
 the selected experts. Routing is the same on every ISA tier: the router's scores come from
-ops.router_logits (float products exact in float64, one summation order: bit-identical on every tier,
+ops.router_logits (float32 in one summation order, no FMA contraction: bit-identical on every tier,
 where the matmul kernels fold in a tier's own order), softmax and top-k in numpy float32; ties between
 equal probabilities go to the lower expert index.
 """

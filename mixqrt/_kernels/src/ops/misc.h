@@ -8,7 +8,7 @@
 void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps);
 void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta);
 void mq_silu_mul(const float *g, const float *u, float *y, size_t n);
-/* y [T, N] = x [T, K] w [N, K]^T, the same bits on every tier (double lanes in a fixed order): routers */
+/* y [T, N] = x [T, K] w [N, K]^T, the same bits on every tier (16 float lanes in a fixed order): routers */
 void mq_dot_rows(const float *w, const float *x, float *y, int N, int K, int T);
 /* y = H_b (s * x) per block of b (a power of two dividing K), H_b scaled by `scale`; s may be NULL */
 void mq_hadamard(const float *x, float *y, const float *s, int T, int K, int b, float scale);

@@ -139,21 +139,47 @@ void MQ_FN(mq_rmsnorm_)(const float *x, const float *w, float *y, int T, int D, 
     }
 }
 
-/* y[t, n] = sum_k w[n, k] x[t, k] for a router (a MoE's expert scores): every product of two floats is
- * exact in double, 8 double lanes (lane l takes k = l mod 8, in order) are summed in a fixed tree, one
- * rounding to float at the end. gcc vectorizes the lanes without reassociating and a contracted FMA
- * rounds an exact product the same way, so every tier gives the same bits (the packed and float
- * matmul kernels fold in a tier's own order, and a router's top-k must not depend on the CPU). */
+/* y[t, n] = sum_k w[n, k] x[t, k] for a router (a MoE's expert scores) in float32 with a fixed order:
+ * lane l (l < 16) sums the rounded products of k = l mod 16 in order (the K % 16 tail into lane 0),
+ * then the 16 lanes in a fixed tree. gcc vectorizes the lanes without reassociating and nothing is
+ * contracted into an FMA (-ffp-contract=off), so every tier gives the same bits (the packed and float
+ * matmul kernels fold in a tier's own order, and a router's top-k must not depend on the CPU).
+ * The AVX2 / AVX-512 lanes are the same sums in ymm / zmm registers. */
+static inline float MQ_FN(tree16_)(const float *a) {
+    return (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])))
+         + (((a[8] + a[9]) + (a[10] + a[11])) + ((a[12] + a[13]) + (a[14] + a[15])));
+}
+
+/* the 16 lanes of one row: a[l] = sum over i of w[16 i + l] x[16 i + l], each product rounded, in order */
+static inline void MQ_FN(lanes16_)(const float *w0, const float *xr, int k16, float *a) {
+#if defined(__AVX512F__)
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < k16; i += 16) s = _mm512_add_ps(s, _mm512_mul_ps(_mm512_loadu_ps(w0 + i), _mm512_loadu_ps(xr + i)));
+    _mm512_storeu_ps(a, s);
+#elif defined(__AVX2__)
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (int i = 0; i < k16; i += 16) {
+        s0 = _mm256_add_ps(s0, _mm256_mul_ps(_mm256_loadu_ps(w0 + i), _mm256_loadu_ps(xr + i)));
+        s1 = _mm256_add_ps(s1, _mm256_mul_ps(_mm256_loadu_ps(w0 + i + 8), _mm256_loadu_ps(xr + i + 8)));
+    }
+    _mm256_storeu_ps(a, s0); _mm256_storeu_ps(a + 8, s1);
+#else
+    for (int l = 0; l < 16; l++) a[l] = 0.0f;
+    for (int i = 0; i < k16; i += 16)
+        for (int l = 0; l < 16; l++) a[l] += w0[i + l] * xr[i + l];
+#endif
+}
+
 void MQ_FN(mq_dot_rows_)(const float *w, const float *x, float *y, int N, int K, int T) {
+    const int k16 = K / 16 * 16;
     for (int t = 0; t < T; t++) {
         const float *xr = x + (size_t)t * K;
         for (int n = 0; n < N; n++) {
-            const float *wr = w + (size_t)n * K;
-            double a[8] = {0};
-            int i = 0;
-            for (; i + 8 <= K; i += 8) for (int l = 0; l < 8; l++) a[l] += (double)wr[i + l] * (double)xr[i + l];
-            for (; i < K; i++) a[0] += (double)wr[i] * (double)xr[i];
-            y[(size_t)t * N + n] = (float)(((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
+            const float *w0 = w + (size_t)n * K;
+            float a[16];
+            MQ_FN(lanes16_)(w0, xr, k16, a);
+            for (int i = k16; i < K; i++) a[0] += w0[i] * xr[i];
+            y[(size_t)t * N + n] = MQ_FN(tree16_)(a);
         }
     }
 }
