@@ -313,6 +313,12 @@ def depth_fit(runs: dict, key: str, what: str, tokens: int = 1):
     return fixed, per, fixed + FULL_LAYERS * per
 
 
+def _run_date(res: dict) -> str:
+    """The 'date: ..., commit ...' line of a run's provenance."""
+    lines = [ln.lstrip("- ") for ln in res.get("settings", {}).get("provenance", "").splitlines() if "date:" in ln]
+    return lines[-1] if lines else "date unknown"
+
+
 def depth_fit_block(runs: dict, command: str) -> str:
     """The moe-projection table: per runtime, the measured step times at the two layer counts, the fitted
     per-layer cost and the projected full-depth decode and prefill speed, and mixqrt's ratios."""
@@ -321,8 +327,7 @@ def depth_fit_block(runs: dict, command: str) -> str:
     n_prompt = st.get("n_prompt", 512)
     keys = [k for k in st.get("types", []) if k in ra.get("bench", {})] + ["mixqrt"]
     L = [f"- command: `{command}` (no benches of its own: a fit to the two runs below, both in `--work`)",
-         f"- runs: {la} layers ({ra.get('settings', {}).get('provenance', '').strip().splitlines()[-1].lstrip('- ')}) and "
-         f"{lb} layers ({st.get('provenance', '').strip().splitlines()[-1].lstrip('- ')})",
+         f"- runs: the {la}-layer run ({_run_date(ra)}) and the {lb}-layer run ({_run_date(rb)})",
          f"- model: step time = fixed + layers x per-layer, fitted to the two runs' tg{st.get('n_gen')} and "
          f"pp{n_prompt} speeds; **projected** to the full {FULL_LAYERS} layers, not measured",
          "", f"| file | tg at {la} / {lb} layers tok/s | decode ms per layer | **projected tg at {FULL_LAYERS} layers** | "

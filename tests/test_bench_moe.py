@@ -49,3 +49,19 @@ def test_page_states_each_target_against_the_numbers():
     assert "**0.73x** (met)" in text and "**0.87x** (not met)" in text     # file 1100 / 1500, 1300 / 1500
     assert "**0.40x** (not met)" in text                 # prefill 20 / 50
     assert "4 of 24 layers" in text and "1.00x** its" in text
+
+
+def test_depth_fit_projects_a_linear_step_time():
+    """--depth-fit: step time = fixed + layers x per-layer through two runs, projected to 24 layers."""
+    def run(layers, tg, pp):
+        return {"settings": {"types": ["Q4_0"], "n_prompt": 512, "n_gen": 128, "recipe": "2356t",
+                             "provenance": f"- date: 2026-12-05 10:0{layers} UTC, commit x"},
+                "bench": {"Q4_0": {"tg_tok_s": tg[0], "pp_tok_s": pp[0]}, "mixqrt": {"tg_tok_s": tg[1], "pp_tok_s": pp[1]}}}
+    # per token: Q4_0 10 ms + 5 ms a layer, mixqrt 5 ms + 2.5 ms a layer; prompts: 1 s + 0.5 s a layer for both
+    runs = {1: run(1, (1 / 0.015, 1 / 0.0075), (512 / 1.5, 512 / 1.5)),
+            4: run(4, (1 / 0.030, 1 / 0.015), (512 / 3.0, 512 / 3.0))}
+    fixed, per, full = bench_moe.depth_fit(runs, "Q4_0", "tg_tok_s")
+    assert abs(fixed - 0.010) < 1e-9 and abs(per - 0.005) < 1e-9 and abs(full - 0.130) < 1e-9
+    page = bench_moe.depth_fit_block(runs, "python benchmarks/moe.py --depth-fit 1,4")
+    assert "**projected**" in page and "the 1-layer run (date: 2026-12-05 10:01 UTC" in page
+    assert "mixqrt decode **2.00x**" in page and "prefill **1.00x**" in page
