@@ -119,12 +119,23 @@ RECIPES["2356-norot"] = dict(RECIPES["2356"])
 RECIPES["2356t"] = dict(RECIPES["2356c"])
 RECIPE_OPTIONS["2356t"] = {**RECIPE_OPTIONS["2356c"], "rotate": {**ROTATE_2356, "lm_head": 32}, "tie": True}
 
+# 2356t's bytes, placed per tensor by the measured per-role sensitivity (quantize/budget.py, the
+# allocator of recipe "auto") instead of by 2356t's fixed rules: the budget is 2356t's own tensor bytes
+# on that model (Recipe.budget_of; nothing set by hand per model), so the file is never larger than
+# 2356t's. 2356t's rules were fitted on Qwen2.5-Coder-0.5B, where the two plans nearly agree; on
+# SmolLM2-135M (576-wide, 30 layers) its q6 attention is worth less than q4 gate/up (docs/quality.md).
+# Tie and rotations as 2356t; norms float32 (the allocator counts vectors as f32). A mixture of
+# experts keeps 2356t's formats: there the allocator would move bytes into the shared expert, which
+# every token reads (docs/moe.md), so 2356a on a MoE is 2356t's plan under this name.
+RECIPES["2356a"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q4", expert=EXPERT_2356)
+RECIPE_OPTIONS["2356a"] = {"rotate": dict(RECIPE_OPTIONS["2356t"]["rotate"]), "tie": True, "budget_of": "2356t"}
 
-# the recipe used when none is named (CLI, Pipeline, quantize_model): 2356t is 2356's formats with the
-# tied embedding stored once and the bytes moved where the KL per byte is highest; on the tied
-# Qwen2.5-Coder-0.5B it is 0.87x 2356's file, KL 0.160 -> 0.090 (RTN) and decodes no slower
-# (docs/quality.md §0.7). A model with two trained matrices gets 2356c's formats.
-DEFAULT_RECIPE = "2356t"
+
+# the recipe used when none is named (CLI, Pipeline, quantize_model). 2356t (2356's formats with the
+# tied embedding stored once and the bytes moved where the KL per byte is highest: on the tied
+# Qwen2.5-Coder-0.5B 0.87x 2356's file, KL 0.160 -> 0.090 RTN, docs/quality.md §0.7) stays available by
+# name; 2356a spends the same bytes by the sensitivity table, per model.
+DEFAULT_RECIPE = "2356a"
 
 
 def parse_overrides(items) -> list[tuple[str, str]]:
@@ -176,6 +187,9 @@ class Recipe:
     tie_source: str | None = None      # set by tensor_plan: the source tensor it tied from, if any
     # role -> format where the tie happened (the bytes the embedding table no longer takes go there)
     tied_table: dict = field(default_factory=dict)
+    # the name of a recipe whose tensor bytes on the model being planned are this recipe's budget: then
+    # tensor_plan sets per_tensor from the sensitivity allocator (quantize/budget.py) for each source
+    budget_of: str | None = None
 
     def _role(self, name: str, role: str | None) -> str:
         role = role or role_of(name)
@@ -241,6 +255,8 @@ class Recipe:
                 d["tied_table"] = dict(self.tied_table)
         if self.calibration:
             d["calibration"] = dict(self.calibration)
+        if self.budget_of:
+            d["budget_of"] = self.budget_of
         return d
 
 
@@ -311,6 +327,8 @@ def tensor_plan(source, recipe: Recipe, tie=_UNSET) -> list[tuple[str, str, str,
     if tie is _UNSET:
         tie = tie_source(source) if recipe.tie else None
     recipe.tie_source = tie
+    if recipe.budget_of:
+        recipe.per_tensor = _budget_formats(source, recipe.budget_of, tie)
     spec = ModelSpec(source.config, source.arch)
     plan = []
     for name, shape in spec.shapes(with_lm_head=tie is None).items():
@@ -326,3 +344,20 @@ def tensor_plan(source, recipe: Recipe, tie=_UNSET) -> list[tuple[str, str, str,
         role = role_of(name)
         plan.append((name, role, recipe.format_for(name, role, spec.n_layers, spec.arch), shape))
     return plan
+
+
+def _budget_formats(source, budget_of: str, tie) -> dict[str, str]:
+    """{name: fmt} of a Recipe.budget_of recipe for this source: the sensitivity allocator's plan within
+    the named recipe's tensor bytes (same tie answer), or that recipe's own formats for a mixture of
+    experts (and if its bytes were ever below the allocator's smallest plan)."""
+    from mixqrt.quantize.budget import plan_tensors
+    base = get_recipe(budget_of)
+    plan = tensor_plan(source, base, tie=tie if base.tie else None)
+    own = {n: f for n, _, f, _ in plan}
+    if any(r.startswith("expert_") for _, r, _, _ in plan):
+        return own
+    budget = sum(layout.expected_nbytes(f, s) for _, _, f, s in plan)
+    try:
+        return plan_tensors(plan, budget, tie is not None)
+    except QuantError:
+        return own

@@ -1,0 +1,80 @@
+"""Recipe 2356a (the default): 2356t's tensor bytes on each model, placed per tensor by the sensitivity
+allocator (quantize/budget.py). Plans of tiny synthetic models: within 2356t's bytes, deterministic,
+ties kept, 2356t's rotations, and 2356t's own formats on a mixture of experts."""
+import numpy as np
+import pytest
+
+import mixqrt
+from mixqrt.io.hf import HFSource
+from mixqrt.models.spec import EMBED, LM_HEAD
+from mixqrt.quantize.budget import LADDER
+from mixqrt.quantize.convert import quantize_model
+from mixqrt.quantize.recipes import DEFAULT_RECIPE, RECIPE_OPTIONS, get_recipe, tensor_plan
+from tinymodel import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("budget")
+    return {"tied": make_tiny_hf_model(base / "tied", arch="qwen2", tied=True, seed=0),
+            "untied": make_tiny_hf_model(base / "untied", arch="llama", tied=False, seed=1)}
+
+
+def _rep(path, recipe, **kw):
+    return quantize_model(str(path), recipe, dry_run=True, progress=False, **kw)
+
+
+def test_default_is_2356a_and_2356t_stays():
+    assert DEFAULT_RECIPE == "2356a"
+    assert get_recipe("2356t").budget_of is None and get_recipe("2356a").budget_of == "2356t"
+    assert get_recipe("2356a").spec()["budget_of"] == "2356t"
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_plan_fits_2356t_bytes_and_is_deterministic(models, kind):
+    t = _rep(models[kind], "2356t")
+    a = _rep(models[kind], "2356a")
+    assert a.total_bytes <= t.total_bytes
+    # the allocator spends the budget: what is left is less than one matrix's cheapest upgrade
+    assert a.total_bytes > 0.9 * t.total_bytes
+    fm = {x.name: x.fmt for x in a.tensors}
+    assert {x.fmt for x in a.tensors if x.role not in ("norm", "bias")} <= set(LADDER)
+    assert {x.fmt for x in a.tensors if x.role in ("norm", "bias")} == {"f32"}
+    assert fm == {x.name: x.fmt for x in _rep(models[kind], "2356a").tensors}
+    assert quantize_model(str(models[kind]), dry_run=True, progress=False).tensors == a.tensors   # the default
+
+
+def test_ties_stay_tied_and_rotations_are_2356ts(models):
+    tied = {x.name for x in _rep(models["tied"], "2356a").tensors}
+    assert EMBED in tied and LM_HEAD not in tied               # one matrix for lookup and head
+    assert LM_HEAD in {x.name for x in _rep(models["untied"], "2356a").tensors}
+    assert RECIPE_OPTIONS["2356a"]["rotate"] == RECIPE_OPTIONS["2356t"]["rotate"]
+    with HFSource(models["tied"]) as src:
+        rec = get_recipe("2356a")
+        plan = tensor_plan(src, rec)
+        assert rec.tie_source is not None and rec.per_tensor
+        rec_t = get_recipe("2356t")
+        plan_t = tensor_plan(src, rec_t)
+        for (n, r, f, s), (_, rt, ft, _) in zip(plan, plan_t):
+            if f == ft:     # same format, same rotation as 2356t
+                assert rec.rotation_for(n, f, s, r) == rec_t.rotation_for(n, ft, s, rt)
+
+
+def test_overrides_still_win(models):
+    a = _rep(models["tied"], "2356a", overrides=["ffn_down=q8"])
+    assert {x.fmt for x in a.tensors if x.role == "ffn_down"} == {"q8"}
+
+
+def test_moe_keeps_2356t_formats(tmp_path):
+    d = make_tiny_hf_model(tmp_path, arch="qwen2_moe", dtype="f32")
+    t = {x.name: x.fmt for x in _rep(d, "2356t").tensors}
+    a = {x.name: x.fmt for x in _rep(d, "2356a").tensors}
+    assert a == t
+
+
+def test_default_writes_a_loadable_model(models, tmp_path):
+    out = tmp_path / "a.mxq"
+    quantize_model(str(models["tied"]), DEFAULT_RECIPE, out, progress=False)
+    m = mixqrt.load(out)
+    assert m.meta["recipe"]["name"] == "2356a" and m.meta["recipe"]["per_tensor"]
+    assert np.isfinite(m.logits(m.tokenizer.encode("def f(x):"))).all()
