@@ -40,10 +40,11 @@ from _common import (CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree
                      update_doc, write_json)
 
 DEFAULT_TEXT = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-test.txt")
-MIXQRT_RECIPES = ["f32", "q8", "q4", "2356a", "2356t", "2356", "2356-q3u", "2356-q8embed", "2356-f32norm", "2356-bound"]
+MIXQRT_RECIPES = ["f32", "q8", "q4", "q4a", "2356t", "2356", "2356-q3u", "2356-q8embed", "2356-f32norm", "2356-bound"]
 LCPP_FTYPES = {"F32": 0, "Q8_0": 7, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12, "Q2_K": 10}
 RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the 2356 mix",
-                "2356a": "the default: 2356t's bytes, placed per tensor by the measured sensitivity",
+                "q4a": "the default: every-matrix-q4 bytes, placed per tensor by the measured sensitivity",
+                "2356a": "2356t's bytes, placed per tensor by the measured sensitivity",
                 "2356t": "2356 with the tied embedding stored once (q4) and 2356c's FFN",
                 "2356-q3u": "ablation: uniform q3u FFN instead of q3p", "2356-q8embed": "ablation: q8 embedding",
                 "2356-f32norm": "ablation: f32 norms instead of q5g", "2356-bound": "ablation: one global q5g range",

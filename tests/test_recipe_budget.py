@@ -1,6 +1,7 @@
-"""Recipe 2356a (the default): 2356t's tensor bytes on each model, placed per tensor by the sensitivity
-allocator (quantize/budget.py). Plans of tiny synthetic models: within 2356t's bytes, deterministic,
-ties kept, 2356t's rotations, and 2356t's own formats on a mixture of experts."""
+"""Budgeted recipes (Recipe.budget_of): q4a (the default) and 2356a spend the bytes of another recipe's plan
+on each model (every matrix q4; 2356t's), placed per tensor by the sensitivity allocator
+(quantize/budget.py). Plans of tiny synthetic models: within the budget, deterministic, ties kept,
+2356t's rotations, and 2356t's own formats on a mixture of experts."""
 import numpy as np
 import pytest
 
@@ -24,33 +25,43 @@ def _rep(path, recipe, **kw):
     return quantize_model(str(path), recipe, dry_run=True, progress=False, **kw)
 
 
-def test_default_is_2356a_and_2356t_stays():
-    assert DEFAULT_RECIPE == "2356a"
+def test_default_and_2356t_stays():
+    assert DEFAULT_RECIPE == "q4a"
     assert get_recipe("2356t").budget_of is None and get_recipe("2356a").budget_of == "2356t"
-    assert get_recipe("2356a").spec()["budget_of"] == "2356t"
+    assert get_recipe("q4a").spec()["budget_of"] == "q4"
+
+
+def _budget(path, name):
+    """The budget recipe's bytes with the budgeted recipe's tie (one matrix for a tied model)."""
+    rec = get_recipe(name)
+    rec.tie = True
+    return quantize_model(str(path), rec, dry_run=True, progress=False).total_bytes
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied"])
-def test_plan_fits_2356t_bytes_and_is_deterministic(models, kind):
-    t = _rep(models[kind], "2356t")
-    a = _rep(models[kind], "2356a")
-    assert a.total_bytes <= t.total_bytes
+@pytest.mark.parametrize("recipe,of", [("2356a", "2356t"), ("q4a", "q4")])
+def test_plan_fits_its_budget_and_is_deterministic(models, kind, recipe, of):
+    t = _budget(models[kind], of)
+    a = _rep(models[kind], recipe)
+    assert a.total_bytes <= t
     # the allocator spends the budget: what is left is less than one matrix's cheapest upgrade
-    assert a.total_bytes > 0.9 * t.total_bytes
+    assert a.total_bytes > 0.9 * t
     fm = {x.name: x.fmt for x in a.tensors}
     assert {x.fmt for x in a.tensors if x.role not in ("norm", "bias")} <= set(LADDER)
     assert {x.fmt for x in a.tensors if x.role in ("norm", "bias")} == {"f32"}
-    assert fm == {x.name: x.fmt for x in _rep(models[kind], "2356a").tensors}
-    assert quantize_model(str(models[kind]), dry_run=True, progress=False).tensors == a.tensors   # the default
+    assert fm == {x.name: x.fmt for x in _rep(models[kind], recipe).tensors}
+    if recipe == DEFAULT_RECIPE:
+        assert quantize_model(str(models[kind]), dry_run=True, progress=False).tensors == a.tensors
 
 
-def test_ties_stay_tied_and_rotations_are_2356ts(models):
-    tied = {x.name for x in _rep(models["tied"], "2356a").tensors}
+@pytest.mark.parametrize("recipe", ["2356a", "q4a"])
+def test_ties_stay_tied_and_rotations_are_2356ts(models, recipe):
+    tied = {x.name for x in _rep(models["tied"], recipe).tensors}
     assert EMBED in tied and LM_HEAD not in tied               # one matrix for lookup and head
-    assert LM_HEAD in {x.name for x in _rep(models["untied"], "2356a").tensors}
-    assert RECIPE_OPTIONS["2356a"]["rotate"] == RECIPE_OPTIONS["2356t"]["rotate"]
+    assert LM_HEAD in {x.name for x in _rep(models["untied"], recipe).tensors}
+    assert RECIPE_OPTIONS[recipe]["rotate"] == RECIPE_OPTIONS["2356t"]["rotate"]
     with HFSource(models["tied"]) as src:
-        rec = get_recipe("2356a")
+        rec = get_recipe(recipe)
         plan = tensor_plan(src, rec)
         assert rec.tie_source is not None and rec.per_tensor
         rec_t = get_recipe("2356t")
@@ -61,20 +72,20 @@ def test_ties_stay_tied_and_rotations_are_2356ts(models):
 
 
 def test_overrides_still_win(models):
-    a = _rep(models["tied"], "2356a", overrides=["ffn_down=q8"])
+    a = _rep(models["tied"], DEFAULT_RECIPE, overrides=["ffn_down=q8"])
     assert {x.fmt for x in a.tensors if x.role == "ffn_down"} == {"q8"}
 
 
 def test_moe_keeps_2356t_formats(tmp_path):
     d = make_tiny_hf_model(tmp_path, arch="qwen2_moe", dtype="f32")
     t = {x.name: x.fmt for x in _rep(d, "2356t").tensors}
-    a = {x.name: x.fmt for x in _rep(d, "2356a").tensors}
-    assert a == t
+    for recipe in ("2356a", "q4a"):
+        assert {x.name: x.fmt for x in _rep(d, recipe).tensors} == t
 
 
 def test_default_writes_a_loadable_model(models, tmp_path):
     out = tmp_path / "a.mxq"
     quantize_model(str(models["tied"]), DEFAULT_RECIPE, out, progress=False)
     m = mixqrt.load(out)
-    assert m.meta["recipe"]["name"] == "2356a" and m.meta["recipe"]["per_tensor"]
+    assert m.meta["recipe"]["name"] == DEFAULT_RECIPE and m.meta["recipe"]["per_tensor"]
     assert np.isfinite(m.logits(m.tokenizer.encode("def f(x):"))).all()

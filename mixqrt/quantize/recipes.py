@@ -129,13 +129,18 @@ RECIPE_OPTIONS["2356t"] = {**RECIPE_OPTIONS["2356c"], "rotate": {**ROTATE_2356, 
 # every token reads (docs/moe.md), so 2356a on a MoE is 2356t's plan under this name.
 RECIPES["2356a"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q4", expert=EXPERT_2356)
 RECIPE_OPTIONS["2356a"] = {"rotate": dict(RECIPE_OPTIONS["2356t"]["rotate"]), "tie": True, "budget_of": "2356t"}
+# the same allocation within the bytes of every matrix at q4 (5.0 bits per weight; a tied model's one
+# matrix counted once): more bytes than 2356t where 2356t's q3p FFN leaves it below 5 bits per weight
+RECIPES["q4a"] = dict(RECIPES["2356a"])
+RECIPE_OPTIONS["q4a"] = {**RECIPE_OPTIONS["2356a"], "rotate": dict(RECIPE_OPTIONS["2356a"]["rotate"]), "budget_of": "q4"}
 
 
-# the recipe used when none is named (CLI, Pipeline, quantize_model). 2356t (2356's formats with the
-# tied embedding stored once and the bytes moved where the KL per byte is highest: on the tied
-# Qwen2.5-Coder-0.5B 0.87x 2356's file, KL 0.160 -> 0.090 RTN, docs/quality.md §0.7) stays available by
-# name; 2356a spends the same bytes by the sensitivity table, per model.
-DEFAULT_RECIPE = "2356a"
+# the recipe used when none is named (CLI, Pipeline, quantize_model): q4a, the bytes of every matrix
+# at q4 placed by the sensitivity table on each model (docs/quality.md "The default"). 2356t (2356's
+# formats with the tied embedding stored once and the bytes moved where the KL per byte is highest:
+# on the tied Qwen2.5-Coder-0.5B 0.87x 2356's file, KL 0.160 -> 0.090 RTN, §0.7), the default until
+# 2026-12-05, stays available by name, and so does 2356a (its bytes, placed by the table).
+DEFAULT_RECIPE = "q4a"
 
 
 def parse_overrides(items) -> list[tuple[str, str]]:
@@ -346,18 +351,27 @@ def tensor_plan(source, recipe: Recipe, tie=_UNSET) -> list[tuple[str, str, str,
     return plan
 
 
+# the recipe whose formats a budgeted recipe (Recipe.budget_of) takes on a mixture of experts, where the
+# allocator would move bytes into the shared expert that every token reads (docs/moe.md), and in the
+# (unseen) case of a budget below the allocator's smallest plan
+BUDGET_FALLBACK = "2356t"
+
+
 def _budget_formats(source, budget_of: str, tie) -> dict[str, str]:
     """{name: fmt} of a Recipe.budget_of recipe for this source: the sensitivity allocator's plan within
-    the named recipe's tensor bytes (same tie answer), or that recipe's own formats for a mixture of
-    experts (and if its bytes were ever below the allocator's smallest plan)."""
+    the named recipe's tensor bytes (computed with the same tie answer), or BUDGET_FALLBACK's formats."""
     from mixqrt.quantize.budget import plan_tensors
-    base = get_recipe(budget_of)
-    plan = tensor_plan(source, base, tie=tie if base.tie else None)
-    own = {n: f for n, _, f, _ in plan}
-    if any(r.startswith("expert_") for _, r, _, _ in plan):
-        return own
-    budget = sum(layout.expected_nbytes(f, s) for _, _, f, s in plan)
-    try:
-        return plan_tensors(plan, budget, tie is not None)
-    except QuantError:
-        return own
+
+    def formats_of(name):
+        rec = get_recipe(name)
+        rec.tie = tie is not None
+        return tensor_plan(source, rec, tie=tie)
+
+    plan = formats_of(budget_of)
+    if not any(r.startswith("expert_") for _, r, _, _ in plan):
+        budget = sum(layout.expected_nbytes(f, s) for _, _, f, s in plan)
+        try:
+            return plan_tensors(plan, budget, tie is not None)
+        except QuantError:
+            pass
+    return {n: f for n, _, f, _ in formats_of(BUDGET_FALLBACK)}
