@@ -89,3 +89,25 @@ def test_default_writes_a_loadable_model(models, tmp_path):
     m = mixqrt.load(out)
     assert m.meta["recipe"]["name"] == DEFAULT_RECIPE and m.meta["recipe"]["per_tensor"]
     assert np.isfinite(m.logits(m.tokenizer.encode("def f(x):"))).all()
+
+
+@pytest.mark.parametrize("recipe", ["2356a", "q4a"])
+def test_tied_matrix_keeps_at_least_q4(models, recipe):
+    """The one embedding/output matrix is quantized RTN before calibration starts, so the budgeted
+    recipes never put it below 2356t's q4 (budget.TIED_FLOOR)."""
+    fm = {x.name: x.fmt for x in _rep(models["tied"], recipe).tensors}
+    assert LADDER.index(fm[EMBED]) >= LADDER.index("q4")
+
+
+def test_plan_formats_floor():
+    from mixqrt.quantize.budget import plan_formats
+    from mixqrt.formats import layout
+    tensors = [("model.embed_tokens.weight", "embed", (64, 64)), ("model.layers.0.mlp.down_proj.weight", "ffn_down", (64, 64))]
+    lo = sum(layout.expected_nbytes("q2c", s) for *_, s in tensors)
+    plain = plan_formats(tensors, lo)
+    assert set(plain.values()) == {"q2c"}
+    budget = layout.expected_nbytes("q4", (64, 64)) + layout.expected_nbytes("q2c", (64, 64))
+    floored = plan_formats(tensors, budget, floor={"model.embed_tokens.weight": "q4"})
+    assert floored == {"model.embed_tokens.weight": "q4", "model.layers.0.mlp.down_proj.weight": "q2c"}
+    with pytest.raises(mixqrt.QuantError, match="below the smallest plan"):
+        plan_formats(tensors, budget - 1, floor={"model.embed_tokens.weight": "q4"})

@@ -55,8 +55,9 @@ def _unit_key(name: str) -> str:
     return group[0] if group else name
 
 
-def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]:
-    """tensors: [(name, role, shape)]; -> {name: fmt} for every matrix, total bytes <= budget."""
+def plan_formats(tensors, budget_bytes: int, sensitivity=None, floor=None) -> dict[str, str]:
+    """tensors: [(name, role, shape)]; -> {name: fmt} for every matrix, total bytes <= budget.
+    floor: {name: fmt}, the cheapest format a tensor may get (it starts there)."""
     sens = sensitivity or SENSITIVITY
     role_params = defaultdict(int)
     units: dict[str, list] = {}
@@ -84,11 +85,12 @@ def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]
     ukeys = list(units)
     costs = {u: [cost(units[u], f) for f in LADDER] for u in ukeys}
     nbytes = {u: [sum(layout.expected_nbytes(f, s) for _, _, s, _ in units[u]) for f in LADDER] for u in ukeys}
-    choice = {u: 0 for u in ukeys}
-    used = fixed_bytes + sum(nbytes[u][0] for u in ukeys)
+    floor = floor or {}
+    choice = {u: max([0] + [LADDER.index(floor[n]) for n, *_ in units[u] if n in floor]) for u in ukeys}
+    used = fixed_bytes + sum(nbytes[u][choice[u]] for u in ukeys)
     if used > budget_bytes:
         raise QuantError(f"budget {budget_bytes:,d} bytes is below the smallest plan ({used:,d} bytes: every "
-                         f"matrix {LADDER[0]}, vectors f32)")
+                         f"matrix {LADDER[0]} or its floor, vectors f32)")
     while True:
         best = None
         for u in ukeys:
@@ -111,12 +113,21 @@ def plan_formats(tensors, budget_bytes: int, sensitivity=None) -> dict[str, str]
 
 
 
-def plan_tensors(plan, budget_bytes: int, tied: bool, sensitivity=None) -> dict[str, str]:
+# the cheapest format of a tied model's one embedding/output matrix in the budgeted recipes (q4a, 2356a):
+# 2356t's q4. The table's KLs are RTN, and calibration (GPTQ) lowers the layers' error but not this
+# matrix's (it is quantized before the layers, RTN), so below q4 the plan under-prices it: on Gemma 3
+# 270M (262k x 640, 63 % of the weights) q4a without the floor chose q3p for it and q8/q6 layers, and
+# measured KL 0.151 calibrated against 2356t's 0.104 (docs/quality.md "The default").
+TIED_FLOOR = "q4"
+
+
+def plan_tensors(plan, budget_bytes: int, tied: bool, sensitivity=None, tied_floor=None) -> dict[str, str]:
     """plan: tensor_plan rows [(name, role, fmt, shape)]; -> {name: fmt} for every matrix within
     budget_bytes. tied: the embedding row is the model's one embedding/output matrix (Recipe.tie),
-    costed as the lookup plus the head."""
+    costed as the lookup plus the head, and no cheaper than tied_floor (a format) if given."""
     sens = dict(sensitivity or SENSITIVITY)
     if tied:                 # one matrix is the lookup and the output head: it pays both roles' error
         sens[TIED] = {f: sens["embed"][f] + sens["lm_head"][f] for f in LADDER}
     roles = [(n, TIED if (tied and n == EMBED) else role_of(n), shape) for n, _, _, shape in plan]
-    return plan_formats(roles, int(budget_bytes), sens)
+    floor = {EMBED: tied_floor} if (tied and tied_floor) else None
+    return plan_formats(roles, int(budget_bytes), sens, floor)

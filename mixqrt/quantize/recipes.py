@@ -360,7 +360,7 @@ BUDGET_FALLBACK = "2356t"
 def _budget_formats(source, budget_of: str, tie) -> dict[str, str]:
     """{name: fmt} of a Recipe.budget_of recipe for this source: the sensitivity allocator's plan within
     the named recipe's tensor bytes (computed with the same tie answer), or BUDGET_FALLBACK's formats."""
-    from mixqrt.quantize.budget import plan_tensors
+    from mixqrt.quantize.budget import TIED_FLOOR, plan_tensors
 
     def formats_of(name):
         rec = get_recipe(name)
@@ -371,7 +371,7 @@ def _budget_formats(source, budget_of: str, tie) -> dict[str, str]:
     if not any(r.startswith("expert_") for _, r, _, _ in plan):
         budget = sum(layout.expected_nbytes(f, s) for _, _, f, s in plan)
         try:
-            return plan_tensors(plan, budget, tie is not None)
+            return plan_tensors(plan, budget, tie is not None, tied_floor=TIED_FLOOR)
         except QuantError:
             pass
     return {n: f for n, _, f, _ in formats_of(BUDGET_FALLBACK)}
