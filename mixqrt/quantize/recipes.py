@@ -119,18 +119,20 @@ RECIPES["2356-norot"] = dict(RECIPES["2356"])
 RECIPES["2356t"] = dict(RECIPES["2356c"])
 RECIPE_OPTIONS["2356t"] = {**RECIPE_OPTIONS["2356c"], "rotate": {**ROTATE_2356, "lm_head": 32}, "tie": True}
 
-# 2356t's bytes, placed per tensor by the measured per-role sensitivity (quantize/budget.py, the
-# allocator of recipe "auto") instead of by 2356t's fixed rules: the budget is 2356t's own tensor bytes
-# on that model (Recipe.budget_of; nothing set by hand per model), so the file is never larger than
-# 2356t's. 2356t's rules were fitted on Qwen2.5-Coder-0.5B, where the two plans nearly agree; on
-# SmolLM2-135M (576-wide, 30 layers) its q6 attention is worth less than q4 gate/up (docs/quality.md).
-# Tie and rotations as 2356t; norms float32 (the allocator counts vectors as f32). A mixture of
-# experts keeps 2356t's formats: there the allocator would move bytes into the shared expert, which
-# every token reads (docs/moe.md), so 2356a on a MoE is 2356t's plan under this name.
+# Budgeted recipes (Recipe.budget_of, docs/quality.md §6): the bytes of another recipe's plan on this
+# model, placed per tensor by the measured per-role sensitivity (quantize/budget.py, the allocator of
+# recipe "auto") instead of by fixed rules; nothing set by hand per model. Tie and rotations as 2356t,
+# the tied matrix at least q4 (budget.TIED_FLOOR), norms float32 (the allocator counts vectors as f32).
+# A mixture of experts gets 2356t's formats (BUDGET_FALLBACK): there the allocator would move bytes
+# into the shared expert, which every token reads (docs/moe.md).
+# 2356a: 2356t's bytes. Calibrated on SmolLM2-135M KL 0.129 against 2356t's 0.173 (llama.cpp Q3_K_M
+# 0.120): closer, not enough.
 RECIPES["2356a"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q4", expert=EXPERT_2356)
 RECIPE_OPTIONS["2356a"] = {"rotate": dict(RECIPE_OPTIONS["2356t"]["rotate"]), "tie": True, "budget_of": "2356t"}
-# the same allocation within the bytes of every matrix at q4 (5.0 bits per weight; a tied model's one
-# matrix counted once): more bytes than 2356t where 2356t's q3p FFN leaves it below 5 bits per weight
+# q4a: the bytes of every matrix at q4 (5.0 bits per weight; a tied model's one matrix counted once).
+# More bytes than 2356t where 2356t's q3p FFN stays below 5 bits per weight (1.07x on
+# Qwen2.5-Coder-0.5B, 1.13x on Qwen2-7B's shapes). Calibrated KL against f32: SmolLM2-135M 0.092,
+# Qwen2.5-Coder-0.5B 0.040 (llama.cpp Q3_K_M: 0.120, 0.070), at 0.97x and 0.76x llama.cpp Q2_K's bytes.
 RECIPES["q4a"] = dict(RECIPES["2356a"])
 RECIPE_OPTIONS["q4a"] = {**RECIPE_OPTIONS["2356a"], "rotate": dict(RECIPE_OPTIONS["2356a"]["rotate"]), "budget_of": "q4"}
 
