@@ -800,7 +800,7 @@ def write_report(a, systems, results, info) -> None:
 
 
 def families_block(data_dir: Path) -> list[str]:
-    """One row per model and mixqrt goal system (the default recipe and auto, calibrated or not) of every
+    """One row per model and mixqrt goal system (the default recipe, 2356t, 2356a and auto, calibrated or not) of every
     docs/data/results*.json: bytes against Q2_K, KL and PPL against Q3_K_M, f32 agreement."""
     L = ["| model | mixqrt system | MiB (Q2_K MiB) | KL to f32 (Q3_K_M) | PPL (Q3_K_M) | same top token | "
          "f32 PPL vs llama.cpp F32 | run |", "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -815,7 +815,7 @@ def families_block(data_dir: Path) -> list[str]:
         agree = f"{ag[0]:.3f} vs {ag[1]:.3f} ({100 * ag[2]:.2f} %)" if ag else "–"
         model = Path(d.get("settings", {}).get("model") or "?").stem
         for k, v in sy.items():
-            if not k.startswith(("mixqrt:" + DEFAULT_RECIPE, "mixqrt:2356t", "mixqrt:auto")):
+            if not k.startswith(("mixqrt:" + DEFAULT_RECIPE, "mixqrt:2356t", "mixqrt:2356a", "mixqrt:auto")):
                 continue
             pp, pq3 = v.get("ppl") or {}, q3.get("ppl") or {}
             L.append(f"| {model} | {v.get('label', k)} | "
