@@ -40,17 +40,19 @@ from _common import (CpuMeter, ROOT, file_id, machine_info, peak_rss_bytes, tree
                      update_doc, write_json)
 
 DEFAULT_TEXT = str(Path(__file__).resolve().parents[1] / "tests" / "data" / "wikitext-2-test.txt")
-MIXQRT_RECIPES = ["f32", "q8", "q4", "2356t", "2356", "2356-q3u", "2356-q8embed", "2356-f32norm", "2356-bound"]
+MIXQRT_RECIPES = ["f32", "q8", "q4", "q4a", "2356t", "2356", "2356-q3u", "2356-q8embed", "2356-f32norm", "2356-bound"]
 LCPP_FTYPES = {"F32": 0, "Q8_0": 7, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12, "Q2_K": 10}
 RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform", "2356": "the 2356 mix",
-                "2356t": "the default: 2356 with the tied embedding stored once (q4) and 2356c's FFN",
+                "q4a": "the default: every-matrix-q4 bytes, placed per tensor by the measured sensitivity",
+                "2356a": "2356t's bytes, placed per tensor by the measured sensitivity",
+                "2356t": "2356 with the tied embedding stored once (q4) and 2356c's FFN",
                 "2356-q3u": "ablation: uniform q3u FFN instead of q3p", "2356-q8embed": "ablation: q8 embedding",
                 "2356-f32norm": "ablation: f32 norms instead of q5g", "2356-bound": "ablation: one global q5g range",
                 "2356-minmax": "ablation: plain min/max quantizer, no error-minimising search",
                 "2356-norot": "ablation: no Hadamard rotation (the 2356 of 2026-12-02)"}
 BASE = "mixqrt:f32"
 GOAL_KEYS = ("mixqrt:2356", "mixqrt:" + DEFAULT_RECIPE)   # goals are checked for these and every --extra-recipe
-QUANT_CODE = ("mixqrt/quant", "mixqrt/quantize/convert.py", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
+QUANT_CODE = ("mixqrt/quantize", "mixqrt/formats", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
               "mixqrt/_kernels/_quant.pyx")
 
 
@@ -798,7 +800,7 @@ def write_report(a, systems, results, info) -> None:
 
 
 def families_block(data_dir: Path) -> list[str]:
-    """One row per model and mixqrt goal system (the default recipe and auto, calibrated or not) of every
+    """One row per model and mixqrt goal system (the default recipe, 2356t, 2356a and auto, calibrated or not) of every
     docs/data/results*.json: bytes against Q2_K, KL and PPL against Q3_K_M, f32 agreement."""
     L = ["| model | mixqrt system | MiB (Q2_K MiB) | KL to f32 (Q3_K_M) | PPL (Q3_K_M) | same top token | "
          "f32 PPL vs llama.cpp F32 | run |", "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -813,7 +815,7 @@ def families_block(data_dir: Path) -> list[str]:
         agree = f"{ag[0]:.3f} vs {ag[1]:.3f} ({100 * ag[2]:.2f} %)" if ag else "–"
         model = Path(d.get("settings", {}).get("model") or "?").stem
         for k, v in sy.items():
-            if not k.startswith(("mixqrt:2356t", "mixqrt:auto")):
+            if not k.startswith(("mixqrt:" + DEFAULT_RECIPE, "mixqrt:2356t", "mixqrt:2356a", "mixqrt:auto")):
                 continue
             pp, pq3 = v.get("ppl") or {}, q3.get("ppl") or {}
             L.append(f"| {model} | {v.get('label', k)} | "

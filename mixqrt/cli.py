@@ -253,9 +253,11 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("quantize", help="quantize a model with a recipe into a .mxq file")
     s.add_argument("src", help="a .gguf, a Hugging Face folder or a hub id")
-    s.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{DEFAULT_RECIPE} (default: 2356 with a tied embedding "
-                   "stored once), 2356, 2356c, 2356+, auto (needs --budget-bytes), f32, f16, q8, q4, or an "
-                   "ablation (2356-minmax, 2356-q3u, ...)")
+    s.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"{DEFAULT_RECIPE} (default: the bytes of every matrix at q4 "
+                   "on this model, placed per tensor by the measured per-role sensitivity; a mixture of experts "
+                   "gets 2356t's formats), 2356t (2356 with a tied embedding stored once; the default until "
+                   "2026-12-05), 2356a (2356t's bytes placed like q4a), 2356, 2356c, 2356+, auto (needs "
+                   "--budget-bytes), f32, f16, q8, q4, or an ablation (2356-minmax, 2356-q3u, ...)")
     s.add_argument("--tensor-type", action="append", default=None, metavar="PATTERN=FMT",
                    help="override a tensor's format (regex on the HF name, or a role like ffn_down); repeatable")
     s.add_argument("-o", "--output", default=None, help="output .mxq path")

@@ -119,12 +119,30 @@ RECIPES["2356-norot"] = dict(RECIPES["2356"])
 RECIPES["2356t"] = dict(RECIPES["2356c"])
 RECIPE_OPTIONS["2356t"] = {**RECIPE_OPTIONS["2356c"], "rotate": {**ROTATE_2356, "lm_head": 32}, "tie": True}
 
+# Budgeted recipes (Recipe.budget_of, docs/quality.md §6): the bytes of another recipe's plan on this
+# model, placed per tensor by the measured per-role sensitivity (quantize/budget.py, the allocator of
+# recipe "auto") instead of by fixed rules; nothing set by hand per model. Tie and rotations as 2356t,
+# the tied matrix at least q4 (budget.TIED_FLOOR), norms float32 (the allocator counts vectors as f32).
+# A mixture of experts gets 2356t's formats (BUDGET_FALLBACK): there the allocator would move bytes
+# into the shared expert, which every token reads (docs/moe.md).
+# 2356a: 2356t's bytes. Calibrated on SmolLM2-135M KL 0.129 against 2356t's 0.173 (llama.cpp Q3_K_M
+# 0.120): closer, not enough.
+RECIPES["2356a"] = _fill(embed="q2c", attn="q6", ffn="q3p", norm="f32", lm_head="q4", expert=EXPERT_2356)
+RECIPE_OPTIONS["2356a"] = {"rotate": dict(RECIPE_OPTIONS["2356t"]["rotate"]), "tie": True, "budget_of": "2356t"}
+# q4a: the bytes of every matrix at q4 (5.0 bits per weight; a tied model's one matrix counted once).
+# More bytes than 2356t where 2356t's q3p FFN stays below 5 bits per weight (1.07x on
+# Qwen2.5-Coder-0.5B, 1.13x on Qwen2-7B's shapes). Calibrated KL against f32: SmolLM2-135M 0.092,
+# Qwen2.5-Coder-0.5B 0.040 (llama.cpp Q3_K_M: 0.120, 0.070), at 0.97x and 0.76x llama.cpp Q2_K's bytes.
+RECIPES["q4a"] = dict(RECIPES["2356a"])
+RECIPE_OPTIONS["q4a"] = {**RECIPE_OPTIONS["2356a"], "rotate": dict(RECIPE_OPTIONS["2356a"]["rotate"]), "budget_of": "q4"}
 
-# the recipe used when none is named (CLI, Pipeline, quantize_model): 2356t is 2356's formats with the
-# tied embedding stored once and the bytes moved where the KL per byte is highest; on the tied
-# Qwen2.5-Coder-0.5B it is 0.87x 2356's file, KL 0.160 -> 0.090 (RTN) and decodes no slower
-# (docs/quality.md §0.7). A model with two trained matrices gets 2356c's formats.
-DEFAULT_RECIPE = "2356t"
+
+# the recipe used when none is named (CLI, Pipeline, quantize_model): q4a, the bytes of every matrix
+# at q4 placed by the sensitivity table on each model (docs/quality.md "The default"). 2356t (2356's
+# formats with the tied embedding stored once and the bytes moved where the KL per byte is highest:
+# on the tied Qwen2.5-Coder-0.5B 0.87x 2356's file, KL 0.160 -> 0.090 RTN, §0.7), the default until
+# 2026-12-05, stays available by name, and so does 2356a (its bytes, placed by the table).
+DEFAULT_RECIPE = "q4a"
 
 
 def parse_overrides(items) -> list[tuple[str, str]]:
@@ -176,6 +194,9 @@ class Recipe:
     tie_source: str | None = None      # set by tensor_plan: the source tensor it tied from, if any
     # role -> format where the tie happened (the bytes the embedding table no longer takes go there)
     tied_table: dict = field(default_factory=dict)
+    # the name of a recipe whose tensor bytes on the model being planned are this recipe's budget: then
+    # tensor_plan sets per_tensor from the sensitivity allocator (quantize/budget.py) for each source
+    budget_of: str | None = None
 
     def _role(self, name: str, role: str | None) -> str:
         role = role or role_of(name)
@@ -241,6 +262,8 @@ class Recipe:
                 d["tied_table"] = dict(self.tied_table)
         if self.calibration:
             d["calibration"] = dict(self.calibration)
+        if self.budget_of:
+            d["budget_of"] = self.budget_of
         return d
 
 
@@ -311,6 +334,8 @@ def tensor_plan(source, recipe: Recipe, tie=_UNSET) -> list[tuple[str, str, str,
     if tie is _UNSET:
         tie = tie_source(source) if recipe.tie else None
     recipe.tie_source = tie
+    if recipe.budget_of:
+        recipe.per_tensor = _budget_formats(source, recipe.budget_of, tie)
     spec = ModelSpec(source.config, source.arch)
     plan = []
     for name, shape in spec.shapes(with_lm_head=tie is None).items():
@@ -326,3 +351,29 @@ def tensor_plan(source, recipe: Recipe, tie=_UNSET) -> list[tuple[str, str, str,
         role = role_of(name)
         plan.append((name, role, recipe.format_for(name, role, spec.n_layers, spec.arch), shape))
     return plan
+
+
+# the recipe whose formats a budgeted recipe (Recipe.budget_of) takes on a mixture of experts, where the
+# allocator would move bytes into the shared expert that every token reads (docs/moe.md), and in the
+# (unseen) case of a budget below the allocator's smallest plan
+BUDGET_FALLBACK = "2356t"
+
+
+def _budget_formats(source, budget_of: str, tie) -> dict[str, str]:
+    """{name: fmt} of a Recipe.budget_of recipe for this source: the sensitivity allocator's plan within
+    the named recipe's tensor bytes (computed with the same tie answer), or BUDGET_FALLBACK's formats."""
+    from mixqrt.quantize.budget import TIED_FLOOR, plan_tensors
+
+    def formats_of(name):
+        rec = get_recipe(name)
+        rec.tie = tie is not None
+        return tensor_plan(source, rec, tie=tie)
+
+    plan = formats_of(budget_of)
+    if not any(r.startswith("expert_") for _, r, _, _ in plan):
+        budget = sum(layout.expected_nbytes(f, s) for _, _, f, s in plan)
+        try:
+            return plan_tensors(plan, budget, tie is not None, tied_floor=TIED_FLOOR)
+        except QuantError:
+            pass
+    return {n: f for n, _, f, _ in formats_of(BUDGET_FALLBACK)}
