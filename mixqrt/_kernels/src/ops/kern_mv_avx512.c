@@ -2,6 +2,13 @@
  * products (2 <= T <= MQ_FEW_T) of the interleaved formats. Internals: kern_avx512_impl.h. */
 #include "kern_avx512_impl.h"
 
+/* the interleaved kernels' software prefetch: the `bytes` of a chunk / block pfd ahead of b into L2,
+ * where that stays inside the product's rows (pfd 0: none) */
+static inline __attribute__((always_inline)) void l2_ahead(const uint8_t *b, size_t pfd, int bytes, const uint8_t *end) {
+    if (pfd && b + pfd + bytes <= end)
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+}
+
 /* mv_q4x / mv_q6x software prefetch into L2, mv_q3x's distance (MIXQRT_Q3X_PF) ahead (MIXQRT_MV_XPF) */
 static int mq_mv_xpf = 1;
 int mq_avx512_set_mv_xpf(int on) { int old = mq_mv_xpf; if (on >= 0) mq_mv_xpf = on != 0; return old; }
@@ -569,8 +576,7 @@ static void mv_q4x(const mq_mm_job *j, int n0, int n1) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int c = 0; c < nc; c++, b += MQ_Q4X_CHUNK) {
-            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
-                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+            l2_ahead(b, pfd, MQ_Q4X_CHUNK, end);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             const uint32_t *xc = x32 + 8 * c;
@@ -604,8 +610,7 @@ static void mv_q6x(const mq_mm_job *j, int n0, int n1) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int c = 0; c < nc; c++, b += MQ_Q6X_CHUNK) {
-            if (pfd && b + pfd + MQ_Q6X_CHUNK <= end)
-                for (int o = 0; o < MQ_Q6X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+            l2_ahead(b, pfd, MQ_Q6X_CHUNK, end);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
             const uint32_t *xc = x32 + 8 * c;
             const __m512i z = _mm512_setzero_si512();
@@ -649,8 +654,7 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
         const uint8_t *b = j->w + (size_t)g0 * j->row_bytes;
         __m512 acc = _mm512_setzero_ps(), accm = _mm512_setzero_ps();
         for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
-            if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
-                for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+            l2_ahead(b, pfd, MQ_Q3X_BLOCK, end);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             const uint32_t *xc = x32 + 16 * bi;
@@ -705,8 +709,7 @@ static inline __attribute__((always_inline)) void mv_q4x_few(const mq_mm_job *j,
         __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q4X_CHUNK) {
-            if (pfd && b + pfd + MQ_Q4X_CHUNK <= end)
-                for (int o = 0; o < MQ_Q4X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+            l2_ahead(b, pfd, MQ_Q4X_CHUNK, end);
             const __m512i h = _mm512_loadu_si512((const void *)b);
             const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), m = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
             __m512i is[MQ_FEW_T];
@@ -742,8 +745,7 @@ static inline __attribute__((always_inline)) void mv_q6x_few(const mq_mm_job *j,
         __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
         for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
         for (int c = 0; c < j->nc; c++, b += MQ_Q6X_CHUNK) {
-            if (pfd && b + pfd + MQ_Q6X_CHUNK <= end)
-                for (int o = 0; o < MQ_Q6X_CHUNK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+            l2_ahead(b, pfd, MQ_Q6X_CHUNK, end);
             __m512i is[MQ_FEW_T];
             for (int t = 0; t < nt; t++) is[t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -792,8 +794,7 @@ q3x_few_group(const ctx_t *cx, const mq_mm_job *j, int g0, int t0, const int nt)
     __m512 acc[MQ_FEW_T], accm[MQ_FEW_T];
     for (int t = 0; t < nt; t++) acc[t] = accm[t] = _mm512_setzero_ps();
     for (int bi = 0; bi < nb; bi++, b += MQ_Q3X_BLOCK) {
-        if (pfd && b + pfd + MQ_Q3X_BLOCK <= end)
-            for (int o = 0; o < MQ_Q3X_BLOCK; o += 64) _mm_prefetch((const char *)b + pfd + o, _MM_HINT_T1);
+        l2_ahead(b, pfd, MQ_Q3X_BLOCK, end);
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) {   /* chunk 2 bi + half: q3x steps 8 half .. 8 half + 7 */
             __m512i is[MQ_FEW_T];
