@@ -276,14 +276,14 @@ class HFSource(Source):
         return self._where[name].read(self._stored.get(name, name))
 
     def _load_tokenizer(self):
-        from mixqrt.tokenizer import Tokenizer
+        from mixqrt.tokenizer import Tokenizer, vocab_id
         eos = []
         for d in (self.generation_config, self.config):
             v = d.get("eos_token_id")
             eos += [i for i in (v if isinstance(v, list) else [v]) if isinstance(i, int) and not isinstance(i, bool)]
         tk = Tokenizer.from_folder(self.path, extra_eos_ids=eos)
-        if tk.bos_token_id is None and isinstance(self.config.get("bos_token_id"), int):
-            tk.bos_token_id = self.config["bos_token_id"]
+        if tk.bos_token_id is None and self.config.get("bos_token_id") is not None:
+            tk.bos_token_id = vocab_id("config.json: bos_token_id", self.config["bos_token_id"], tk.vocab_size)
         return tk
 
     def close(self) -> None:
