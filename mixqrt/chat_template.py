@@ -30,8 +30,14 @@ from functools import lru_cache
 
 from mixqrt.errors import GenerationError, MixqrtError, ModelError
 
-MAX_TEMPLATE_CHARS = 4 << 20        # the rendered prompt (a 1 MiB request body, wrapped in turns)
+MAX_TEMPLATE_CHARS = 4 << 20        # the rendered prompt, and any one value (a 1 MiB request body, in turns)
 MAX_TEMPLATE_WORK = 64 << 20        # characters built by string operations during one render
+# ... and relative to what the render was given: a template may wrap the messages and tools it
+# renders, not invent text, since the prompt is then tokenized (~200 bytes of peak memory a
+# character): at most TEMPLATE_GROWTH x their characters + TEMPLATE_OWN_CHARS + 2 x its own source,
+# for the output and each value, and 8x that for the work
+TEMPLATE_GROWTH = 2
+TEMPLATE_OWN_CHARS = 64 << 10
 MAX_TEMPLATE_STEPS = 1_000_000      # loop iterations during one render
 MAX_TEMPLATE_SECONDS = 2.0          # one render's wall time
 MAX_POWER_BITS = 4096               # 2**4096: larger powers are refused before they are computed
@@ -61,10 +67,12 @@ _budget = threading.local()         # the render running on this thread: steps, 
 
 
 class _Budget:
-    __slots__ = ("steps", "work", "deadline")
+    __slots__ = ("steps", "work", "deadline", "chars", "work_limit")
 
-    def __init__(self):
+    def __init__(self, chars: int = MAX_TEMPLATE_CHARS):
         self.steps, self.work, self.deadline = 0, 0, time.monotonic() + MAX_TEMPLATE_SECONDS
+        self.chars = min(MAX_TEMPLATE_CHARS, chars)
+        self.work_limit = min(MAX_TEMPLATE_WORK, 8 * self.chars)
 
 
 def _over(what: str):
@@ -84,13 +92,14 @@ def _tick(n: int = 1) -> None:
 
 def _spend(n: int) -> None:
     """About to build a string or list of `n` characters/items: within the bounds, or refused."""
-    if n > MAX_TEMPLATE_CHARS:
-        _over(f"{MAX_TEMPLATE_CHARS} characters in one value (MAX_TEMPLATE_CHARS)")
     b = getattr(_budget, "b", None)
+    if n > (b.chars if b is not None else MAX_TEMPLATE_CHARS):
+        _over(f"{b.chars if b is not None else MAX_TEMPLATE_CHARS} characters in one value (MAX_TEMPLATE_CHARS, "
+              "TEMPLATE_GROWTH)")
     if b is not None:
         b.work += n
-        if b.work > MAX_TEMPLATE_WORK:
-            _over(f"{MAX_TEMPLATE_WORK} characters built (MAX_TEMPLATE_WORK)")
+        if b.work > b.work_limit:
+            _over(f"{b.work_limit} characters built (MAX_TEMPLATE_WORK)")
         _tick(0)
 
 
@@ -318,17 +327,26 @@ def render(source: str, messages, *, add_generation_prompt: bool = True, tools=N
 
     tmpl = compile_template(source)
     outer = getattr(_budget, "b", None)
-    _budget.b = _Budget()
+    given = _size(list(messages), MAX_TEMPLATE_CHARS) + _size(tools or [], MAX_TEMPLATE_CHARS) + \
+        sum(_size(v, MAX_TEMPLATE_CHARS) for v in context.values())
+    _budget.b = b = _Budget(TEMPLATE_GROWTH * given + TEMPLATE_OWN_CHARS + 2 * len(source))
     try:
         out, n = [], 0
         for chunk in tmpl.generate(messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
                                    **context):
             n += len(chunk)
-            if n > MAX_TEMPLATE_CHARS:
-                _over(f"{MAX_TEMPLATE_CHARS} characters of output (MAX_TEMPLATE_CHARS)")
+            if n > b.chars:
+                _over(f"{b.chars} characters of output (MAX_TEMPLATE_CHARS, TEMPLATE_GROWTH)")
             _tick(0)
             out.append(chunk)
-        return "".join(out)
+        text = "".join(out)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TemplateError(f"chat template wrote a lone surrogate (\\u{ord(text[e.start]):04x}), "
+                                    "not text") from None
+        return text
     except TemplateError:
         raise
     except jinja2.exceptions.SecurityError as e:

@@ -26,7 +26,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
-from mixqrt.errors import FormatError, ModelError
+from mixqrt.errors import FormatError, GenerationError, ModelError
+from mixqrt.limits import check_values
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), keyed by tokenizer.ggml.pre
 _QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -146,7 +147,10 @@ def _gguf_tokens(meta, where):
         raise FormatError(f"{where}: tokenizer.ggml.tokens must be an array of strings")
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None:
-        arr = np.asarray(types) if isinstance(types, (list, np.ndarray)) else None
+        try:
+            arr = np.asarray(types) if isinstance(types, (list, np.ndarray)) else None
+        except (ValueError, TypeError, OverflowError):             # ragged or mixed: not an array of ints
+            arr = None
         if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise FormatError(f"{where}: tokenizer.ggml.token_type must be an array of integers")
         types = arr.astype(np.int64)
@@ -325,6 +329,7 @@ class Tokenizer:
                 raise FormatError(f"{cfg_path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
             if not isinstance(cfg, dict):
                 raise FormatError(f"{cfg_path}: expected a JSON object")
+            check_values(cfg, str(cfg_path))
 
         def tok_id(entry):
             text = entry.get("content") if isinstance(entry, dict) else entry
@@ -388,6 +393,8 @@ class Tokenizer:
             tk.encode_special_tokens = not parse_special
             try:
                 return tk.encode(text, add_special_tokens=add_special_tokens).ids
+            except TypeError:                   # the backend's answer to a lone surrogate
+                raise GenerationError("the text to encode is not valid Unicode (a lone surrogate)") from None
             finally:
                 tk.encode_special_tokens = False
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
+from mixqrt.limits import check_generation_config, check_values
 from mixqrt.platform.files import folder_file, read_text
 from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
                               refuse_pickle)
@@ -161,7 +162,7 @@ def _read_json(folder: Path, name: str, what: str, *, required: bool = True) -> 
         raise FormatError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{path}: expected a JSON object")
-    return data
+    return check_values(data, str(path))
 
 
 class HFSource(Source):
@@ -183,7 +184,9 @@ class HFSource(Source):
             check_config(self.config, str(self.path / "config.json"))
             self._open_weights()
             check_layout(self)
-            self.generation_config = _read_json(self.path, "generation_config.json", "", required=False) or {}
+            self.generation_config = check_generation_config(
+                _read_json(self.path, "generation_config.json", "", required=False) or {},
+                str(self.path / "generation_config.json"))
         except BaseException:
             self.close()
             raise
