@@ -95,6 +95,13 @@ class LoadedModel:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
 
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """A mixqrt.embed.Embedder with the file's embedding settings (pooling, normalization,
+        attention, dense projections), each overridable."""
+        from mixqrt.embed import Embedder
+        return Embedder(self.model, self.meta.get("embedding"), tensors=self.file.tensors, pooling=pooling,
+                        normalize=normalize, **kw)
+
     def close(self) -> None:
         from mixqrt import ops
         ops.prefetch_wait()          # a gap prefetch may still hold a view of this file's mapping
