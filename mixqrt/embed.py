@@ -189,20 +189,28 @@ class Embedder:
         if pack:
             yield pack
 
+    def rows(self) -> str:
+        """Which rows the pooling reads: "last", "first" or "all"."""
+        return {"last": "last", "cls": "first"}.get(self.pooling, "all")
+
     def embed(self, seqs, progress: bool = False):
-        """Token-id sequences -> float32 [N, dim] (pooling none: a list of [n_i, hidden] arrays)."""
+        """Token-id sequences -> float32 [N, dim] (pooling none: a list of [n_i, hidden] arrays),
+        on the calling thread (Engine.embed runs the same packs on the engine's thread)."""
         seqs = [self.model.check_tokens(s) for s in seqs]
-        if not seqs:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        rows = {"last": "last", "cls": "first"}.get(self.pooling, "all")
         out: list = [None] * len(seqs)
         from tqdm.auto import tqdm
         bar = tqdm(total=len(seqs), desc="embedding", unit="input", disable=not progress)
         for pack in self._packs(seqs):
-            for i, h in zip(pack, self.hidden([seqs[i] for i in pack], rows)):
+            for i, h in zip(pack, self.hidden([seqs[i] for i in pack], self.rows())):
                 out[i] = h
             bar.update(len(pack))
         bar.close()
+        return self.pool(out)
+
+    def pool(self, out: list):
+        """Per-input hidden rows (hidden()'s arrays) -> the pooled, projected, normalized vectors."""
+        if not out:
+            return [] if self.pooling == "none" else np.zeros((0, self.dim), dtype=np.float32)
         if self.pooling == "none":
             return [self._finish(h) for h in out]
         pooled = np.stack([h.mean(axis=0) if self.pooling == "mean" else h[-1 if self.pooling == "last" else 0]
@@ -237,3 +245,75 @@ def truncate(vecs: np.ndarray, dims: int, normalize: bool) -> np.ndarray:
         v = v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), np.float32(1e-12))
     return v.astype(np.float32)
 
+
+
+MAX_INPUTS = 2048               # OpenAI's bound on inputs per embeddings request
+MAX_INPUT_TOKENS = 300_000      # and on their tokens together
+CHARS_PER_TOKEN = 64            # a string longer than this many characters per context token is refused untokenized
+
+
+def encode_inputs(tokenizer, texts, field: str = "input", max_tokens: int | None = None) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids or a list of token-id lists -> token ids per
+    input; RequestError naming the field for anything else, past the bounds above, or an input
+    longer than max_tokens (the context)."""
+    from mixqrt.errors import RequestError
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, (list, tuple)) or not texts:
+        raise RequestError(field, f"{field} must be a string, a list of strings or token ids, not empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in texts):
+        texts = [list(texts)]                        # one input given as token ids
+    if len(texts) > MAX_INPUTS:
+        raise RequestError(field, f"{field} has {len(texts)} inputs; at most {MAX_INPUTS}")
+    vocab = tokenizer.vocab_size if tokenizer is not None else None
+    max_chars = CHARS_PER_TOKEN * (max_tokens or MAX_INPUT_TOKENS)
+    out, total = [], 0
+    for i, t in enumerate(texts):
+        if isinstance(t, str):
+            if len(t) > max_chars:
+                raise RequestError(field, f"{field}[{i}] has {len(t)} characters; at most {max_chars} "
+                                          f"({CHARS_PER_TOKEN} per token of the {max_tokens}-token context)")
+            if not t:
+                raise RequestError(field, f"{field}[{i}] is empty")
+            if tokenizer is None:
+                raise RequestError(field, "text input needs the model's tokenizer; pass token ids")
+            ids = [int(x) for x in tokenizer.encode(t, parse_special=False)]
+            bos = getattr(tokenizer, "bos_token_id", None)
+            if getattr(tokenizer, "add_bos_token", False) and bos is not None:
+                ids = [int(bos)] + ids
+        elif isinstance(t, (list, tuple)) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t):
+            if len(t) > MAX_INPUT_TOKENS:
+                raise RequestError(field, f"{field}[{i}] has {len(t)} tokens; at most {MAX_INPUT_TOKENS}")
+            ids = list(t)
+            bad = [x for x in ids if x < 0 or (vocab is not None and x >= vocab)]
+            if bad:
+                raise RequestError(field, f"{field}[{i}] holds token id {bad[0]} outside the vocabulary "
+                                          f"[0, {vocab})")
+        else:
+            raise RequestError(field, f"{field}[{i}] must be a non-empty string or a non-empty list of token ids")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise RequestError(field, f"{field}[{i}] has {len(ids)} tokens; the context holds {max_tokens}")
+        total += len(ids)
+        if total > MAX_INPUT_TOKENS:
+            raise RequestError(field, f"{field} has more than {MAX_INPUT_TOKENS} tokens in all")
+        out.append(ids)
+    return out
+
+
+def check_dimensions(emb: "Embedder", dimensions) -> int | None:
+    """The `dimensions` to truncate to (None: keep all); RequestError where the model does not allow it."""
+    from mixqrt.errors import RequestError
+    if dimensions is None:
+        return None
+    if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or dimensions < 1:
+        raise RequestError("dimensions", f"dimensions must be a positive integer, got {dimensions!r}")
+    if emb.pooling == "none":
+        raise RequestError("dimensions", "dimensions needs pooled embeddings (this model pools 'none')")
+    if dimensions == emb.dim:
+        return None
+    if dimensions > emb.dim:
+        raise RequestError("dimensions", f"dimensions={dimensions} exceeds the model's {emb.dim}")
+    if not emb.info.matryoshka:
+        raise RequestError("dimensions", f"this model's embeddings are not trained to be truncated (Matryoshka); "
+                                         f"dimensions must be {emb.dim}")
+    return int(dimensions)

@@ -21,7 +21,8 @@ The prompt (``build_infill``), llama.cpp's repo-level pattern (server-common.cpp
 (without a FIM_REP / FIM_SEP token the extra chunks are separated by "\\n\\n--- snippet ---\\n\\n").
 Trimming, with llama.cpp's budget: of the prefix the last ``3 * (n_batch / 4)`` tokens are kept, of
 the suffix the first ``n_batch / 4 - 2 - len(prompt)``, and the extra chunks fill what is left of
-``n_ctx - n_batch - 2 * n_predict`` from their end. One difference: llama.cpp slides the prefix's
+``n_ctx - n_batch - 2 * n_predict`` from their end (n_batch is llama.cpp's default 2048, here capped
+at half the context so that the extra files keep a share of a small context). One difference: llama.cpp slides the prefix's
 cut with every typed token (and relies on ``--cache-reuse`` to shift the cached K/V); here the cut
 moves in steps of ``CUT_STEP`` tokens counted from the prefix's start, so the prompt's beginning
 stays the same while a user types and the prompt cache reuses it (mixqrt.engine_cache). Nothing is
@@ -186,7 +187,7 @@ def build_infill(tokenizer, prefix: str, suffix: str, extra=None, prompt: str = 
             raise FimError(name, f"{name} must be a string, got {type(v).__name__}")
     chunks = check_extra(extra)
     n_ctx = int(n_ctx)
-    n_batch = max(4, min(int(n_batch), n_ctx))
+    n_batch = max(4, min(int(n_batch), n_ctx // 2))    # half the context at most: the extra files keep the rest
     n_predict = int(n_predict)
     p_ids, s_ids, m_ids = _text(tokenizer, prefix), _text(tokenizer, suffix), _text(tokenizer, prompt)
 
@@ -220,3 +221,9 @@ def build_infill(tokenizer, prefix: str, suffix: str, extra=None, prompt: str = 
     if len(ids) > n_ctx - 1:                 # a tiny context: llama.cpp would overflow; refuse by name
         raise FimError("input_prefix", f"the infill prompt needs {len(ids)} tokens; the context holds {n_ctx}")
     return ids
+
+
+def stop_ids(tokenizer, model) -> list[int]:
+    """The ids that end a middle: the model's end-of-generation set plus every FIM token."""
+    from mixqrt.generate import _eos_ids
+    return sorted(_eos_ids(None, model, tokenizer) | require_fim(tokenizer).stop_ids())
