@@ -48,6 +48,8 @@ def model_name(pipe) -> str:
 def _responses(pipe, prompt, kw, suffix=None) -> Iterator:
     """pipe.stream(...) (pipe.stream_infill(prompt, suffix, ...) with a suffix) with a
     "context_length_exceeded" code on the too-long-prompt error."""
+    if suffix is not None and not hasattr(pipe, "stream_infill"):
+        raise RequestError("suffix", "suffix (fill-in-the-middle) needs a Pipeline (its stream_infill)")
     it = iter(pipe.stream(prompt, **kw) if suffix is None else pipe.stream_infill(prompt, suffix, **kw))
     try:
         while True:

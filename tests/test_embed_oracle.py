@@ -86,3 +86,23 @@ def test_packing_does_not_change_a_vector(converted):
     together = lm.embedder().embed(ids)
     alone = np.concatenate([lm.embedder(batch_tokens=1).embed([s]) for s in ids])
     np.testing.assert_allclose(together, alone, rtol=2e-5, atol=2e-6)
+
+
+def test_real_qwen_last_token_agrees_with_llamacpp(qwen_gguf_path):
+    """The real Qwen2.5-Coder-0.5B in last-token mode: mixqrt's f32 forward of the test GGUF's weights
+    against llama.cpp's embedding mode (pooling LAST forced) on an F32 GGUF that llama-quantize made from
+    the same file (qwen-real-last.npz; benchmarks/oracle_embeddings.py --real)."""
+    from mixqrt.embed import Embedder
+    from mixqrt.io import open_source
+    from mixqrt.models import load_f32
+
+    z = _load("qwen-real-last")
+    with open_source(qwen_gguf_path) as src:
+        model = load_f32(src)
+        tok = src.tokenizer
+    ids = np.split(z["token_ids"].astype(np.int64), np.cumsum([int(n) for n in z["lengths"]])[:-1])
+    assert [tok.encode(str(t)) for t in z["texts"]] == [list(s) for s in ids]
+    ours = Embedder(model, pooling="last", normalize=False).embed(ids)
+    ref = z["vectors"]
+    cos = (ours * ref).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert cos.min() >= MIN_COS, f"min cosine {cos.min():.6f}"
