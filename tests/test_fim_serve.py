@@ -176,3 +176,12 @@ def test_hostile_inputs_are_4xx_and_nothing_stalls(srv):
             assert json.loads(raw)["error"]["param"] == field, (path, raw[:200])
     t.join(60)
     assert not t.is_alive() and results["text"]
+
+
+def test_infill_needs_the_api_key(pipe):
+    from mixqrt.serve.guard import Limits
+    with running(pipe, Limits(api_key="sk-test")) as r:
+        status, raw = post(r, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
+        assert status == 401
+        status, raw = post(r, "/v1/embeddings", {"input": "a"})
+        assert status == 401
