@@ -151,12 +151,20 @@ def cmd_generate(a):
     pipe = _pipeline(a)
     prompt = a.prompt if a.prompt is not None else sys.stdin.read()
     last = None
+    if a.suffix is not None and a.chat:
+        raise SystemExit("mixqrt generate: --suffix (fill-in-the-middle) and --chat do not go together")
     if not a.chat:
         sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
-    for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a)):
+    if a.suffix is not None:       # fill-in-the-middle: the prompt is the text before the cursor
+        pieces = pipe.stream_infill(prompt, a.suffix, **_sampling_kwargs(a))
+    else:
+        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a))
+    for r in pieces:
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
+    if a.suffix is not None:
+        sys.stdout.write(a.suffix)
     sys.stdout.write("\n")
     if last is not None and not a.quiet:
         print(f"[prompt {last.prompt_tokens} tok, {last.prompt_tps:.1f} tok/s | "
@@ -320,6 +328,9 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     _add_model(s, optional=True)
     s.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    s.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: the prompt is the text before the cursor, TEXT the text after it "
+                        "(the model's FIM tokens; llama.cpp's /infill prompt, docs/completion.md)")
     _add_sampling(s)
     s.set_defaults(fn=cmd_generate)
 

@@ -98,6 +98,13 @@ class LoadedModel:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
 
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """A mixqrt.embed.Embedder with the file's embedding settings (pooling, normalization,
+        attention, dense projections), each overridable."""
+        from mixqrt.embed import Embedder
+        return Embedder(self.model, self.meta.get("embedding"), tensors=self.file.tensors, pooling=pooling,
+                        normalize=normalize, **kw)
+
     def close(self) -> None:
         from mixqrt import ops
         ops.prefetch_wait()          # a gap prefetch may still hold a view of this file's mapping
@@ -273,6 +280,58 @@ class Pipeline:
         if isinstance(text_or_messages, str):
             return [{"generated_text": (text_or_messages + t) if full else t} for t in texts]
         return [{"generated_text": list(text_or_messages) + [{"role": "assistant", "content": t}]} for t in texts]
+
+    # ------------------------------------------------------------------ fill-in-the-middle
+    def infill_ids(self, prefix: str, suffix: str, extra=None, *, prompt: str = "", spm: bool = False,
+                   max_new_tokens: int | None = None, n_batch: int | None = None) -> list[int]:
+        """The token ids of a fill-in-the-middle prompt (mixqrt.fim.build_infill: the model's FIM
+        tokens, llama.cpp's repo-level order and trimming; FimError when the model has none)."""
+        from mixqrt.fim import DEFAULT_N_BATCH, build_infill
+        return build_infill(self.tokenizer, prefix, suffix, extra, prompt, n_ctx=self.max_context,
+                            n_predict=-1 if max_new_tokens is None else int(max_new_tokens),
+                            n_batch=n_batch or DEFAULT_N_BATCH, spm=spm)
+
+    def stream_infill(self, prefix: str, suffix: str, extra=None, *, prompt: str = "", spm: bool = False,
+                      n_batch: int | None = None, **kw):
+        """GenerationResponse pieces of the middle between prefix and suffix. extra: other files of
+        the repository, [{"filename": ..., "text": ...}] (llama.cpp's input_extra); prompt: text
+        typed after the prefix. Generation stops at end-of-text or any FIM token; neither is in the
+        text. kw: the generation arguments of stream()."""
+        from mixqrt.fim import stop_ids
+        kw = self._gen_kwargs(kw)
+        if kw.get("tools") or kw.get("response_format") is not None:
+            raise GenerationError("infill takes neither tools nor response_format")
+        ids = self.infill_ids(prefix, suffix, extra, prompt=prompt, spm=spm,
+                              max_new_tokens=kw.get("max_new_tokens"), n_batch=n_batch)
+        kw["eos_token_ids"] = stop_ids(self.tokenizer, self.model)
+        return self._run(ids, kw)
+
+    def infill(self, prefix: str, suffix: str, extra=None, **kw) -> str:
+        """The middle text between prefix and suffix (see stream_infill)."""
+        return "".join(p.text for p in self.stream_infill(prefix, suffix, extra, **kw) if p.index == 0)
+
+    # ------------------------------------------------------------------ embeddings
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """mixqrt.embed.Embedder with this model's settings (LoadedModel.embedder)."""
+        return self.loaded.embedder(pooling, normalize, **kw)
+
+    def embed(self, texts, *, pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings of a string, a list of strings or a list of token-id lists -> float32 [N, D]
+        (pooling "none": a list of [n_i, D] arrays). Pooling and L2 normalization come from the model
+        (mixqrt.embed), each overridable; dimensions truncates (Matryoshka) where the model allows.
+        The forwards run on the engine's thread between decode steps (Engine.embed)."""
+        from mixqrt.embed import check_dimensions, truncate
+        seqs = self.embed_ids(texts)
+        emb = self.embedder(pooling, normalize)
+        dims = check_dimensions(emb, dimensions)
+        out = self.engine.embed(seqs, emb).result()
+        return truncate(out, dims, emb.normalize) if dims is not None else out
+
+    def embed_ids(self, texts) -> list[list[int]]:
+        """Token ids of embedding inputs (text is user text: control-token strings stay text)."""
+        from mixqrt.embed import encode_inputs
+        return encode_inputs(self.tokenizer, texts, max_tokens=self.max_context)
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:

@@ -177,7 +177,7 @@ class Tokenizer:
     """Encode/decode, special ids, chat template and streaming for one model."""
 
     def __init__(self, backend: _HFTokenizer, *, bos_token_id=None, eos_token_ids=(), pad_token_id=None,
-                 chat_template=None, add_bos_token=False):
+                 chat_template=None, add_bos_token=False, fim_ids=None):
         self.backend = backend
         n = backend.get_vocab_size(with_added_tokens=True)
         # every id a config names must be a token of this vocabulary (bos_token_id -1 was an
@@ -189,6 +189,10 @@ class Tokenizer:
             raise ModelError(f"eos_token_ids must be a list of token ids, got {type(eos_token_ids).__name__}")
         self.eos_token_ids = {vocab_id("eos_token_id", i, n) for i in eos_token_ids} - {None}
         self.pad_token_id = vocab_id("pad_token_id", pad_token_id, n, strict=False)
+        # FIM token ids a GGUF names (tokenizer.ggml.fim_*_token_id; mixqrt.fim finds the rest by text)
+        fim = {str(k): vocab_id(f"fim {k} token id", v, n, strict=False) for k, v in dict(fim_ids or {}).items()}
+        self.fim_ids = {k: v for k, v in fim.items() if v is not None}
+        self._fim = None
         self.chat_template = chat_template          # str, or {name: str} when a model ships several
         self.add_bos_token = bool(add_bos_token)
         _probe_templates(chat_template, self)
@@ -302,8 +306,10 @@ class Tokenizer:
                 except Exception as e:
                     raise FormatError(f"{where}: bos token {name[:40]!r} cannot start a template: "
                                       f"{str(e)[:200]}") from None
+        from mixqrt.fim import fim_from_gguf
         return cls(tk, bos_token_id=bos, eos_token_ids=eos_ids_from_gguf(meta, where),
-                   pad_token_id=pad, chat_template=template, add_bos_token=add_bos)
+                   pad_token_id=pad, chat_template=template, add_bos_token=add_bos,
+                   fim_ids=fim_from_gguf(meta, len(tokens), where))
 
     @classmethod
     def from_folder(cls, folder, *, extra_eos_ids=()) -> "Tokenizer":
@@ -361,7 +367,8 @@ class Tokenizer:
         """JSON-able entries that rebuild this tokenizer with from_meta() (no GGUF/folder needed)."""
         return {"tokenizer": self.backend.to_str(), "chat_template": self.chat_template,
                 "tokenizer_info": {"bos_token_id": self.bos_token_id, "eos_token_ids": sorted(self.eos_token_ids),
-                                   "pad_token_id": self.pad_token_id, "add_bos_token": self.add_bos_token}}
+                                   "pad_token_id": self.pad_token_id, "add_bos_token": self.add_bos_token,
+                                   **({"fim": dict(self.fim_ids)} if self.fim_ids else {})}}
 
     @classmethod
     def from_meta(cls, meta) -> "Tokenizer":
@@ -376,7 +383,8 @@ class Tokenizer:
         info = dict(meta.get("tokenizer_info") or {})
         return cls(backend, bos_token_id=info.get("bos_token_id"), eos_token_ids=info.get("eos_token_ids") or (),
                    pad_token_id=info.get("pad_token_id"), chat_template=meta.get("chat_template"),
-                   add_bos_token=info.get("add_bos_token", False))
+                   add_bos_token=info.get("add_bos_token", False),
+                   fim_ids=info.get("fim") if isinstance(info.get("fim"), dict) else None)
 
     # -- encode / decode -------------------------------------------------------------------
     @property

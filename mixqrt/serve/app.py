@@ -27,6 +27,8 @@ from starlette.routing import Route
 
 from mixqrt import api, oai
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
+from mixqrt.fim import build_infill
+from mixqrt.fim import stop_ids as fim_stop_ids
 from mixqrt.generate import encode_prompt
 from mixqrt.tools import chat_ids
 from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
@@ -90,6 +92,10 @@ class Server:
             gen = req.gen_kwargs(self.context)
             if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
                 ids = chat_ids(self.tokenizer, req.messages, req.tools, req.tool_choice)
+            elif req.suffix is not None:            # fill-in-the-middle: the prompt is the prefix (mixqrt.fim)
+                ids = build_infill(self.tokenizer, req.prompt, req.suffix, n_ctx=self.context,
+                                   n_predict=req.max_tokens if req.max_tokens and req.max_tokens > 0 else -1)
+                gen["eos_token_ids"] = fim_stop_ids(self.tokenizer, self.pipe.model)
             else:
                 ids = encode_prompt(self.tokenizer, req.prompt)
         except RequestError as e:
@@ -273,6 +279,22 @@ async def _internal(request, exc):
     return error_response(HTTPError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
 
+def infill_route(srv):
+    from mixqrt.serve.infill import handle
+
+    async def infill(request):
+        return await handle(srv, request)
+    return infill
+
+
+def embeddings_route(srv):
+    from mixqrt.serve.embeddings import handle
+
+    async def embeddings(request):
+        return await handle(srv, request)
+    return embeddings
+
+
 def create_app(pipe, *, engine=None, model: str | None = None, limits: Limits | None = None,
                replica: str | None = None, engine_kwargs: dict | None = None) -> Starlette:
     """The ASGI app serving `pipe` (a Pipeline) through `engine` (default: Engine(pipe, **engine_kwargs))."""
@@ -284,6 +306,8 @@ def create_app(pipe, *, engine=None, model: str | None = None, limits: Limits | 
     srv.watch = watch_pipeline(pipe, on_change=lambda why: threading.Thread(target=engine.close, daemon=True).start())
     routes = [Route("/v1/chat/completions", srv.chat, methods=["POST"]),
               Route("/v1/completions", srv.completion, methods=["POST"]),
+              Route("/infill", infill_route(srv), methods=["POST"]),
+              Route("/v1/embeddings", embeddings_route(srv), methods=["POST"]),
               Route("/v1/models", srv.models, methods=["GET"]),
               Route("/v1/models/{name:path}", srv.model_card, methods=["GET"]),
               Route("/health", srv.health, methods=["GET"]),

@@ -160,6 +160,10 @@ def key_ok(token: str, keys: tuple) -> bool:
     return sum(hmac.compare_digest(t, k.encode("utf-8", "surrogatepass")) for k in keys) > 0
 
 
+# routes outside /v1/ that need the API key too (llama.cpp's /infill; /health stays open)
+KEYED_PATHS = ("/metrics", "/infill")
+
+
 class Guard:
     """ASGI middleware: Host allow-list, foreign Origin refused, API key on /v1/*, replica header,
     request log, and the body deadline. Runs before any body is read."""
@@ -215,7 +219,7 @@ class Guard:
                              code="origin_not_allowed")
         path = scope.get("path", "")
         keys = api_keys(self.limits)
-        if keys and (path.startswith("/v1/") or path == "/metrics") and scope.get("method") != "OPTIONS":
+        if keys and (path.startswith("/v1/") or path in KEYED_PATHS) and scope.get("method") != "OPTIONS":
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not key_ok(token.strip(), keys):
                 return HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>' with one of the "
