@@ -17,13 +17,20 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "re
 
 
 # ============================================================================ token level
+def _make_cache(model, n: int, kv_type):
+    """model.make_cache(n) of kv_type (a stand-in model without kv types takes just n)."""
+    return model.make_cache(n) if kv_type is None else model.make_cache(n, kv_type)
+
+
 def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_processors: list | None = None,
-                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512) -> Iterator[tuple[int, np.ndarray]]:
+                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512,
+                  kv_type: str | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (token, logits) for up to max_tokens new tokens after prompt_ids.
 
     logits [vocab] are those the token was sampled from (after the processors). The prompt is fed
     at cache.offset (0 for a fresh cache) in prefill_chunk pieces. The caller stops early by
-    closing the generator (e.g. leaving a for loop).
+    closing the generator (e.g. leaving a for loop). kv_type: the type of the cache made when none
+    is given (mixqrt.cache.KV_TYPES; default the model's).
     """
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
@@ -32,7 +39,7 @@ def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_
     sampler = sampler or make_sampler(0.0)
     procs = list(logits_processors or ())
     if cache is None:
-        cache = model.make_cache(prompt.size + max(max_tokens, 1))
+        cache = _make_cache(model, prompt.size + max(max_tokens, 1), kv_type)
     # every token seen so far, for the logits processors (a view of one preallocated buffer)
     history = np.empty(prompt.size + max_tokens, dtype=np.int64)
     history[:prompt.size] = prompt
@@ -332,13 +339,15 @@ def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temp
                     top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                     repetition_penalty: float | None = None, repetition_context_size: int = 64,
                     seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
-                    prefill_chunk: int = 512, do_sample: bool | None = None) -> Iterator[GenerationResponse]:
+                    prefill_chunk: int = 512, do_sample: bool | None = None,
+                    kv_type: str | None = None) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
 
     The low-level single-sequence path (no engine thread, no batching); Pipeline and the API go
     through mixqrt.engine.Engine, which drives the same Sequence logic.
     prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
-    Stop strings and eos tokens end generation and are not part of the text.
+    Stop strings and eos tokens end generation and are not part of the text. kv_type: the KV
+    cache's type (mixqrt.cache.KV_TYPES; default the model's).
     """
     t0 = time.perf_counter()
     seq = Sequence(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -346,7 +355,7 @@ def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temp
                    repetition_context_size=repetition_context_size, seed=seed, stop=stop,
                    eos_token_ids=eos_token_ids, max_context=max_context, do_sample=do_sample)
     n_prompt = len(seq.prompt)
-    cache = model.make_cache(n_prompt + seq.budget)
+    cache = _make_cache(model, n_prompt + seq.budget, kv_type)
     t_first, ttft, prompt_tps = 0.0, 0.0, 0.0
 
     def response(text, token, reason):
