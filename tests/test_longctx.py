@@ -212,3 +212,28 @@ def test_cli_help_lists_kv_types():
     assert a.kv_type == "f16" and a.kv_cache_bytes == 512 << 20
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "--kv-type", "q5", "-p", "x"])
+
+
+# ------------------------------------------------------------------ long prefill keeps streams going
+def test_long_prefill_interleaves_decode_at_16k(tmp_path):
+    """A 16k-token prompt is prefilled in prefill_chunk pieces, each step also decoding the other
+    stream: the short request's 40 tokens ride along the long prompt's 64 chunks (66 steps in
+    all, not 64 + 40), and the long request answers too."""
+    from mixqrt.pipeline import LoadedModel
+    from mixqrt.quantize.convert import quantize_model
+    from mixqrt.testing.tiny import make_tiny_hf_model
+    n = 16384
+    d = make_tiny_hf_model(tmp_path / "m", arch="qwen2", config_extra={"max_position_embeddings": n + 64})
+    quantize_model(str(d), "f32", tmp_path / "long.mxq", progress=False)
+    lm = LoadedModel(tmp_path / "long.mxq")
+    long_prompt = np.random.default_rng(1).integers(3, 400, size=n - 8).tolist()
+    with Engine(lm, prefill_chunk=256, kv_cache_bytes=0, max_slots=2) as eng:
+        assert eng.max_context == n + 64
+        a = eng.submit([5, 6, 7], max_new_tokens=40, temperature=0.0, eos_token_ids=[])
+        b = eng.submit(long_prompt, max_new_tokens=2, temperature=0.0, eos_token_ids=[])
+        assert len([r for r in a if r.token is not None]) == 40
+        assert len([r for r in b if r.token is not None]) == 2
+        st = eng.stats()
+    chunks = -(-len(long_prompt) // 256)
+    assert st["prefill_tokens"] == len(long_prompt) + 3
+    assert st["steps"] <= chunks + 4                 # interleaved: not chunks + 40
