@@ -276,7 +276,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="mixqrt-config-fuzz-") as d:
         h = Harness(d)
         t = time.perf_counter()
-        counts = fuzz(h, a.examples, seed=a.seed, progress=True)
+        counts = fuzz(h, a.examples, seed=a.seed, progress=True) if a.examples else Counter()
         res = {"examples": a.examples, "seconds": round(time.perf_counter() - t, 1), "counts": dict(counts),
                "untyped": h.untyped}
         if a.templates:
