@@ -80,6 +80,19 @@ class Flood:
         self.thread.join(30)
 
 
+def raw_status(port: int, data: bytes, timeout: float = 30.0, source: str = "127.0.0.1") -> int:
+    """Send raw bytes on a fresh connection from `source` -> the reply's status code (0: none)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0)) as c:
+        c.sendall(data)
+        head = b""
+        while b"\r\n" not in head:
+            got = c.recv(4096)
+            if not got:
+                break
+            head += got
+    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") and head[9:12].isdigit() else 0
+
+
 def real_request(port: int, source: str, timeout: float = 30.0) -> tuple[int, float]:
     """One complete completion request (1 token) from `source`: (HTTP status or 0, seconds)."""
     body = json.dumps({"prompt": "hi", "max_tokens": 1, "temperature": 0}).encode()
@@ -87,18 +100,7 @@ def real_request(port: int, source: str, timeout: float = 30.0) -> tuple[int, fl
            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     t = time.perf_counter()
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0)) as c:
-            c.sendall(req)
-            head = b""
-            while b"\r\n" not in head:
-                part = c.recv(4096)
-                if not part:
-                    break
-                head += part
+        status = raw_status(port, req, timeout, source)
     except OSError:
-        return 0, time.perf_counter() - t
-    try:
-        status = int(head.split(b" ", 2)[1])
-    except (IndexError, ValueError):
         status = 0
     return status, time.perf_counter() - t
