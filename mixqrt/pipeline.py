@@ -27,7 +27,8 @@ from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model
 class LoadedModel:
     """A model ready to run: graph + tokenizer + the .mxq it is mapped from."""
 
-    def __init__(self, path, *, threads: int | None = None, hugepages: bool = True, willneed: bool = True):
+    def __init__(self, path, *, threads: int | None = None, hugepages: bool = True, willneed: bool = True,
+                 weights_in_memory: bool = False):
         from mixqrt.io.mxq import MxqFile
         from mixqrt.models import get_model_class
 
@@ -36,7 +37,9 @@ class LoadedModel:
         # MADV_HUGEPAGE + MADV_WILLNEED on the mapping: measured 1.08x median over plain mmap in
         # docs/lab/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
         # a mixture of experts gets no whole-file read-ahead: the experts no token picks stay on disk
-        self.file = MxqFile(path, hugepages=hugepages, willneed=False)
+        # weights_in_memory: a private copy of the file instead of a mapping of it (mixqrt serve: the
+        # file may change under a long-running server; io.arena.Arena copy=True)
+        self.file = MxqFile(path, hugepages=hugepages, willneed=False, copy=weights_in_memory)
         meta = self.file.meta
         from mixqrt.models.spec import MOE_ARCHS
         if willneed and meta.get("arch") not in MOE_ARCHS:
@@ -159,18 +162,20 @@ class Pipeline:
     def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
                  offline: bool | None = None, progress: bool = True, max_context: int | None = None,
                  draft=None, draft_recipe: str | None = None, draft_k: int = 4, lookup: int | None = None,
-                 response_format=None):
+                 response_format=None, weights_in_memory: bool = False):
         """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
         loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
         draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
-        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md)."""
+        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md).
+        weights_in_memory: read the .mxq into private memory instead of mapping it (what `mixqrt
+        serve` does: a file replaced or truncated under the server cannot change or fault it)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
         # every generation's default response_format (mixqrt.grammar); a call's own argument wins
         self.response_format = response_format
         if response_format is not None:
             from mixqrt.grammar import grammar_from_response_format
             grammar_from_response_format(response_format)      # its shape is checked now
-        self.loaded = LoadedModel(self.path, threads=threads)
+        self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
         self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
         self.drafter = None

@@ -156,6 +156,12 @@ class Server:
                                                   f"{self.model!r})", param="model", code="model_not_found"))
         return JSONResponse(self.card())
 
+    def stopped_why(self) -> str:
+        """Why the engine stopped a request that nobody cancelled."""
+        why = self.watch.check() if self.watch is not None else None
+        return (f"the model file changed while being served ({why}); this stream cannot continue" if why else
+                "the server stopped this stream (the engine closed); retry")
+
     def check_file(self) -> None:
         """503 once the served .mxq changed under us (serve.watch)."""
         why = self.watch.check() if self.watch is not None else None
@@ -188,10 +194,13 @@ class _Run(Response):
         self.background = None
         self.first, self.last, self.t0 = True, None, time.perf_counter()
 
+    client_gone = False
+
     async def __call__(self, scope, receive, send):
         async def watch():
             while (await receive())["type"] != "http.disconnect":
                 pass
+            self.client_gone = True
             self.req.cancel()
 
         self.scope = scope
@@ -255,6 +264,9 @@ class _Run(Response):
                 async for r in it:
                     self._seen(r)
                     await out(self.out.feed(r))
+            if getattr(self.req, "finish_reason", None) == "cancelled" and not self.client_gone:
+                # the engine closed under the stream (the served file changed, a shutdown): say so
+                raise GenerationError(self.srv.stopped_why())
             await out(self.out.finish())
             await asyncio.wait_for(send({"type": "http.response.body", "body": b"data: [DONE]\n\n"}), timeout)
         except (asyncio.TimeoutError, OSError):
