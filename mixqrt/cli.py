@@ -236,7 +236,11 @@ def cmd_ppl(a):
                    save_logits=a.save_logits, kl_base=a.kl_base, progress=False, on_chunk=show, pieces_fn=pieces)
     if a.json:
         d = r.to_dict()
-        d.update(model=str(a.model), recipe=m.recipe, text=a.text, kv_type=m.model.kv_type)
+        mm = m.model
+        bpt = mm.kv_bytes_per_token()
+        d.update(model=str(a.model), recipe=m.recipe, text=a.text, kv_type=mm.kv_type, kv_bytes_per_token=bpt,
+                 kv_bits_per_value=8 * bpt / (2 * mm.args.num_hidden_layers * mm.args.num_key_value_heads
+                                              * mm.args.head_dim))
         print(json.dumps(d))
         return
     print(file=sys.stderr)

@@ -2,6 +2,7 @@
 
     eng = Engine(pipe, max_slots=8)                 # a Pipeline, a LoadedModel or a bare Model
     req = eng.submit(prompt_ids, max_new_tokens=64, temperature=0.7, seed=1, stop=["\\n\\n"])
+    req = eng.submit(prompt_ids, SamplingParams(max_new_tokens=64))   # or the options as one object
     for r in req:                                   # or: async for r in req
         print(r.text, end="")
     eng.stats(); eng.close()
@@ -39,8 +40,9 @@ from mixqrt.errors import GenerationError, RequestError
 from mixqrt.generate import GenerationResponse, Sequence
 from mixqrt.grammar import compile_async, grammar_from_response_format
 from mixqrt.platform.perf import peak_rss_bytes
-from mixqrt.sample_utils import _int, _number
+from mixqrt.params import MAX_N, SamplingParams, as_params
 from mixqrt.speculative import MAX_DRAFT, Speculation
+from mixqrt.validate import integer, number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
@@ -180,16 +182,6 @@ class Request:
         return f"Request(id={self.id}, prompt_tokens={self.prompt_tokens}, finish_reason={self.finish_reason!r})"
 
 
-def _cache_salt(salt):
-    if salt is None:
-        return None
-    if not isinstance(salt, str):
-        raise RequestError("cache_salt", f"cache_salt must be a string or None, got {type(salt).__name__}")
-    if len(salt) > MAX_CACHE_SALT:
-        raise RequestError("cache_salt", f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT}")
-    return salt
-
-
 def _wake_future(fut) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -251,20 +243,20 @@ class Engine:
         model, tok, ctx = _unpack(model_or_pipeline)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tok
-        self.max_slots = _int("max_slots", max_slots, lo=1)
-        self.prefill_chunk = _int("prefill_chunk", prefill_chunk, lo=1)
-        self.max_queue = _int("max_queue", max_queue, lo=0)
-        self.stall_timeout = _number("stall_timeout", stall_timeout, lo=0.0, lo_open=True)
-        cap = default_kv_cache_bytes() if kv_cache_bytes is None else _int("kv_cache_bytes", kv_cache_bytes, lo=0)
+        self.max_slots = integer("max_slots", max_slots, lo=1)
+        self.prefill_chunk = integer("prefill_chunk", prefill_chunk, lo=1)
+        self.max_queue = integer("max_queue", max_queue, lo=0)
+        self.stall_timeout = number("stall_timeout", stall_timeout, lo=0.0, lo_open=True)
+        cap = default_kv_cache_bytes() if kv_cache_bytes is None else integer("kv_cache_bytes", kv_cache_bytes, lo=0)
         if max_context is not None:
-            ctx = _int("max_context", max_context, lo=2)
+            ctx = integer("max_context", max_context, lo=2)
         self.max_context = min(int(ctx or model.args.max_position_embeddings), model.args.max_position_embeddings)
         if kv_type is None:
             kv_type = getattr(model_or_pipeline, "kv_type", None)
         if threads is not None:
-            ops.set_num_threads(_int("threads", threads, lo=1))
+            ops.set_num_threads(integer("threads", threads, lo=1))
         if gemm_cache_bytes is not None:
-            ops.set_gemm_cache(_int("gemm_cache_bytes", gemm_cache_bytes, lo=0))
+            ops.set_gemm_cache(integer("gemm_cache_bytes", gemm_cache_bytes, lo=0))
         self._cache = PromptCache(model, self.max_context, cap, kv_type)
         self.kv_type = self._cache.kv_type
         if speculative is not None and not hasattr(speculative, "propose"):
@@ -288,27 +280,25 @@ class Engine:
         self._thread.start()
 
     # ------------------------------------------------------------------ public
-    def submit(self, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None, top_p=None,
-               min_p=None, repetition_penalty=None, seed=None, stop=None, eos_token_ids=None,
-               buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None,
-               logprobs: bool | None = None, top_logprobs: int = 0, n: int = 1, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-               draft_k: int | None = None, cache_salt: str | None = None,
-               cache_prompt: bool = True, response_format=None, tools=None, tool_choice=None,
-               parallel_tool_calls: bool = True) -> Request:
+    def submit(self, prompt_ids, params: SamplingParams | None = None, *, buffer: int = 64, **kwargs) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
-        Bad arguments raise GenerationError (RequestError naming the field) here; EngineBusy when
-        max_queue requests already wait. Sampling arguments left at None come from the model's
-        generation_config (generate.resolve_sampling: greedy unless do_sample or the config asks
-        for sampling). Each request samples with its own RNG (seeded by `seed`), so a seeded
-        request gives the same tokens whatever it is batched with.
+        params: the request's options (mixqrt.params.SamplingParams: max_new_tokens, sampling,
+        stop, n, logprobs, penalties, logit_bias, response_format, tools, draft_k, cache_salt,
+        ...); keyword arguments build one or change the given one. buffer: pieces the consumer may
+        leave unread before the slot pauses. Bad arguments raise GenerationError (RequestError
+        naming the field) here; EngineBusy when max_queue requests already wait. Sampling
+        arguments left at None come from the model's generation_config (generate.resolve_sampling:
+        greedy unless do_sample or the config asks for sampling). Each request samples with its
+        own RNG (seeded by `seed`), so a seeded request gives the same tokens whatever it is
+        batched with.
 
         n > 1: n choices of one prompt, prefilled once (the other choices copy its KV rows, a
         prefix-cache fork) and decoded in the same batch; the pieces carry ``index`` 0..n-1 and
         choice i > 0 is seeded from (seed, i). logprobs/top_logprobs: each piece carries the
         token's log-probability under the model's raw logits (GenerationResponse.logprobs).
-        presence_penalty/frequency_penalty/logit_bias: OpenAI's (sample_utils).
+        presence_penalty/frequency_penalty/logit_bias: OpenAI's (sample_utils). n is also bounded by
+        max_slots.
         draft_k: drafts per speculative step for this request (None: the drafter's own k; 0: no
         speculation; larger values are capped at speculative.MAX_DRAFT).
         cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
@@ -322,27 +312,18 @@ class Engine:
         within mixqrt.grammar.COMPILE_TIMEOUT_S) ends the request with a RequestError, raised
         from its iteration. The shape of response_format is checked here.
         """
-        buffer = _int("buffer", buffer, lo=1)
-        if draft_k is not None:
-            draft_k = min(_int("draft_k", draft_k, lo=0), MAX_DRAFT)
-        salt = _cache_salt(cache_salt)
-        if not isinstance(cache_prompt, (bool, np.bool_)):
-            raise RequestError("cache_prompt", f"cache_prompt must be true or false, got {cache_prompt!r}")
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= min(8, self.max_slots):
-            raise RequestError("n", f"n must be an integer in [1, {min(8, self.max_slots)}] (at most 8 and the "
-                                    f"engine's max_slots), got {n!r}")
-        if seed is not None:
-            seed = _int("seed", seed)
-        seqs = [Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-                         seed=seed if i == 0 or seed is None else _choice_seed(seed, i), stop=stop,
-                         eos_token_ids=eos_token_ids, max_context=self.max_context, do_sample=do_sample,
-                         logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=presence_penalty,
-                         frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-                for i in range(int(n))]
+        p = as_params(params, **kwargs)
+        buffer = integer("buffer", buffer, lo=1)
+        draft_k = None if p.draft_k is None else min(p.draft_k, MAX_DRAFT)
+        if p.n > self.max_slots:
+            raise RequestError("n", f"n must be an integer in [1, {min(MAX_N, self.max_slots)}] (at most {MAX_N} "
+                                    f"and the engine's max_slots), got {p.n!r}")
+        seqs = [Sequence(self.model, self.tokenizer, prompt_ids,
+                         p if i == 0 or p.seed is None else p.replace(seed=_choice_seed(p.seed, i)),
+                         max_context=self.max_context)
+                for i in range(p.n)]
         self._fit_kv(seqs)
-        grammar, field = self._grammar(response_format, tools, tool_choice, parallel_tool_calls)
+        grammar, field = self._grammar(p.response_format, p.tools, p.tool_choice, p.parallel_tool_calls)
         with self._cond:
             if self._error is not None:
                 raise GenerationError(f"the engine stopped after an internal error: {self._error!r}")
@@ -352,7 +333,7 @@ class Engine:
                 raise EngineBusy(f"the engine is busy: {len(self._queue) + self._compiling} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seqs, buffer)
-            req.cache_salt, req.cache_prompt = salt, bool(cache_prompt)
+            req.cache_salt, req.cache_prompt = p.cache_salt, p.cache_prompt
             req.draft_k = draft_k
             self._n["requests"] += 1
             if grammar is None:
