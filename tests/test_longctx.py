@@ -64,7 +64,7 @@ def test_pipeline_and_engine_kv_type(tiny_f32_path):
         assert pipe.kv_type == "f16" and pipe.model.kv_type == "f16"
         assert pipe.max_context == pipe.model.context_length == 256            # the model's own
         assert pipe.engine.kv_type == "f16" and pipe.engine.max_context == 256
-        a, last = greedy(pipe.engine, [5, 6, 7, 8, 9, 10])
+        a, _ = greedy(pipe.engine, [5, 6, 7, 8, 9, 10])
         b, last2 = greedy(pipe.engine, [5, 6, 7, 8, 9, 10])
         assert a == b and last2.cached_tokens == 5                             # f16 rows came back from the tree
         node = next(iter(next(iter(pipe.engine._cache.tree.roots.values())).children.values()))
