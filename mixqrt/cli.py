@@ -177,7 +177,7 @@ def cmd_generate(a):
         pieces = pipe.stream_infill(prompt, a.suffix, **_sampling_kwargs(a))
     else:
         pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a))
-    for r in pieces:
+    for r in _prefill_progress(pipe, pieces, a.quiet):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
@@ -190,6 +190,48 @@ def cmd_generate(a):
               f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}"
               + (f" | drafts {last.accepted_draft_tokens}/{last.draft_tokens} accepted" if last.draft_tokens else "")
               + "]", file=sys.stderr)
+
+
+PROGRESS_PROMPT = 2048          # prompts at least this long show a prefill progress bar (on stderr)
+
+
+def _prefill_progress(pipe, pieces, quiet: bool):
+    """Yield the pieces; until the first one comes, a long prompt's prefill shows a tqdm bar of the
+    engine's prefilled tokens (its chunks, polled from Engine.stats) on stderr."""
+    if quiet:
+        yield from pieces
+        return
+    import threading
+
+    eng = pipe.engine
+    s0 = eng.stats()
+    first = threading.Event()
+
+    def watch():
+        from tqdm.auto import tqdm
+        bar = None
+        while not first.wait(0.25):
+            st = eng.stats()
+            total = st["prompt_tokens"] - s0["prompt_tokens"]
+            if total < PROGRESS_PROMPT:
+                continue
+            if bar is None:
+                bar = tqdm(total=total, desc="prompt", unit="tok", leave=False, file=sys.stderr)
+            bar.n = min(total, st["prefill_tokens"] - s0["prefill_tokens"])
+            bar.refresh()
+        if bar is not None:
+            bar.close()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        for r in pieces:
+            if not first.is_set():
+                first.set()
+                t.join()
+            yield r
+    finally:
+        first.set()
 
 
 def cmd_chat(a):

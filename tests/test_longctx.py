@@ -313,3 +313,31 @@ def test_block_tree_bound_and_order():
     assert t.match(None, toks)[0] == 128 and t.evictions == 2
     t.clear()
     assert t.bytes == 0 and not t.roots and len(t) == 0
+
+
+def test_generate_shows_prefill_progress_of_long_prompts(capsys):
+    """`mixqrt generate` on a long prompt: a bar of the engine's prefilled tokens on stderr until the
+    first piece; every piece passes through unchanged (and nothing is drawn with -q)."""
+    import time
+
+    from mixqrt.cli import PROGRESS_PROMPT, _prefill_progress
+
+    class Eng:
+        t0 = None
+
+        def stats(self):
+            if self.t0 is None:
+                self.t0 = time.monotonic()
+                return {"prompt_tokens": 0, "prefill_tokens": 0}
+            return {"prompt_tokens": 2 * PROGRESS_PROMPT, "prefill_tokens": PROGRESS_PROMPT}
+
+    class Pipe:
+        engine = Eng()
+
+    def pieces():
+        time.sleep(0.8)
+        yield from "abc"
+    assert list(_prefill_progress(Pipe(), pieces(), quiet=False)) == list("abc")
+    assert "prompt" in capsys.readouterr().err
+    assert list(_prefill_progress(Pipe(), pieces(), quiet=True)) == list("abc")
+    assert capsys.readouterr().err == ""
