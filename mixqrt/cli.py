@@ -272,7 +272,7 @@ def cmd_ppl(a):
         if not a.json and not a.quiet:
             print(f"[{i + 1}]{v:.4f}", end=" ", flush=True, file=sys.stderr)
 
-    # long windows: only the scored half's logits, 512 rows at a time (LONG_WINDOW; 16384 x vocab is 10 GB)
+    # long windows: only the scored half's logits, 256 rows at a time (LONG_WINDOW; 16384 x vocab is 10 GB)
     pieces = m.logit_pieces if a.ctx > LONG_WINDOW else None
     r = perplexity(lambda ids: m.logits(ids), toks, ctx=a.ctx, chunks=a.chunks, bos_id=bos,
                    save_logits=a.save_logits, kl_base=a.kl_base, progress=False, on_chunk=show, pieces_fn=pieces)
@@ -280,7 +280,9 @@ def cmd_ppl(a):
         d = r.to_dict()
         mm = m.model
         bpt = mm.kv_bytes_per_token()
+        from mixqrt.platform.perf import peak_rss_bytes
         d.update(model=str(a.model), recipe=m.recipe, text=a.text, kv_type=mm.kv_type, kv_bytes_per_token=bpt,
+                 peak_rss_bytes=peak_rss_bytes(),
                  kv_bits_per_value=8 * bpt / (2 * mm.args.num_hidden_layers * mm.args.num_key_value_heads
                                               * mm.args.head_dim))
         print(json.dumps(d))
