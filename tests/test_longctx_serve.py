@@ -2,25 +2,12 @@
 the sizes, param "prompt"; a prompt that fits is answered. --kv-type reaches the engine."""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 from serve_helpers import running
 from test_serve import pipe  # noqa: F401  (the tiny model's Pipeline)
+from test_serve_cache import post
 
 pytest.importorskip("starlette")
-
-
-def post(url, body):
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_prompt_over_the_kv_bound_is_a_400(pipe):  # noqa: F811
@@ -31,10 +18,10 @@ def test_prompt_over_the_kv_bound_is_a_400(pipe):  # noqa: F811
         assert rows < eng.max_context
         text = "def quicksort(xs): return xs "
         n = len(pipe.tokenizer.encode(text, add_special_tokens=False))
-        code, body = post(s.url, {"prompt": text * (rows // n + 2), "max_tokens": 4})
+        code, body = post(s, {"prompt": text * (rows // n + 2), "max_tokens": 4})
         assert code == 400 and body["error"]["param"] == "prompt"
         assert "kv_cache_bytes" in body["error"]["message"] and f"{rows} tokens" in body["error"]["message"]
-        code, body = post(s.url, {"prompt": text * max(1, rows // (2 * n)), "max_tokens": 4, "temperature": 0})
+        code, body = post(s, {"prompt": text * max(1, rows // (2 * n)), "max_tokens": 4, "temperature": 0})
         assert code == 200 and body["usage"]["completion_tokens"] >= 1
 
 
