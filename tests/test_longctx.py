@@ -341,3 +341,33 @@ def test_generate_shows_prefill_progress_of_long_prompts(capsys):
     assert "prompt" in capsys.readouterr().err
     assert list(_prefill_progress(Pipe(), pieces(), quiet=True)) == list("abc")
     assert capsys.readouterr().err == ""
+
+
+class Opaque(KVCache):
+    """A cache type with neither float rows nor blocks to copy out (a packed cache without
+    export_blocks): never shared, each request and each choice prefills its own."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        del self.stacked
+
+
+def test_a_cache_without_rows_or_blocks_is_not_shared(lm):
+    prompt = list(range(5, 40))
+    with Engine(lm) as plain:
+        want, _ = greedy(plain, prompt, cache_prompt=False)
+    mp = pytest.MonkeyPatch()
+    a = lm.model.args
+    mp.setattr(lm.model, "make_cache", lambda max_len=None, kv_type=None, **kw: Opaque(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, int(max_len or a.max_position_embeddings)))
+    try:
+        with Engine(lm) as eng:
+            assert not eng._cache.shareable
+            assert greedy(eng, prompt)[0] == want
+            got, last = greedy(eng, prompt)
+            assert got == want and last.cached_tokens == 0 and eng.stats()["cache_nodes"] == 0
+            two = list(eng.submit(prompt, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2))
+            for i in range(2):
+                assert [r.token for r in two if r.index == i and r.token is not None] == want
+    finally:
+        mp.undo()
