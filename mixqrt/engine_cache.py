@@ -380,6 +380,13 @@ class PromptCache:
             self._fit_rows[n] = lo
         return self._fit_rows[n]
 
+    def touch(self, prompt, salt=None, use: bool = True) -> None:
+        """Mark the cached prefix of a waiting request recently used, so that making room for it
+        evicts other runs first."""
+        if use and self.capacity > 0 and self.shareable:
+            p = np.asarray(prompt, dtype=np.int64)
+            self.tree.match(salt, p, limit=p.size - 1)
+
     def room_for(self, rows: int, n: int = 1) -> bool:
         """Whether n more running caches of `rows` rows fit beside the busy ones, cached prompts
         evicted (least recently used first) to make room."""

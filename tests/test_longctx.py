@@ -371,3 +371,25 @@ def test_a_cache_without_rows_or_blocks_is_not_shared(lm):
                 assert [r.token for r in two if r.index == i and r.token is not None] == want
     finally:
         mp.undo()
+
+
+def test_making_room_keeps_the_waiting_requests_own_prefix(lm):
+    """Room for a waiting request is made by evicting other cached runs first, not the prefix it
+    is about to reuse."""
+    shared = list(range(3, 60))
+    with Engine(lm, kv_cache_bytes=0) as off:
+        c = off._cache
+    with Engine(lm, kv_cache_bytes=1 << 20, max_slots=2) as eng:
+        greedy(eng, shared + [7])                                  # the shared prefix is cached first
+        for i in range(3):                                         # then other runs, more recent
+            greedy(eng, [100 + i] * 50)
+        busy = eng.submit(list(range(200, 210)), max_new_tokens=40, temperature=0.0, eos_token_ids=[])
+        next(busy)                                                 # <= 50 rows: its pages do not grow
+        assert c.bytes_for(10) == c.bytes_for(51)
+        tree = eng._cache.tree
+        cap = tree.bytes + eng._cache.busy_bytes() + c.bytes_for(len(shared) + 1) - 1000
+        eng._cache.capacity = cap                                  # tight: room needs one eviction
+        nodes = len(tree)
+        _, last = greedy(eng, shared + [9])
+        busy.cancel()
+        assert last.cached_tokens == len(shared) and tree.evictions >= 1 and len(tree) <= nodes + 1
