@@ -185,3 +185,14 @@ def test_infill_needs_the_api_key(pipe):
         assert status == 401
         status, raw = post(r, "/v1/embeddings", {"input": "a"})
         assert status == 401
+
+
+def test_python_api_embedding_and_infill_shapes(pipe):
+    from mixqrt import api
+    out = api.create_embedding(pipe, ["a b", "c"], encoding_format="float")
+    assert out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1]
+    assert out["usage"]["prompt_tokens"] == out["usage"]["total_tokens"] > 0
+    comp = api.create_completion(pipe, "def f(x):\n    return ", suffix="\n", max_tokens=4, temperature=0)
+    assert comp["object"] == "text_completion" and isinstance(comp["choices"][0]["text"], str)
+    none = pipe.embed(["a b c"], pooling="none")
+    assert isinstance(none, list) and none[0].shape == (len(pipe.embed_ids("a b c")[0]), 64)
