@@ -45,3 +45,21 @@ def test_edited_prompt_gives_the_same_tokens_as_a_cold_one(engine):
     cold = [r.token for r in engine.submit(new, max_new_tokens=6, temperature=0, cache_prompt=False)
             if r.token is not None]
     assert warm == cold
+
+
+def test_fim_ids_from_gguf_metadata_win_and_survive_the_mxq(tmp_path):
+    from mixqrt.errors import FormatError
+    from mixqrt.fim import fim_tokens
+    from mixqrt.tokenizer import Tokenizer, fim_from_gguf
+    meta = {"tokenizer.ggml.fim_pre_token_id": 5, "tokenizer.ggml.suffix_token_id": 6,
+            "tokenizer.ggml.fim_mid_token_id": 7, "tokenizer.ggml.fim_sep_token_id": 8}
+    assert fim_from_gguf(meta, 100) == {"pre": 5, "suf": 6, "mid": 7, "sep": 8}
+    with pytest.raises(FormatError, match="fim_mid_token_id"):
+        fim_from_gguf({**meta, "tokenizer.ggml.fim_mid_token_id": 1000}, 100)
+    from serve_helpers import tiny_pipeline
+    tok = tiny_pipeline(tmp_path).tokenizer
+    t2 = Tokenizer.from_meta({**tok.to_meta(), "tokenizer_info": {**tok.to_meta()["tokenizer_info"],
+                                                                  "fim": {"pre": 5, "suf": 6, "mid": 7}}})
+    assert Tokenizer.from_meta(t2.to_meta()).fim_ids == {"pre": 5, "suf": 6, "mid": 7}
+    ft = fim_tokens(t2)
+    assert (ft.pre, ft.suf, ft.mid, ft.rep) == (5, 6, 7, None)

@@ -178,9 +178,11 @@ def test_hostile_inputs_are_4xx_and_nothing_stalls(srv):
     assert not t.is_alive() and results["text"]
 
 
-def test_infill_needs_the_api_key(pipe):
+def test_infill_needs_the_api_key(tmp_path):
     from mixqrt.serve.guard import Limits
-    with running(pipe, Limits(api_key="sk-test")) as r:
+    own = tiny_pipeline(tmp_path)                  # its own engine: the module's server keeps its one
+    add_fim_tokens(own.tokenizer)
+    with running(own, Limits(api_key="sk-test")) as r:
         status, raw = post(r, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
         assert status == 401
         status, raw = post(r, "/v1/embeddings", {"input": "a"})
