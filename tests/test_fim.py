@@ -63,3 +63,19 @@ def test_fim_ids_from_gguf_metadata_win_and_survive_the_mxq(tmp_path):
     assert Tokenizer.from_meta(t2.to_meta()).fim_ids == {"pre": 5, "suf": 6, "mid": 7}
     ft = fim_tokens(t2)
     assert (ft.pre, ft.suf, ft.mid, ft.rep) == (5, 6, 7, None)
+
+
+def test_embedding_packs_alternate_with_decode_steps(engine):
+    """A large embedding request runs pack by pack on the engine thread between decode steps: a stream
+    submitted alongside keeps getting tokens, and the vectors equal the calling-thread ones."""
+    from mixqrt.embed import Embedder
+    emb = Embedder(engine.model, batch_tokens=64)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(5, 300, size=int(n)) for n in rng.integers(8, 60, size=60)]
+    stream = engine.submit(list(range(30, 60)), max_new_tokens=24, temperature=0)
+    fut = engine.embed(seqs, emb)
+    pieces = [r for r in stream]
+    vecs = fut.result(120)
+    assert pieces[-1].finish_reason == "length" and len(pieces) == 24
+    np.testing.assert_allclose(vecs, emb.embed(seqs), rtol=1e-5, atol=1e-6)
+    assert engine.stats()["embed_requests"] >= 1
