@@ -198,15 +198,12 @@ def cmd_chat(a):
 
 
 def cmd_ppl(a):
-    from mixqrt.evaluate import perplexity
+    from mixqrt.evaluate import encode_text, perplexity
     from mixqrt.pipeline import load
     m = load(a.model, a.recipe, threads=a.threads, offline=True if a.offline else None, progress=not a.quiet)
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
-    toks = m.tokenizer.encode(text, add_special_tokens=False)
-    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
-    if bos is not None:
-        toks = [bos] + list(toks)
+    toks, bos = encode_text(m.tokenizer, text, parse_special=a.parse_special)
 
     def show(i, v):
         if not a.json and not a.quiet:
@@ -349,6 +346,9 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext-2 test")
     s.add_argument("--ctx", type=int, default=512)
     s.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    s.add_argument("--parse-special", action="store_true",
+                   help="read special-token text in the file (\"<unk>\", \"<|endoftext|>\") as those tokens "
+                        "(default: the text is data, encoded as text, as llama-perplexity does)")
     s.add_argument("--save-logits", default=None, metavar="FILE", help="save log-probs for a later --kl-base")
     s.add_argument("--kl-base", default=None, metavar="FILE", help="compare with a base model's saved log-probs")
     s.add_argument("--json", action="store_true")

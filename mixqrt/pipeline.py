@@ -47,7 +47,10 @@ class LoadedModel:
         self.recipe = meta.get("recipe", {}).get("name")
         self._tokenizer = None          # built on first use: ~0.1-0.3 s and ~100 MiB for a 151k vocabulary
         self._tokenizer_lock = threading.Lock()
-        self.generation_config = dict(meta.get("generation_config") or {})
+        from mixqrt.limits import check_generation_config, check_values
+        self.generation_config = check_generation_config(dict(meta.get("generation_config") or {}),
+                                                         f"{path}: generation_config")
+        check_values(dict(meta.get("config") or {}), f"{path}: config")
         cls = get_model_class(meta.get("arch"))
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")

@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 from mixqrt.embed import GGUF_POOLING, dense_name
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.io.source import SUPPORTED_ARCHS, Source, check_config, check_layout
-from mixqrt.limits import check_config_limits
+from mixqrt.limits import check_config_limits, check_values
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -442,6 +442,9 @@ class GGUFSource(Source):
             raise FormatError(f"{self.path}: empty file, not a GGUF model") from None
         try:
             self.metadata, self._gguf = read_gguf_header(self._map, self.path)
+            # every value, before any reaches a str/int/float (the vocabulary keeps raw bytes as
+            # surrogate escapes on purpose: the Tokenizer reads those)
+            check_values(self.metadata, str(self.path), skip=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
             self.config = config_from_metadata(self.metadata, self._gguf, self.path)
             self.arch = self.config["model_type"]
             self._rope_factors()

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
+from mixqrt.limits import check_generation_config, check_values
 from mixqrt.platform.files import folder_file, read_text
 from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
                               refuse_pickle)
@@ -162,7 +163,7 @@ def _read_json(folder: Path, name: str, what: str, *, required: bool = True) -> 
         raise FormatError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{path}: expected a JSON object")
-    return data
+    return check_values(data, str(path))
 
 
 class HFSource(Source):
@@ -184,7 +185,9 @@ class HFSource(Source):
             check_config(self.config, str(self.path / "config.json"))
             self._open_weights()
             check_layout(self)
-            self.generation_config = _read_json(self.path, "generation_config.json", "", required=False) or {}
+            self.generation_config = check_generation_config(
+                _read_json(self.path, "generation_config.json", "", required=False) or {},
+                str(self.path / "generation_config.json"))
             self.embedding, self._dense = sentence_transformers_info(self.path, self.config)
         except BaseException:
             self.close()
@@ -291,14 +294,14 @@ class HFSource(Source):
         return arr
 
     def _load_tokenizer(self):
-        from mixqrt.tokenizer import Tokenizer
+        from mixqrt.tokenizer import Tokenizer, vocab_id
         eos = []
         for d in (self.generation_config, self.config):
             v = d.get("eos_token_id")
             eos += [i for i in (v if isinstance(v, list) else [v]) if isinstance(i, int) and not isinstance(i, bool)]
         tk = Tokenizer.from_folder(self.path, extra_eos_ids=eos)
-        if tk.bos_token_id is None and isinstance(self.config.get("bos_token_id"), int):
-            tk.bos_token_id = self.config["bos_token_id"]
+        if tk.bos_token_id is None and self.config.get("bos_token_id") is not None:
+            tk.bos_token_id = vocab_id("config.json: bos_token_id", self.config["bos_token_id"], tk.vocab_size)
         return tk
 
     def close(self) -> None:

@@ -50,7 +50,10 @@ class SafeJSONResponse(JSONResponse):
 def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
     """The engine's cache salt for a request: with API keys configured, a hash of the request's
     key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
-    never share cached prompts; without keys, the request's salt (None: the shared cache)."""
+    never share cached prompts; without keys, the request's salt. One rule either way: an empty
+    salt is no salt (the key's, or everyone's, shared cache). The Guard refuses a request with two
+    Authorization headers, so the key hashed here is the key it checked."""
+    salt = salt or None
     if not api_keys(limits):
         return salt
     token = (authorization or "").partition(" ")[2].strip()

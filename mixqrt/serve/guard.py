@@ -195,13 +195,17 @@ class Guard:
             log_request(scope, status[0], t0)
 
     def check(self, scope) -> HTTPError | None:
-        headers, hosts = {}, 0
+        headers, hosts, auths = {}, 0, 0
         for k, v in scope.get("headers", []):
             k = k.decode("latin-1").lower()
             hosts += k == "host"
+            auths += k == "authorization"
             headers[k] = v.decode("latin-1")
         if hosts > 1:                                   # RFC 9112 3.2: a server must answer 400
             return HTTPError(400, f"{hosts} Host headers; a request carries exactly one", code="bad_host")
+        if auths > 1:       # which one was checked and which one picks the prompt cache must not differ
+            return HTTPError(400, f"{auths} Authorization headers; a request carries at most one",
+                             code="bad_authorization")
         host = headers.get("host", "")
         if host and host_name(host) is None:
             return HTTPError(400, f"Host {escape(host)!r} is not a host name with an optional :port",
