@@ -79,3 +79,46 @@ def test_embedding_packs_alternate_with_decode_steps(engine):
     assert pieces[-1].finish_reason == "length" and len(pieces) == 24
     np.testing.assert_allclose(vecs, emb.embed(seqs), rtol=1e-5, atol=1e-6)
     assert engine.stats()["embed_requests"] >= 1
+
+
+def test_sentence_transformers_folder_pooling_dense_normalize(tmp_path):
+    """An HF folder with sentence-transformers modules (Pooling: mean, Dense 64 -> 32 with bias,
+    Normalize): the settings and the dense weights travel into the .mxq, and the vectors are
+    mean(final-norm hidden) @ W.T + b, L2-normalized."""
+    import json
+
+    from tinymodel import make_tiny_hf_model, write_safetensors
+
+    from mixqrt.pipeline import LoadedModel
+    from mixqrt.quantize.convert import quantize_model
+    hf = make_tiny_hf_model(tmp_path / "hf")
+    (hf / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (hf / "1_Pooling").mkdir()
+    (hf / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                              "pooling_mode_mean_tokens": True}))
+    (hf / "2_Dense").mkdir()
+    (hf / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 64, "out_features": 32, "bias": True,
+                                                            "activation_function": "torch.nn.modules.linear.Identity"}))
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((32, 64)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
+    write_safetensors(hf / "2_Dense" / "model.safetensors", {"linear.weight": w, "linear.bias": b})
+    (hf / "3_Normalize").mkdir()
+    out = tmp_path / "st.mxq"
+    quantize_model(str(hf), "f32", out, progress=False)
+    lm = LoadedModel(out)
+    assert lm.meta["embedding"]["pooling"] == "mean" and lm.meta["embedding"]["normalize"] is True
+    emb = lm.embedder()
+    ids = [np.arange(3, 20), np.arange(40, 47)]
+    got = emb.embed(ids)
+    h = [lm.model.final_norm(lm.model.forward_hidden(s, lm.model.make_cache(len(s)), 0)).mean(0) for s in ids]
+    want = np.stack(h) @ w.T + b
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    (hf / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Pooling", "path": "../x"}]))
+    from mixqrt.errors import MixqrtError
+    with pytest.raises(MixqrtError, match="plain folder name"):
+        quantize_model(str(hf), "f32", tmp_path / "bad.mxq", progress=False)
