@@ -183,9 +183,9 @@ def test_infill_needs_the_api_key(tmp_path):
     own = tiny_pipeline(tmp_path)                  # its own engine: the module's server keeps its one
     add_fim_tokens(own.tokenizer)
     with running(own, Limits(api_key="sk-test")) as r:
-        status, raw = post(r, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
+        status, _ = post(r, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
         assert status == 401
-        status, raw = post(r, "/v1/embeddings", {"input": "a"})
+        status, _ = post(r, "/v1/embeddings", {"input": "a"})
         assert status == 401
 
 
