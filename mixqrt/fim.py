@@ -207,5 +207,5 @@ def build_infill(tokenizer, prefix: str, suffix: str, extra=None, prompt: str = 
 
 def stop_ids(tokenizer, model) -> list[int]:
     """The ids that end a middle: the model's end-of-generation set plus every FIM token."""
-    from mixqrt.generate import _eos_ids
-    return sorted(_eos_ids(None, model, tokenizer) | require_fim(tokenizer).stop_ids())
+    from mixqrt.generate import eos_ids
+    return sorted(eos_ids(None, model, tokenizer) | require_fim(tokenizer).stop_ids())

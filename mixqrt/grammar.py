@@ -57,9 +57,10 @@ COMPILE_WORKERS = 2               # compiles at a time, process-wide; more wait 
 MAX_PENDING_COMPILES = 64         # compiles waiting or running, process-wide; more are refused
 # What one compile may cost (grammar_cost; docs/structured-output.md, "Bounds", says how each was found).
 # Depth: the longest chain of rule references / $ref hops / nesting; the library recurses once per
-# level, and an 8 MiB stack overflows at ~2,700 levels of a Lark rule chain, ~1,900 of an object
-# chain through $ref (grammar_cost's measure): 256 is 7x below the worst, 30x the deepest real
-# schema seen, and compiles run on COMPILE_STACK_BYTES stacks (another 8x).
+# level, and an 8 MiB stack overflows at 2,490 levels of a $ref chain, the lowest of the four
+# chains of issue 39 (grammar_cost's measure; Lark rules 2,682, objects 2,775, anyOf 3,126): 256
+# is ~10x below, ~10x the deepest real schema seen, and compiles run on COMPILE_STACK_BYTES
+# stacks (another 8x).
 MAX_GRAMMAR_DEPTH = 256
 MAX_GRAMMAR_RULES = 4096          # Lark rule and terminal definitions
 MAX_SCHEMA_NODES = 50_000         # objects and arrays in the JSON schemas (after `$ref`s, each once)

@@ -77,7 +77,7 @@ os.environ["MIXQRT_CACHE"] = os.path.join(tmp, "cache")
 if not model:
     model = str(make_tiny_hf_model(os.path.join(tmp, "hf")))
 pipe = Pipeline(model, recipe=None if model.endswith(".mxq") else "f32", progress=False, offline=True,
-                max_context=opts.pop("max_context", 256))
+                max_context=opts.pop("max_context", 256), **opts.pop("pipeline", {}))
 with running(pipe, Limits(**opts.pop("limits", {})), engine_kwargs=opts.pop("engine_kwargs", None)) as s:
     print("PORT", s.port, flush=True)
     sys.stdin.read()                                    # until the test closes our stdin
