@@ -39,8 +39,9 @@ class LoadedModel:
         # a mixture of experts gets no whole-file read-ahead: the experts no token picks stay on disk
         self.file = MxqFile(path, hugepages=hugepages, willneed=False)
         meta = self.file.meta
-        from mixqrt.models.spec import MOE_ARCHS
-        if willneed and meta.get("arch") not in MOE_ARCHS:
+        from mixqrt.models.arch import find as find_arch
+        moe = getattr(find_arch(meta.get("arch")), "moe", False)
+        if willneed and not moe:
             self.file.arena.advise("willneed")
         if meta.get("kind") != "mixqrt-llm":
             raise ModelError(f"{path}: not a mixqrt language model file (kind={meta.get('kind')!r})")

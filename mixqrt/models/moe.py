@@ -183,3 +183,18 @@ class MoEMixin:
         if getattr(self.layers[li], "experts", None) is not None:
             raise ModelError(f"layer {li} is a mixture of experts: it has no gate/up halves to split")
         return super().ffn_halves(li)
+
+
+def gguf_config(norm_topk_prob: bool):
+    """An MoE family's GGUF metadata -> config keys (llama.cpp renormalises the top-k weights for
+    qwen3moe and not for qwen2moe: norm_topk_prob)."""
+    def read(m, cfg: dict) -> None:
+        cfg.update(num_experts=m.int("expert_count"), num_experts_per_tok=m.int("expert_used_count"),
+                   moe_intermediate_size=m.int("expert_feed_forward_length"),
+                   shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", 0),
+                   norm_topk_prob=norm_topk_prob)
+    return read
+
+
+# the tiny test models: 4 experts, top 2, expert width 32
+TINY = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
