@@ -28,8 +28,8 @@ from mixqrt.errors import GenerationError, RequestError
 from mixqrt.oai import ROLES, check_messages  # noqa: F401 - part of this module's API
 from mixqrt.params import SamplingParams
 
-__all__ = ["create_completion", "create_chat_completion", "check_messages", "RequestError", "Stats", "model_name",
-           "SamplingParams"]
+__all__ = ["create_completion", "create_chat_completion", "create_embedding", "check_messages", "RequestError", "Stats",
+           "model_name", "SamplingParams"]
 
 
 def model_name(pipe) -> str:
@@ -41,9 +41,12 @@ def model_name(pipe) -> str:
 
 
 # ============================================================================ running
-def _responses(pipe, prompt, params) -> Iterator:
-    """pipe.stream(...) with a "context_length_exceeded" code on the too-long-prompt error."""
-    it = iter(pipe.stream(prompt, params))
+def _responses(pipe, prompt, params, suffix=None) -> Iterator:
+    """pipe.stream(prompt, params) (pipe.stream_infill(prompt, suffix, params=params) with a suffix)
+    with a "context_length_exceeded" code on the too-long-prompt error."""
+    if suffix is not None and not hasattr(pipe, "stream_infill"):
+        raise RequestError("suffix", "suffix (fill-in-the-middle) needs a Pipeline (its stream_infill)")
+    it = iter(pipe.stream(prompt, params) if suffix is None else pipe.stream_infill(prompt, suffix, params=params))
     try:
         while True:
             try:
@@ -76,14 +79,14 @@ def _run(pipe, req: oai.Request, model, stats):
                         getattr(pipe, "tokenizer", None))
 
     if not req.stream:
-        for r in _responses(pipe, prompt, params):
+        for r in _responses(pipe, prompt, params, req.suffix):
             out.feed(r)
         if stats is not None:
             stats.last = out.lasts[0]
         return out.whole()
 
     def chunks():
-        responses = _responses(pipe, prompt, params)
+        responses = _responses(pipe, prompt, params, req.suffix)
         try:
             first = next(responses, None)   # prefill first: a too-long prompt fails before any chunk
             yield from out.start()
@@ -139,6 +142,20 @@ def create_completion(pipe, prompt, params: SamplingParams | None = None, *, str
     if "max_tokens" in kwargs and kwargs["max_tokens"] is None:
         kwargs["max_tokens"] = 0            # llama-cpp-python: max_tokens=None is "until the context is full"
     return _run(pipe, _request("completion", {"prompt": prompt, "stream": stream}, params, kwargs), model, stats)
+
+
+# ============================================================================ embeddings
+def create_embedding(pipe, input, *, model: str | None = None, encoding_format: str = "float",
+                     dimensions: int | None = None, user: str | None = None) -> dict:
+    """OpenAI's embeddings object (llama-cpp-python's create_embedding shape) for a string, a list of
+    strings or token ids: data[i].embedding, usage.prompt_tokens. Pooling and normalization are the
+    model's (mixqrt.embed); dimensions truncates where the model allows."""
+    req = oai.parse_embeddings({"input": input, "model": model, "encoding_format": encoding_format,
+                                "dimensions": dimensions, "user": user})
+    seqs = pipe.embed_ids(req.input)
+    vecs = pipe.embed(seqs, dimensions=req.dimensions)
+    return oai.embeddings_reply(vecs, model if model is not None else model_name(pipe), sum(map(len, seqs)),
+                                req.encoding_format)
 
 
 # ============================================================================ chat

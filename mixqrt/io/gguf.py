@@ -20,10 +20,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from mixqrt.embed import GGUF_POOLING, dense_name
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.io.source import Source, check_config, check_layout
+from mixqrt.limits import check_config_limits, check_values
 from mixqrt.models import arch as archs
-from mixqrt.limits import check_config_limits
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -67,6 +68,8 @@ def _layer_names(arch: str | None) -> dict:
             **a.gguf_names}
 
 
+# sentence-transformers dense projections after pooling (llama.cpp LLM_TENSOR_DENSE_2_OUT / _3_OUT)
+EMBED_DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # tensors that rescale RoPE's frequencies: a reader that cannot apply them must refuse the file
 # (rope_freqs.weight, Llama 3's factors, is read into config.rope_scaling where the graph applies it)
@@ -373,6 +376,28 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
     return cfg
 
 
+def embedding_from_metadata(meta: dict, tensors: dict, path) -> dict | None:
+    """mixqrt.embed's settings from GGUF metadata, as llama.cpp reads them: ``<arch>.pooling_type``
+    (llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last), ``<arch>.attention.causal`` and the dense
+    projections ``dense_2`` / ``dense_3``. None for a file that names none of them (a plain LM)."""
+    garch = meta.get("general.architecture")
+    pt = meta_int(meta, f"{garch}.pooling_type", path, required=False)
+    causal = meta.get(f"{garch}.attention.causal")
+    if causal is not None and not isinstance(causal, (bool, np.bool_)):
+        raise ModelError(f"{path}: GGUF metadata key {garch}.attention.causal must be a bool")
+    dense = [n for n in EMBED_DENSE_TENSORS if n in tensors]
+    if pt is None and causal is None and not dense and garch != "gemma-embedding":
+        return None
+    if pt is not None and pt != -1 and pt not in GGUF_POOLING:
+        raise ModelError(f"{path}: GGUF metadata {garch}.pooling_type={pt} is not supported "
+                         f"(0 none, 1 mean, 2 cls, 3 last)")
+    pooling = GGUF_POOLING.get(pt)
+    causal = bool(causal) if causal is not None else garch != "gemma-embedding"
+    return {"pooling": pooling, "normalize": True, "causal": causal,
+            "dense": [[dense_name(i), None, None] for i in range(len(dense))],
+            "matryoshka": garch == "gemma-embedding" or (garch == "qwen3" and pooling == "last")}
+
+
 def generation_config_from_metadata(meta: dict, eos_ids, path="GGUF") -> dict:
     gen = {"eos_token_id": sorted(eos_ids) if len(eos_ids) > 1 else next(iter(eos_ids), None)}
     for k in ("bos_token_id", "padding_token_id"):
@@ -405,6 +430,9 @@ class GGUFSource(Source):
             raise FormatError(f"{self.path}: empty file, not a GGUF model") from None
         try:
             self.metadata, self._gguf = read_gguf_header(self._map, self.path)
+            # every value, before any reaches a str/int/float (the vocabulary keeps raw bytes as
+            # surrogate escapes on purpose: the Tokenizer reads those)
+            check_values(self.metadata, str(self.path), skip=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
             self.config = config_from_metadata(self.metadata, self._gguf, self.path)
             self.arch = self.config["model_type"]
             self._arch = archs.get(self.arch)
@@ -434,6 +462,7 @@ class GGUFSource(Source):
                                      qtype.name)
             check_layout(self)
             from mixqrt.tokenizer import eos_ids_from_gguf
+            self.embedding = embedding_from_metadata(self.metadata, self._gguf, self.path)
             self.generation_config = generation_config_from_metadata(
                 self.metadata, eos_ids_from_gguf(self.metadata, str(self.path)), self.path)
         except BaseException:
@@ -463,6 +492,21 @@ class GGUFSource(Source):
     def _load_tokenizer(self):
         from mixqrt.tokenizer import Tokenizer
         return Tokenizer.from_gguf_metadata(self.metadata, where=str(self.path))
+
+    def extra_tensor(self, name: str) -> np.ndarray:
+        """An embedding model's dense projection (mixqrt.embed.dense_name(i): GGUF dense_2, dense_3)
+        as float32 [out, in]."""
+        present = [n for n in EMBED_DENSE_TENSORS if n in self._gguf]
+        gname = dict((dense_name(i), n) for i, n in enumerate(present)).get(name)
+        if gname is None:
+            raise ModelError(f"{self.path}: no embedding tensor named {name!r}")
+        dims, qtype, start, nbytes = self._gguf[gname]
+        shape = tuple(int(d) for d in reversed(dims))
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
+        w = self._decode(gname, raw, qtype, shape)
+        if not np.isfinite(w).all():
+            raise FormatError(f"{self.path}: tensor {gname!r} holds NaN/Inf values")
+        return w
 
     def _span(self, name: str):
         """(GGUF name, ggml type, start, nbytes, HF shape) of an HF tensor: one expert's slice of a

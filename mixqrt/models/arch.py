@@ -58,6 +58,7 @@ class Arch:
     float_norms: bool = False
     native_decode: bool = False
     gguf_name: str | None = None
+    gguf_aliases: tuple = ()               # other general.architecture names read as this one
     gguf_names: dict = field(default_factory=dict)
     gguf_permuted_qk: bool = False
     norm_plus_one: bool = False            # its norms multiply by 1 + weight (llama.cpp stores 1 + w)
@@ -142,4 +143,4 @@ def by_hf_class(cls: str) -> Arch | None:
 
 def by_gguf_name(garch: str) -> Arch | None:
     _load()
-    return next((a for a in _REGISTRY.values() if garch in (a.gguf_name, a.name)), None)
+    return next((a for a in _REGISTRY.values() if garch in (a.gguf_name, a.name, *a.gguf_aliases)), None)

@@ -153,10 +153,13 @@ class Model(qwen2.Model):
         y = ops.matmul(L.down, ops.gelu_tanh_mul(gate, up), then=self._next_weight(li))
         x += _norm(y, L.post_ff_norm, self.args.rms_norm_eps)
 
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        return _norm(x, self.norm, self.args.rms_norm_eps)
+
     def head(self, x: np.ndarray) -> np.ndarray:
         a = self.args
         first = self.layers[0].qkv[0] if self.layers and self.layers[0] is not None else None
-        logits = ops.matmul(self.lm_head, _norm(x, self.norm, a.rms_norm_eps), then=first)
+        logits = ops.matmul(self.lm_head, self.final_norm(x), then=first)
         if a.final_logit_softcapping is not None:
             cap = np.float32(a.final_logit_softcapping)
             logits = np.tanh(logits / cap) * cap
@@ -172,6 +175,8 @@ def _gguf_config(m, cfg: dict) -> None:
     cfg["sliding_window_pattern"] = 6
     cfg["rope_local_base_freq"] = m.float("rope.freq_base_swa", 10000.0)
     cfg["query_pre_attn_scalar"] = m.hidden // m.n_head if (m.hidden, m.n_head) == (5376, 32) else m.head_dim
+    if m.garch == "gemma-embedding":            # EmbeddingGemma: this graph, bidirectional (mixqrt.embed)
+        cfg["use_bidirectional_attention"] = True
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         v = m.float(key, required=False)
         if v:
@@ -181,7 +186,7 @@ def _gguf_config(m, cfg: dict) -> None:
 # Gemma 3: text-only checkpoints say gemma3_text; ffn_norm in GGUF is the norm before the FFN
 ARCH = register(Arch(
     "gemma3", "Gemma3ForCausalLM", aliases=("gemma3_text",), qk_norm=True, ffn_norms=True, fold_norms=False,
-    float_norms=True, norm_plus_one=True,
+    float_norms=True, norm_plus_one=True, gguf_aliases=("gemma-embedding",),
     gguf_names={"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
