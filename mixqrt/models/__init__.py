@@ -8,7 +8,9 @@ def _module(arch: str):
     """The graph of architecture `arch` (an HF model_type, mixqrt.models.arch): its module."""
     import importlib
     a = _arch.get(arch)
-    return importlib.import_module(f"mixqrt.models.{a.module or a.name}")
+    import sys
+    mod = a.module or a.name
+    return importlib.import_module(mod if "." in mod or mod in sys.modules else f"mixqrt.models.{mod}")
 
 
 def get_model_class(arch: str):

@@ -48,7 +48,7 @@ class Arch:
     beyond the shared ones (testing/tiny.py), tiny_tokenizer its tokenizer style."""
     name: str
     hf_class: str
-    module: str | None = None              # mixqrt.models.<module> (default: name)
+    module: str | None = None              # mixqrt.models.<module> (default: name), or a dotted module path
     aliases: tuple = ()
     qkv_bias: str = "config"
     qk_norm: bool = False
