@@ -39,7 +39,7 @@ from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError, RequestError
 from mixqrt.generate import GenerationResponse, Sequence
 from mixqrt.grammar import compile_async, grammar_from_response_format
-from mixqrt.limits import DEFAULT_MAX_CONTEXT
+from mixqrt.limits import context_window
 from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.params import MAX_N, SamplingParams, as_params
 from mixqrt.speculative import MAX_DRAFT, Speculation
@@ -231,7 +231,7 @@ class Engine:
         cap = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else integer("kv_cache_bytes", kv_cache_bytes, lo=0)
         if max_context is not None:
             ctx = integer("max_context", max_context, lo=2)
-        self.max_context = min(int(ctx or DEFAULT_MAX_CONTEXT), model.args.max_position_embeddings)
+        self.max_context = context_window(model.args.max_position_embeddings, ctx)
         if threads is not None:
             ops.set_num_threads(integer("threads", threads, lo=1))
         if gemm_cache_bytes is not None:

@@ -214,9 +214,8 @@ def build_infill(tokenizer, prefix: str, suffix: str, extra=None, prompt: str = 
     head = [t.pre] + p_ids + m_ids
     tail = [t.suf] + s_ids
     first, second = (tail, head) if spm else (head, tail)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if getattr(tokenizer, "add_bos_token", False) and bos is not None:
-        first = [int(bos)] + first
+    from mixqrt.tokenizer import with_bos
+    first = with_bos(tokenizer, first)
     ids = (extra_ids[len(extra_ids) - n_extra:] if n_extra else []) + first + second + [t.mid]
     if len(ids) > n_ctx - 1:                 # a tiny context: llama.cpp would overflow; refuse by name
         raise FimError("input_prefix", f"the infill prompt needs {len(ids)} tokens; the context holds {n_ctx}")

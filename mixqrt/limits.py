@@ -16,6 +16,12 @@ from mixqrt.errors import ModelError
 # the KV cache of every slot is sized from it, so a 128k-context model does not reserve 128k.
 DEFAULT_MAX_CONTEXT = 4096
 
+
+def context_window(model_context: int, asked=None) -> int:
+    """The context a Pipeline or an Engine allots: `asked` (DEFAULT_MAX_CONTEXT when not given), never
+    more than the model's own (max_position_embeddings): the one cap, so the two cannot differ."""
+    return min(int(asked) if asked else DEFAULT_MAX_CONTEXT, int(model_context))
+
 # key -> (smallest, largest) accepted value
 INT_LIMITS = {
     "num_hidden_layers": (1, 1024),

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
-from mixqrt.limits import DEFAULT_MAX_CONTEXT
+from mixqrt.limits import context_window
 from mixqrt.params import UNTIL_FULL, SamplingParams, as_params
 from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
 
@@ -173,7 +173,7 @@ class Pipeline:
             grammar_from_response_format(response_format)      # its shape is checked now
         self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
-        self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
+        self.max_context = context_window(self.model.context_length, max_context)
         self.drafter = None
         if draft is not None or lookup is not None:
             from mixqrt.speculative import make_drafter
