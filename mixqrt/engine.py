@@ -47,7 +47,23 @@ from mixqrt.validate import integer, number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+MIN_KV_CACHE_BYTES = 256 << 20         # the default bound's floor (and its value where free memory is unknown: 1 GiB)
+
+
+def default_kv_cache_bytes() -> int:
+    """The default bound of the KV memory: a quarter of the memory available now (MemAvailable),
+    at least 256 MiB; 1 GiB where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return max(MIN_KV_CACHE_BYTES, int(line.split()[1]) * 1024 // 4)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 30
+
+
+MAX_CACHE_SALT = 1024                   # characters (the server's own field allows 256, plus its key's salt)
 _ids = itertools.count(1)
 
 
@@ -205,14 +221,18 @@ class Engine:
     """Continuous-batching generation over one model (see the module docstring).
 
     max_slots: requests decoded together; prefill_chunk: prompt tokens per step; kv_cache_bytes:
-    bound of the KV memory, cached prompts and running requests' written pages (default 1 GiB;
-    cached prompts are evicted to keep it; 0 turns the prompt cache off);
+    bound of the KV memory, cached prompts and running requests' written pages (default: a quarter
+    of the memory available at start, default_kv_cache_bytes; cached prompts are evicted to keep it,
+    a request waits for room before it starts, a prompt that cannot fit alone is refused with a
+    RequestError naming the sizes, and a decoding request that would cross it ends with "length";
+    0 turns the prompt cache off and the bound with it); kv_type: the KV cache's type
+    (mixqrt.cache.KV_TYPES; default the Pipeline's, else the model's);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
     weight tiles that batched steps read instead of unpacking (ops.set_gemm_cache, process-wide;
     default: leave it; docs/engine.md). tokenizer / max_context default to those of the Pipeline
-    or LoadedModel given (a bare Model: no text, context min(model's, 4096)). speculative: a
+    or LoadedModel given (a bare Model: no text, the model's whole context). speculative: a
     drafter (mixqrt.speculative.make_drafter: prompt lookup or a draft model) that a lone decoding
     sequence uses to emit several tokens per forward (docs/speculative.md); None: off.
     """
@@ -220,7 +240,7 @@ class Engine:
     def __init__(self, model_or_pipeline, *, max_slots: int = 8, prefill_chunk: int = 256,
                  kv_cache_bytes: int | None = None, max_queue: int = 64, stall_timeout: float = 30.0,
                  threads: int | None = None, tokenizer=None, max_context: int | None = None,
-                 gemm_cache_bytes: int | None = None, speculative=None):
+                 gemm_cache_bytes: int | None = None, speculative=None, kv_type: str | None = None):
         model, tok, ctx = _unpack(model_or_pipeline)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tok
@@ -228,15 +248,18 @@ class Engine:
         self.prefill_chunk = integer("prefill_chunk", prefill_chunk, lo=1)
         self.max_queue = integer("max_queue", max_queue, lo=0)
         self.stall_timeout = number("stall_timeout", stall_timeout, lo=0.0, lo_open=True)
-        cap = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else integer("kv_cache_bytes", kv_cache_bytes, lo=0)
+        cap = default_kv_cache_bytes() if kv_cache_bytes is None else integer("kv_cache_bytes", kv_cache_bytes, lo=0)
         if max_context is not None:
             ctx = integer("max_context", max_context, lo=2)
         self.max_context = context_window(model.args.max_position_embeddings, ctx)
+        if kv_type is None:
+            kv_type = getattr(model_or_pipeline, "kv_type", None)
         if threads is not None:
             ops.set_num_threads(integer("threads", threads, lo=1))
         if gemm_cache_bytes is not None:
             ops.set_gemm_cache(integer("gemm_cache_bytes", gemm_cache_bytes, lo=0))
-        self._cache = PromptCache(model, self.max_context, cap)
+        self._cache = PromptCache(model, self.max_context, cap, kv_type)
+        self.kv_type = self._cache.kv_type
         if speculative is not None and not hasattr(speculative, "propose"):
             raise GenerationError(f"speculative must be a drafter (mixqrt.speculative.make_drafter), "
                                   f"got {type(speculative).__name__}")
@@ -300,6 +323,7 @@ class Engine:
                          p if i == 0 or p.seed is None else p.replace(seed=_choice_seed(p.seed, i)),
                          max_context=self.max_context)
                 for i in range(p.n)]
+        self._fit_kv(seqs)
         grammar, field = self._grammar(p.response_format, p.tools, p.tool_choice, p.parallel_tool_calls)
         with self._cond:
             if self._error is not None:
@@ -327,6 +351,23 @@ class Engine:
                 self._n["requests"] -= 1
             raise
         return req
+
+    def _fit_kv(self, seqs: list[Sequence]) -> None:
+        """The KV bound must hold the prompt (and one new token) of each of a request's choices
+        alone, else RequestError naming the sizes; the token budget is cut to what fits."""
+        c = self._cache
+        rows = c.max_rows(len(seqs))
+        if rows >= self.max_context:
+            return
+        p = len(seqs[0].prompt)
+        if p + 1 > rows:
+            need = len(seqs) * c.bytes_for(p + 1)
+            raise RequestError("prompt", f"the prompt has {p} tokens; with one new token its KV cache needs "
+                                         f"{need:,d} bytes ({len(seqs)} x {p + 1} tokens of {self.kv_type} K/V, "
+                                         f"{c.row_bytes:,d} bytes per token) but the KV cache bound "
+                                         f"(kv_cache_bytes) is {c.capacity:,d} bytes: it holds {rows} tokens")
+        for sq in seqs:
+            sq.budget = min(sq.budget, rows - p)
 
     def embed(self, seqs, embedder) -> "Future":
         """Queue embeddings of token-id sequences -> a concurrent.futures.Future of embedder.embed's
@@ -493,7 +534,7 @@ class Engine:
                     self._end_queued(self._queue.popleft())
                 return None
             self._reap(now)
-            while self._queue and (self._queue[0].cancelled or len(self._slots) + self._queue[0].n <= self.max_slots):
+            while self._queue and (self._queue[0].cancelled or self._admissible(self._queue[0])):
                 req = self._queue.popleft()
                 if req.cancelled:
                     self._end_queued(req)
@@ -519,11 +560,32 @@ class Engine:
                 self._job_turn = True
                 return self._jobs.popleft()[0]
             self._job_turn = False
+            if decode and not self._cache.room_to_grow([s.entry for s in decode]):
+                self._cut_longest(decode)   # the KV bound is reached: the longest decoding slot ends
+                continue
             if prefill is not None or decode:
                 self._cache.evict()         # running caches grew by the last step: keep the bound
                 return prefill, decode
             waits = [s.full_since + self.stall_timeout - now for s in self._slots if s.full_since is not None]
             self._cond.wait(max(0.0, min(waits)) + 1e-3 if waits else None)
+
+    def _admissible(self, req: Request) -> bool:
+        """Under the lock: a free slot for each choice, and room under the KV bound for their
+        prompts (cached prompts are evicted for it; a request alone always gets in, _fit_kv
+        checked that it fits)."""
+        if len(self._slots) + req.n > self.max_slots:
+            return False
+        return not self._slots or self._cache.room_for(req.prompt_tokens, req.n)
+
+    def _cut_longest(self, decode: list[_Slot]) -> None:
+        """Under the lock: end the decoding slot holding the most rows with "length" (its next
+        row would cross kv_cache_bytes)."""
+        s = max(decode, key=lambda d: d.entry.rows())
+        seq = s.seq
+        text = seq.stops.feed(seq._flush())[0] + seq.stops.flush()
+        seq.finish_reason = "length"
+        s.req._push(self._response(s.req, text, None, "length", s.t_first, s.index), final=True)
+        self._finish(s, "length")
 
     def _reap(self, now: float) -> None:
         """Cancelled slots, and slots whose consumer has not made room for stall_timeout seconds."""
@@ -717,6 +779,8 @@ class Engine:
                     break
             s.entry.hwm = max(s.entry.hwm, kv.offset)   # rows written past what is kept stay resident
             kv.trim(kv.offset - (seq.n - 1))       # keep the K/V of every token but the last emitted
+            if kv.offset < seq.n - 1:              # a packed cache dropped more (down to a block start):
+                self.model(seq.history[kv.offset:seq.n - 1], kv, last_only=True)    # write those rows again
             sp.drafter.rollback(sp.state, seq.n - 1)
             sp.record(len(drafts), accepted)
             self._n["draft_tokens"] += len(drafts)

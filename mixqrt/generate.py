@@ -19,13 +19,20 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "re
 
 
 # ============================================================================ token level
+def _make_cache(model, n: int, kv_type):
+    """model.make_cache(n) of kv_type (a stand-in model without kv types takes just n)."""
+    return model.make_cache(n) if kv_type is None else model.make_cache(n, kv_type)
+
+
 def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_processors: list | None = None,
-                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512) -> Iterator[tuple[int, np.ndarray]]:
+                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512,
+                  kv_type: str | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (token, logits) for up to max_tokens new tokens after prompt_ids.
 
     logits [vocab] are those the token was sampled from (after the processors). The prompt is fed
     at cache.offset (0 for a fresh cache) in prefill_chunk pieces. The caller stops early by
-    closing the generator (e.g. leaving a for loop).
+    closing the generator (e.g. leaving a for loop). kv_type: the type of the cache made when none
+    is given (mixqrt.cache.KV_TYPES; default the model's).
     """
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
@@ -34,7 +41,7 @@ def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_
     sampler = sampler or make_sampler(0.0)
     procs = list(logits_processors or ())
     if cache is None:
-        cache = model.make_cache(prompt.size + max(max_tokens, 1))
+        cache = _make_cache(model, prompt.size + max(max_tokens, 1), kv_type)
     # every token seen so far, for the logits processors (a view of one preallocated buffer)
     history = np.empty(prompt.size + max_tokens, dtype=np.int64)
     history[:prompt.size] = prompt
@@ -313,7 +320,8 @@ class Sequence:
 
 
 def stream_generate(model, tokenizer, prompt, params: SamplingParams | None = None, *,
-                    max_context: int | None = None, prefill_chunk: int = 512, **kwargs) -> Iterator[GenerationResponse]:
+                    max_context: int | None = None, prefill_chunk: int = 512, kv_type: str | None = None,
+                    **kwargs) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
 
     The low-level single-sequence path (no engine thread, no batching); Pipeline and the API go
@@ -321,12 +329,13 @@ def stream_generate(model, tokenizer, prompt, params: SamplingParams | None = No
     prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
     params: the request's options (mixqrt.params.SamplingParams); keyword arguments build or change
     them (max_new_tokens, temperature, stop, ...). Stop strings and eos tokens end generation and
-    are not part of the text.
+    are not part of the text. kv_type: the KV cache's type (mixqrt.cache.KV_TYPES; default the
+    model's).
     """
     t0 = time.perf_counter()
     seq = Sequence(model, tokenizer, prompt, params, max_context=max_context, **kwargs)
     n_prompt = len(seq.prompt)
-    cache = model.make_cache(n_prompt + seq.budget)
+    cache = _make_cache(model, n_prompt + seq.budget, kv_type)
     t_first, ttft, prompt_tps = 0.0, 0.0, 0.0
 
     def response(text, token, reason):

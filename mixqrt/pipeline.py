@@ -103,6 +103,18 @@ class LoadedModel:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
 
+    def logit_pieces(self, token_ids, first: int, rows: int = 512):
+        """Logits of positions first .. len-2 of token_ids run from position 0, `rows` positions
+        at a time (float32 [<= rows, vocab] each): the prefix before `first` only fills the KV
+        cache, so a long window never holds all its logits (mixqrt ppl's long windows)."""
+        m = self.model
+        ids = m.check_tokens(token_ids)
+        cache = m.make_cache(ids.size)
+        if first > 0:
+            m(ids[:first], cache, 0, last_only=True)
+        for s in range(first, ids.size - 1, rows):
+            yield m(ids[s:min(ids.size - 1, s + rows)], cache, s)
+
     def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
         """A mixqrt.embed.Embedder with the file's embedding settings (pooling, normalization,
         attention, dense projections), each overridable."""
@@ -158,13 +170,16 @@ class Pipeline:
     def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
                  offline: bool | None = None, progress: bool = True, max_context: int | None = None,
                  draft=None, draft_recipe: str | None = None, draft_k: int = 4, lookup: int | None = None,
-                 response_format=None, weights_in_memory: bool = False):
+                 response_format=None, weights_in_memory: bool = False, kv_type: str | None = None):
         """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
         loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
         draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
         on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md).
         weights_in_memory: read the .mxq into private memory instead of mapping it (what `mixqrt
-        serve` does: a file replaced or truncated under the server cannot change or fault it)."""
+        serve` does: a file replaced or truncated under the server cannot change or fault it).
+        max_context: the context (default: the model's own, e.g. 32768 for Qwen2.5); the KV cache's
+        pages become resident as a sequence grows, bounded by the engine's kv_cache_bytes.
+        kv_type: the KV cache's type, one of mixqrt.cache.KV_TYPES (default DEFAULT_KV_TYPE)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
         # every generation's default response_format (mixqrt.grammar); a call's own argument wins
         self.response_format = response_format
@@ -174,6 +189,10 @@ class Pipeline:
         self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
         self.max_context = context_window(self.model.context_length, max_context)
+        from mixqrt.cache import check_kv_type
+        self.kv_type = check_kv_type(kv_type)
+        self.model.kv_bytes_per_token(self.kv_type)      # a type this build cannot make fails here
+        self.model.kv_type = self.kv_type                # every cache of this model (generate, logits)
         self.drafter = None
         if draft is not None or lookup is not None:
             from mixqrt.speculative import make_drafter
@@ -196,7 +215,7 @@ class Pipeline:
 
     def configure_engine(self, **kw):
         """Replace the engine with one built with these Engine keyword arguments (max_slots,
-        prefill_chunk, kv_cache_bytes, max_queue, stall_timeout, threads); returns it."""
+        prefill_chunk, kv_cache_bytes, kv_type, max_queue, stall_timeout, threads); returns it."""
         with self._engine_lock:
             if self._engine is not None:
                 self._finalizer()

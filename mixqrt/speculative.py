@@ -139,8 +139,8 @@ class ModelDrafter:
     def rollback(self, state: _DraftState, valid: int) -> None:
         drop = len(state.fed) - valid
         if drop > 0:
-            state.cache.trim(drop)
-            del state.fed[valid:]
+            dropped = state.cache.trim(drop)     # a packed cache may drop more, down to a block start
+            del state.fed[len(state.fed) - dropped:]
 
 
 def check_compatible(draft, draft_tokenizer, target, target_tokenizer) -> None:

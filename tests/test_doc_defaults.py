@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from mixqrt import params
-from mixqrt.limits import DEFAULT_MAX_CONTEXT
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,11 +71,11 @@ def test_every_documented_serve_option_exists_and_every_concrete_default_matches
 
 
 def test_defaults_decided_at_run_time_are_stated_as_the_code_decides_them():
-    from mixqrt.engine import DEFAULT_KV_CACHE_BYTES
+    from mixqrt.limits import context_window
     rows = _options_table()
     assert rows["--recipe"].startswith(DEFAULT_RECIPE + " "), rows["--recipe"]
-    assert str(DEFAULT_MAX_CONTEXT) in rows["--ctx"]
-    assert _as_value(rows["--kv-cache-bytes"]) == DEFAULT_KV_CACHE_BYTES
+    assert "the model's own" in rows["--ctx"] and context_window(32768) == 32768
+    assert "a quarter of the memory" in rows["--kv-cache-bytes"]
     assert rows["--gemm-cache-bytes"].startswith("0")
     assert "the context" in rows["--max-tokens-cap"]
 
@@ -95,4 +94,4 @@ def test_request_field_bounds_are_the_params_ones(field, limit):
 def test_the_readme_states_the_default_recipe_and_context():
     assert re.search(rf"default recipe,? `{re.escape(DEFAULT_RECIPE)}`", README), "README: the default recipe"
     assert f"`{DEFAULT_RECIPE}` (the default" in README
-    assert re.search(rf"capped at {DEFAULT_MAX_CONTEXT}\b", SERVER)
+    assert "The context is the model's own" in README

@@ -15,7 +15,7 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.platform import tuning
-from mixqrt.cache import KVCache
+from mixqrt.cache import DEFAULT_KV_TYPE, KVCache, kv_type_of_dtype, make_kv_cache
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
@@ -219,7 +219,7 @@ class Model:
     layer_class = Layer                    # a subclass with more fields sets these three together
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
-    kv_dtype = np.float32          # set to np.float16 to halve the KV cache (ops.attention reads both)
+    kv_type = DEFAULT_KV_TYPE      # the KV cache's type (mixqrt.cache.KV_TYPES); an instance may set its own
 
     def __init__(self, args: ModelArgs, weights: dict, generation_config: dict | None = None):
         self._setup(args, generation_config)
@@ -359,12 +359,25 @@ class Model:
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
-    def make_cache(self, max_len: int | None = None, dtype=None) -> KVCache:
-        """A cache for max_len positions (default: the whole context); dtype float32 or float16
-        (default: self.kv_dtype)."""
+    def make_cache(self, max_len: int | None = None, kv_type: str | None = None, *, dtype=None):
+        """A cache for max_len positions (default: the whole context; its pages become resident as
+        positions are written) of kv_type (default: self.kv_type; mixqrt.cache.KV_TYPES). dtype:
+        the older spelling of the float types (np.float32 / np.float16)."""
         a = self.args
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                       int(max_len or a.max_position_embeddings), dtype or self.kv_dtype)
+        if dtype is not None:
+            kv_type = kv_type_of_dtype(dtype)
+        return make_kv_cache(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                             int(max_len or a.max_position_embeddings), windows=self.kv_windows())
+
+    def kv_windows(self):
+        """Per-layer sliding window of the attention (None: every layer sees the whole context)."""
+        return None
+
+    def kv_bytes_per_token(self, kv_type: str | None = None) -> float:
+        """Steady-state KV bytes per cached token of kv_type (default self.kv_type), K and V, all layers."""
+        from mixqrt.cache import kv_bytes_per_token
+        a = self.args
+        return kv_bytes_per_token(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, cache: KVCache | None = None, pos0: int | None = None, *,
