@@ -804,6 +804,10 @@ class Engine:
         for f in followers:
             with self._cond:
                 f.entry = self._cache.fork(lead.entry, lead.pos)
+            kv = f.entry.kv
+            if kv.offset < lead.pos:            # a packed cache copies whole blocks: write the rest again
+                self.model(np.asarray(lead.seq.prompt[kv.offset:lead.pos], dtype=np.int64), kv, kv.offset,
+                           last_only=True)
             f.pos, f.leader = lead.pos, None
             if self._emit(f, f.seq.sample(logits.copy()), time.perf_counter()):
                 done.append((f, f.seq.finish_reason, None))

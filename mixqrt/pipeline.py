@@ -103,7 +103,7 @@ class LoadedModel:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
 
-    def logit_pieces(self, token_ids, first: int, rows: int = 512):
+    def logit_pieces(self, token_ids, first: int, rows: int = 256):
         """Logits of positions first .. len-2 of token_ids run from position 0, `rows` positions
         at a time (float32 [<= rows, vocab] each): the prefix before `first` only fills the KV
         cache, so a long window never holds all its logits (mixqrt ppl's long windows)."""
