@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mixqrt.errors import RequestError
+from mixqrt.tokenizer import FIM_ROLES, fim_from_gguf  # noqa: F401  (fim_from_gguf re-exported)
 
 # llama.cpp's token texts per role (src/llama-vocab.cpp, "find FIM_PRE token" and following)
 FIM_TEXTS = {
@@ -50,11 +51,7 @@ FIM_TEXTS = {
     "sep": ("<|file_sep|>",),
 }
 ROLES = tuple(FIM_TEXTS)
-# GGUF keys: the current names, then the older prefix/suffix/middle ones llama.cpp still reads
-_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in ROLES}
-_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
-_GGUF_KEYS["suf"] += ("tokenizer.ggml.suffix_token_id",)
-_GGUF_KEYS["mid"] += ("tokenizer.ggml.middle_token_id",)
+assert ROLES == FIM_ROLES, "mixqrt.tokenizer.FIM_ROLES names the same roles"
 
 DEFAULT_N_BATCH = 2048          # llama.cpp's default n_batch: its FIM budget is 3/4 prefix, 1/4 suffix
 CUT_STEP = 64                   # the prefix's cut moves in steps of this many tokens (see above)
@@ -92,19 +89,6 @@ class FimTokens:
 
     def to_dict(self) -> dict:
         return {r: getattr(self, r) for r in ROLES if getattr(self, r) is not None}
-
-
-def fim_from_gguf(meta: dict, n_tokens: int | None = None, where: str = "GGUF") -> dict:
-    """{role: id} from GGUF metadata (the keys llama.cpp reads); FormatError for a bad id."""
-    from mixqrt.tokenizer import _token_id
-    out = {}
-    for role, keys in _GGUF_KEYS.items():
-        for key in keys:
-            v = _token_id(meta, key, where, n_tokens)
-            if v is not None:
-                out[role] = v
-                break
-    return out
 
 
 def fim_tokens(tokenizer) -> FimTokens:

@@ -141,6 +141,27 @@ def _token_id(meta, key, where, n_tokens=None):
     return int(v)
 
 
+# fill-in-the-middle roles (mixqrt.fim) and their GGUF keys: the current names, then the older
+# prefix/suffix/middle ones llama.cpp still reads
+FIM_ROLES = ("pre", "suf", "mid", "pad", "rep", "sep")
+FIM_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in FIM_ROLES}
+FIM_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
+FIM_GGUF_KEYS["suf"] += ("tokenizer.ggml.suffix_token_id",)
+FIM_GGUF_KEYS["mid"] += ("tokenizer.ggml.middle_token_id",)
+
+
+def fim_from_gguf(meta: dict, n_tokens: int | None = None, where: str = "GGUF") -> dict:
+    """{FIM role: id} from GGUF metadata (the keys llama.cpp reads); FormatError for a bad id."""
+    out = {}
+    for role, keys in FIM_GGUF_KEYS.items():
+        for key in keys:
+            v = _token_id(meta, key, where, n_tokens)
+            if v is not None:
+                out[role] = v
+                break
+    return out
+
+
 def _gguf_tokens(meta, where):
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is not None and (not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens)):
@@ -317,7 +338,6 @@ class Tokenizer:
                 except Exception as e:
                     raise FormatError(f"{where}: bos token {name[:40]!r} cannot start a template: "
                                       f"{str(e)[:200]}") from None
-        from mixqrt.fim import fim_from_gguf
         return cls(tk, bos_token_id=bos, eos_token_ids=eos_ids_from_gguf(meta, where),
                    pad_token_id=pad, chat_template=template, add_bos_token=add_bos,
                    fim_ids=fim_from_gguf(meta, len(tokens), where))
