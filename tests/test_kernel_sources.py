@@ -195,6 +195,13 @@ def _packed_formats() -> list[str]:
     return [n for n, v in sorted(ids.items(), key=lambda x: x[1]) if v < ids["MQ_F32"]]
 
 
+def _format_list(macro: str) -> list[str]:
+    """The format ids an X-macro list of mq_format.h names (MQ_FOR_ROW_FORMATS, MQ_FOR_X_FORMATS)."""
+    text = FILES["common/mq_format.h"].read_text().replace("\\\n", " ")
+    m = re.search(rf"#define {macro}\(X\)(.*)", text)
+    return re.findall(r"X\(\w+,\s*(MQ_\w+)\)", m.group(1))
+
+
 def _table(path: str, name: str) -> str:
     text = _text(FILES[path])
     m = re.search(rf"\b{name}\s*\[MQ_NFMT\]\s*=\s*\{{(.*?)\n\}};", text, re.S)
@@ -209,8 +216,14 @@ def test_every_packed_format_has_a_traits_row_in_every_tier():
     product by a switch on the format."""
     fmts = _packed_formats()
     assert "MQ_Q4" in fmts and "MQ_F32" not in fmts
+    assert sorted(_format_list("MQ_FOR_ROW_FORMATS") + _format_list("MQ_FOR_X_FORMATS")) == sorted(fmts), \
+        "mq_format.h's format lists name every packed format once"
     for path, table in (("ops/kern_avx512.c", "MQ_AVX512_TRAITS"), ("ops/kern_avx2.c", "AVX2_TRAITS")):
-        rows = set(re.findall(r"\[(MQ_\w+)\]\s*=", _table(path, table)))
+        body = _table(path, table)
+        rows = set(re.findall(r"\[(MQ_\w+)\]\s*=", body))
+        for macro in ("MQ_FOR_ROW_FORMATS", "MQ_FOR_X_FORMATS"):   # a row per format the list names
+            if re.search(rf"\b{macro}\s*\(", body):
+                rows |= set(_format_list(macro))
         assert rows == set(fmts), f"{table}: formats without a row {set(fmts) - rows}, unknown {rows - set(fmts)}"
     assert "GEN_TRAITS" in _text(FILES["ops/kern_generic.c"])
     for f, p in FILES.items():

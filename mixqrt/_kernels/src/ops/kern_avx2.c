@@ -604,21 +604,14 @@ typedef struct {
 #define ROW_ENTRIES(name, F) \
     static void mv_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_fmt(cx, F, j, n0, n1); } \
     static void mm_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mm_fmt(cx, F, j, n0, n1); }
-ROW_ENTRIES(q8, MQ_Q8)
-ROW_ENTRIES(q6, MQ_Q6)
-ROW_ENTRIES(q4, MQ_Q4)
-ROW_ENTRIES(q3u, MQ_Q3U)
-ROW_ENTRIES(q3p, MQ_Q3P)
-ROW_ENTRIES(q2c, MQ_Q2C)
-ROW_ENTRIES(q5g, MQ_Q5G)
+MQ_FOR_ROW_FORMATS(ROW_ENTRIES)
 #undef ROW_ENTRIES
 static void mvx_q4x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { (void)cx; mv_q4x(j, n0, n1); }
 static void mvx_q6x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { (void)cx; mv_q6x(j, n0, n1); }
 
-#define ROW(name) .mv = mv_##name, .mm = mm_##name
+#define ROW(name, F) [F] = {.mv = mv_##name, .mm = mm_##name},
 static const avx2_traits AVX2_TRAITS[MQ_NFMT] = {
-    [MQ_Q8] = {ROW(q8)}, [MQ_Q6] = {ROW(q6)}, [MQ_Q4] = {ROW(q4)}, [MQ_Q3U] = {ROW(q3u)},
-    [MQ_Q3P] = {ROW(q3p)}, [MQ_Q2C] = {ROW(q2c)}, [MQ_Q5G] = {ROW(q5g)},
+    MQ_FOR_ROW_FORMATS(ROW)
     [MQ_Q4X] = {.mv = mvx_q4x, .mm = mx_q4x},
     [MQ_Q6X] = {.mv = mvx_q6x, .mm = mx_q6x},
     [MQ_Q3X] = {.mv = mv_q3x, .mm = mx_q3x, .q3x_tables = 1},

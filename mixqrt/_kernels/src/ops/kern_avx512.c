@@ -27,40 +27,41 @@ void mq_avx512_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 static int gemm_on(int T) { return mq_gemm_min_t > 0 && T >= mq_gemm_min_t; }
 
 /* ------------------------------------------------------------------ the traits table */
-#define ROW(name) .mv = mq_avx512_mv_##name, .mm = mq_avx512_mm_##name, \
-    .gemm = {mq_avx512_gemm2_##name, mq_avx512_gemm4_##name, mq_avx512_gemm8_##name}, .tiles = mq_avx512_tiles_##name
-#define XFMT(name) .mv = mq_avx512_mv_##name, .few = mq_avx512_few_##name, \
+#define ROW(name, F) [F] = {.mv = mq_avx512_mv_##name, .mm = mq_avx512_mm_##name, \
+    .gemm = {mq_avx512_gemm2_##name, mq_avx512_gemm4_##name, mq_avx512_gemm8_##name}, .tiles = mq_avx512_tiles_##name},
+#define XFMT(name, F) [F] = {.mv = mq_avx512_mv_##name, .few = mq_avx512_few_##name, \
     .gemm = {mq_avx512_gemm2_##name, mq_avx512_gemm4_##name, mq_avx512_gemm8_##name}, \
-    .tiles = mq_avx512_tiles_##name, .groups = 1
+    .tiles = mq_avx512_tiles_##name, .groups = 1},
 static const mq_avx512_traits MQ_AVX512_TRAITS[MQ_NFMT] = {
-    [MQ_Q8] = {ROW(q8)},
-    [MQ_Q6] = {ROW(q6), .lean = {{mq_avx512_lean_q6f, 2, LEAN_SHORT, &mq_q6_fold}, {mq_avx512_lean_q6, 2, LEAN_LONG, NULL}}},
-    [MQ_Q4] = {ROW(q4), .lean = {{mq_avx512_lean_q4c, 2, LEAN_ANY, NULL}}},
-    [MQ_Q3U] = {ROW(q3u), .lean = {{mq_avx512_lean_q3u, 1, LEAN_ANY, NULL}}},
-    [MQ_Q3P] = {ROW(q3p), .lean = {{mq_avx512_lean_q3c, 1, LEAN_ANY, NULL}}},
-    [MQ_Q2C] = {ROW(q2c), .lean = {{mq_avx512_lean_q2c, 4, LEAN_ANY, &mq_q2c_mv}}},
-    [MQ_Q5G] = {ROW(q5g)},
-    [MQ_Q4X] = {XFMT(q4x)},
-    [MQ_Q6X] = {XFMT(q6x)},
-    [MQ_Q3X] = {XFMT(q3x)},
+    MQ_FOR_ROW_FORMATS(ROW)
+    MQ_FOR_X_FORMATS(XFMT)
     /* f32 / f16 / bf16: mq_avx512_float */
 };
 #undef ROW
 #undef XFMT
 
+/* the lean decode kernels a format may take instead of its plain one (T == 1 with MIXQRT_LEAN_MV),
+ * the first that fits (kern NULL: none) */
+static const mq_avx512_lean LEAN_KERNELS[MQ_NFMT][2] = {
+    [MQ_Q6] = {{mq_avx512_lean_q6f, 2, LEAN_SHORT, &mq_q6_fold}, {mq_avx512_lean_q6, 2, LEAN_LONG, NULL}},
+    [MQ_Q4] = {{mq_avx512_lean_q4c, 2, LEAN_ANY, NULL}},
+    [MQ_Q3U] = {{mq_avx512_lean_q3u, 1, LEAN_ANY, NULL}},
+    [MQ_Q3P] = {{mq_avx512_lean_q3c, 1, LEAN_ANY, NULL}},
+    [MQ_Q2C] = {{mq_avx512_lean_q2c, 4, LEAN_ANY, &mq_q2c_mv}},
+};
+
 /* the T = 1 kernel of a packed product (the decode and rows_exact agree on it) */
 static mq_avx512_kern mv_kernel(const mq_mm_job *j) {
-    const mq_avx512_traits *t = &MQ_AVX512_TRAITS[j->fmt];
     if (mq_lean_mv) {
         const int shortr = (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE;
-        for (int i = 0; i < 2 && t->lean[i].kern != NULL; i++) {
-            const mq_avx512_lean *l = &t->lean[i];
+        for (int i = 0; i < 2 && LEAN_KERNELS[j->fmt][i].kern != NULL; i++) {
+            const mq_avx512_lean *l = &LEAN_KERNELS[j->fmt][i];
             if (j->nc % l->nc_mult == 0 && (l->rows == LEAN_ANY || (l->rows == LEAN_SHORT) == shortr)
                 && (l->on == NULL || *l->on))
                 return l->kern;
         }
     }
-    return t->mv;
+    return MQ_AVX512_TRAITS[j->fmt].mv;
 }
 
 /* ------------------------------------------------------------------ row formats, 2 <= T <= MQ_EXACT_T

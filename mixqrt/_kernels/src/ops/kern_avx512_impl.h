@@ -231,8 +231,8 @@ void ctx_init(ctx_t *cx, const mq_mm_job *j);
 #define GTT 8
 
 /* ------------------------------------------------------------------ the traits of a format
- * One row per format of MQ_AVX512_TRAITS (kern_avx512.c), the kernels of this tier that serve it. Every
- * kernel takes the job's context and a row range [n0, n1). */
+ * One row per format of MQ_AVX512_TRAITS (kern_avx512.c), the kernels of this tier that serve it (its
+ * lean decode kernels: LEAN_KERNELS there). Every kernel takes the job's context and a row range [n0, n1). */
 typedef void (*mq_avx512_kern)(const ctx_t *cx, const mq_mm_job *j, int n0, int n1);
 typedef void (*mq_avx512_tiles_fn)(const ctx_t *cx, const mq_mm_job *j, uint8_t *out, int n0, int n1);
 enum { LEAN_ANY, LEAN_SHORT, LEAN_LONG };   /* the rows a lean kernel takes: any, short (a 4-row tile <= 4 KiB), long */
@@ -244,7 +244,6 @@ typedef struct {
 } mq_avx512_lean;
 typedef struct {
     mq_avx512_kern mv;          /* T == 1: the plain decode kernel (mv_fmt's fold; NULL: no packed format) */
-    mq_avx512_lean lean[2];     /* T == 1 with MIXQRT_LEAN_MV: the first that fits (kern NULL: none) */
     mq_avx512_kern few;         /* 2 <= T <= MQ_FEW_T, each row the T = 1 row (interleaved formats) */
     mq_avx512_kern mm;          /* row formats, T >= 2: unpacked row tiles with mv's fold */
     mq_avx512_kern gemm[3];     /* the VNNI GEMM in token groups of 2, 4 and GTT */
@@ -254,7 +253,7 @@ typedef struct {
 
 /* the kernel files' entries the table names: mv (kern_mv), lean (kern_mv), few (kern_mv), mm / gemm /
  * tiles (kern_gemm) */
-#define MQ_AVX512_DECLARE_ROW(name) \
+#define MQ_AVX512_DECLARE_ROW(name, F) \
     void mq_avx512_mv_##name(const ctx_t *, const mq_mm_job *, int, int); \
     void mq_avx512_mm_##name(const ctx_t *, const mq_mm_job *, int, int); \
     MQ_AVX512_DECLARE_GEMM(name)
@@ -263,20 +262,12 @@ typedef struct {
     void mq_avx512_gemm4_##name(const ctx_t *, const mq_mm_job *, int, int); \
     void mq_avx512_gemm8_##name(const ctx_t *, const mq_mm_job *, int, int); \
     void mq_avx512_tiles_##name(const ctx_t *, const mq_mm_job *, uint8_t *, int, int);
-#define MQ_AVX512_DECLARE_X(name) \
+#define MQ_AVX512_DECLARE_X(name, F) \
     void mq_avx512_mv_##name(const ctx_t *, const mq_mm_job *, int, int); \
     void mq_avx512_few_##name(const ctx_t *, const mq_mm_job *, int, int); \
     MQ_AVX512_DECLARE_GEMM(name)
-MQ_AVX512_DECLARE_ROW(q8)
-MQ_AVX512_DECLARE_ROW(q6)
-MQ_AVX512_DECLARE_ROW(q4)
-MQ_AVX512_DECLARE_ROW(q3u)
-MQ_AVX512_DECLARE_ROW(q3p)
-MQ_AVX512_DECLARE_ROW(q2c)
-MQ_AVX512_DECLARE_ROW(q5g)
-MQ_AVX512_DECLARE_X(q4x)
-MQ_AVX512_DECLARE_X(q6x)
-MQ_AVX512_DECLARE_X(q3x)
+MQ_FOR_ROW_FORMATS(MQ_AVX512_DECLARE_ROW)
+MQ_FOR_X_FORMATS(MQ_AVX512_DECLARE_X)
 void mq_avx512_lean_q3c(const ctx_t *, const mq_mm_job *, int, int);
 void mq_avx512_lean_q4c(const ctx_t *, const mq_mm_job *, int, int);
 void mq_avx512_lean_q2c(const ctx_t *, const mq_mm_job *, int, int);

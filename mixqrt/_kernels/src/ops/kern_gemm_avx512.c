@@ -415,15 +415,7 @@ void mq_gemm_interleave_avx512(const mq_act *a, int fmt, int gt, int g0, int g1,
 #define ROW_ENTRIES(name, F) GEMM_ENTRIES(name, F) \
     void mq_avx512_mm_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mm_fmt(cx, F, j, n0, n1); }
 _Static_assert(GTT == 8, "mq_avx512_gemm8_*: the GEMM's largest token group");
-ROW_ENTRIES(q8, MQ_Q8)
-ROW_ENTRIES(q6, MQ_Q6)
-ROW_ENTRIES(q4, MQ_Q4)
-ROW_ENTRIES(q3u, MQ_Q3U)
-ROW_ENTRIES(q3p, MQ_Q3P)
-ROW_ENTRIES(q2c, MQ_Q2C)
-ROW_ENTRIES(q5g, MQ_Q5G)
-GEMM_ENTRIES(q4x, MQ_Q4X)
-GEMM_ENTRIES(q6x, MQ_Q6X)
-GEMM_ENTRIES(q3x, MQ_Q3X)
+MQ_FOR_ROW_FORMATS(ROW_ENTRIES)
+MQ_FOR_X_FORMATS(GEMM_ENTRIES)
 #undef ROW_ENTRIES
 #undef GEMM_ENTRIES

@@ -840,13 +840,7 @@ static void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
  * every entry is the kernel instantiated for it, as the switch on the format that stood here made it. */
 #define MV_ENTRY(name, F) \
     void mq_avx512_mv_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_fmt(cx, F, j, n0, n1); }
-MV_ENTRY(q8, MQ_Q8)
-MV_ENTRY(q6, MQ_Q6)
-MV_ENTRY(q4, MQ_Q4)
-MV_ENTRY(q3u, MQ_Q3U)
-MV_ENTRY(q3p, MQ_Q3P)
-MV_ENTRY(q2c, MQ_Q2C)
-MV_ENTRY(q5g, MQ_Q5G)
+MQ_FOR_ROW_FORMATS(MV_ENTRY)
 #undef MV_ENTRY
 
 /* the lean decode kernels (each its own fold; kern_avx512.c picks one where it fits) */
