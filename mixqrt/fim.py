@@ -7,7 +7,7 @@
 Where the tokens come from, in this order (llama.cpp's own order, src/llama-vocab.cpp):
   1. GGUF metadata ``tokenizer.ggml.fim_{pre,suf,mid,pad,rep,sep}_token_id`` (and the older
      ``tokenizer.ggml.{prefix,suffix,middle}_token_id``), copied into the .mxq's tokenizer_info
-     when the file is converted (``fim_from_gguf``);
+     when the file is converted (``mixqrt.tokenizer.fim_from_gguf``);
   2. the tokenizer's added tokens by their text (Qwen ``<|fim_prefix|>``, StarCoder / Granite
      ``<fim_prefix>``, DeepSeek ``<｜fim▁begin｜>``, CodeLlama ``▁<PRE>``, ...: ``FIM_TEXTS``).
 A model without prefix, suffix and middle tokens cannot infill: ``FimError`` names what is missing
@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mixqrt.errors import RequestError
-from mixqrt.tokenizer import FIM_ROLES, fim_from_gguf  # noqa: F401  (fim_from_gguf re-exported)
 
 # llama.cpp's token texts per role (src/llama-vocab.cpp, "find FIM_PRE token" and following)
 FIM_TEXTS = {
@@ -51,7 +50,6 @@ FIM_TEXTS = {
     "sep": ("<|file_sep|>",),
 }
 ROLES = tuple(FIM_TEXTS)
-assert ROLES == FIM_ROLES, "mixqrt.tokenizer.FIM_ROLES names the same roles"
 
 DEFAULT_N_BATCH = 2048          # llama.cpp's default n_batch: its FIM budget is 3/4 prefix, 1/4 suffix
 CUT_STEP = 64                   # the prefix's cut moves in steps of this many tokens (see above)
@@ -198,8 +196,9 @@ def build_infill(tokenizer, prefix: str, suffix: str, extra=None, prompt: str = 
     head = [t.pre] + p_ids + m_ids
     tail = [t.suf] + s_ids
     first, second = (tail, head) if spm else (head, tail)
-    from mixqrt.tokenizer import with_bos
-    first = with_bos(tokenizer, first)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None:
+        first = [int(bos)] + first
     ids = (extra_ids[len(extra_ids) - n_extra:] if n_extra else []) + first + second + [t.mid]
     if len(ids) > n_ctx - 1:                 # a tiny context: llama.cpp would overflow; refuse by name
         raise FimError("input_prefix", f"the infill prompt needs {len(ids)} tokens; the context holds {n_ctx}")

@@ -141,27 +141,6 @@ def _token_id(meta, key, where, n_tokens=None):
     return int(v)
 
 
-# fill-in-the-middle roles (mixqrt.fim) and their GGUF keys: the current names, then the older
-# prefix/suffix/middle ones llama.cpp still reads
-FIM_ROLES = ("pre", "suf", "mid", "pad", "rep", "sep")
-FIM_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in FIM_ROLES}
-FIM_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
-FIM_GGUF_KEYS["suf"] += ("tokenizer.ggml.suffix_token_id",)
-FIM_GGUF_KEYS["mid"] += ("tokenizer.ggml.middle_token_id",)
-
-
-def fim_from_gguf(meta: dict, n_tokens: int | None = None, where: str = "GGUF") -> dict:
-    """{FIM role: id} from GGUF metadata (the keys llama.cpp reads); FormatError for a bad id."""
-    out = {}
-    for role, keys in FIM_GGUF_KEYS.items():
-        for key in keys:
-            v = _token_id(meta, key, where, n_tokens)
-            if v is not None:
-                out[role] = v
-                break
-    return out
-
-
 def _gguf_tokens(meta, where):
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is not None and (not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens)):
@@ -178,6 +157,26 @@ def _gguf_tokens(meta, where):
         if tokens is not None and len(types) != len(tokens):
             raise FormatError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
     return tokens, types
+
+
+# FIM token ids in GGUF metadata (mixqrt.fim's roles): the current keys, then the older
+# prefix/suffix/middle ones llama.cpp still reads
+_FIM_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in ("pre", "suf", "mid", "pad", "rep", "sep")}
+_FIM_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
+_FIM_GGUF_KEYS["suf"] += ("tokenizer.ggml.suffix_token_id",)
+_FIM_GGUF_KEYS["mid"] += ("tokenizer.ggml.middle_token_id",)
+
+
+def fim_from_gguf(meta: dict, n_tokens: int | None = None, where: str = "GGUF") -> dict:
+    """{role: id} of the FIM tokens GGUF metadata names (the keys llama.cpp reads); FormatError for a bad id."""
+    out = {}
+    for role, keys in _FIM_GGUF_KEYS.items():
+        for key in keys:
+            v = _token_id(meta, key, where, n_tokens)
+            if v is not None:
+                out[role] = v
+                break
+    return out
 
 
 def eos_ids_from_gguf(meta: dict, where: str = "GGUF") -> set[int]:
