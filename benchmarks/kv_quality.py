@@ -145,7 +145,8 @@ def report_kl(a) -> None:
                     f"{ppl} | {rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]} |")
     prov = provenance("python benchmarks/kv_quality.py " + " ".join(sys.argv[1:]))
     prov += (f"- WikiText-2 test, the first {a.chunks} window(s) of each size, the second half of each scored "
-             f"(llama-perplexity's method); KL(base || type) per scored position, averaged\n")
+             f"(llama-perplexity's method); KL(base || type) per scored position, averaged; each row's command is "
+             f"in docs/data/long_context/kl-*.json (not timed: the runs may go niced outside the benchmark lock)\n")
     update_doc(DOC, {"long-context-kl": prov + "\n" + "\n".join(rows)}, "Long context")
 
 
