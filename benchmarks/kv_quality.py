@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, llama_cpp_bin, provenance, update_doc  # noqa: E402
-from long_context import DATA, DOC, Lock, loadavg, prepare_ggufs  # noqa: E402
+from long_context import DATA, DOC, Lock, loadavg, measured, prepare_ggufs  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "wikitext-2-test.txt"
 
@@ -99,11 +99,11 @@ def cmd_kl(a) -> None:
         common = ["--text", a.text, "--ctx", str(ctx), "--chunks", str(a.chunks), "-t", str(a.threads), "--json", "-q"]
         base = work / f"mixqrt-f32-c{ctx}-n{a.chunks}.logp"
         if not a.skip_mixqrt:
-            if not base.exists() or not kl_file("mixqrt", "f32", ctx).exists():
+            if not base.exists() or not measured(kl_file("mixqrt", "f32", ctx)):
                 run_child([sys.executable, "-m", "mixqrt", "ppl", mxq, "--kv-type", "f32", "--save-logits", str(base)]
                           + common, lock, kl_file("mixqrt", "f32", ctx), _mixqrt_json)
             for kv in a.kv_types.split(","):
-                if kv != "f32" and (a.fresh or not kl_file("mixqrt", kv, ctx).exists()):
+                if kv != "f32" and (a.fresh or not measured(kl_file("mixqrt", kv, ctx))):
                     run_child([sys.executable, "-m", "mixqrt", "ppl", mxq, "--kv-type", kv, "--kl-base", str(base)]
                               + common, lock, kl_file("mixqrt", kv, ctx), _mixqrt_json)
         if not a.skip_llamacpp:
@@ -112,10 +112,10 @@ def cmd_kl(a) -> None:
             lbase = work / f"llamacpp-{a.lcpp_type}-f16-c{ctx}-n{a.chunks}.kld"
             lp = [str(llama_cpp_bin("llama-perplexity")), "-m", str(gguf), "-f", a.text, "-c", str(ctx), "-b", str(ctx),
                   "--chunks", str(a.chunks), "-t", str(a.threads), "-fa", "on"]
-            if not lbase.exists() or not kl_file("llamacpp", "f16", ctx).exists():
+            if not lbase.exists() or not measured(kl_file("llamacpp", "f16", ctx)):
                 run_child(lp + ["-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(lbase)], lock,
                           kl_file("llamacpp", "f16", ctx), _lcpp_ppl)
-            if a.fresh or not kl_file("llamacpp", "q8_0", ctx).exists():
+            if a.fresh or not measured(kl_file("llamacpp", "q8_0", ctx)):
                 run_child(lp + ["-ctk", "q8_0", "-ctv", "q8_0", "--kl-divergence-base", str(lbase), "--kl-divergence"],
                           lock, kl_file("llamacpp", "q8_0", ctx), _lcpp_kl)
     report_kl(a)

@@ -92,6 +92,17 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 # ----------------------------------------------------------------------------------- measurements
+def measured(path: Path) -> bool:
+    """A raw file that holds a result (a failed run's record is measured again)."""
+    if not path.exists():
+        return False
+    if path.suffix == ".jsonl":
+        return path.stat().st_size > 0
+    try:
+        return "result" in json.loads(path.read_text())
+    except ValueError:
+        return False
+
 def mixqrt_file(kv: str, depth: int, pp: int | None = None) -> Path:
     return DATA / (f"mixqrt-{kv}-d{depth}.json" if pp is None else f"mixqrt-{kv}-pp{pp}.json")
 
@@ -372,17 +383,17 @@ def main() -> None:
                 for t in a.lcpp_types.split(","):
                     for fa in (int(x) for x in a.fa.split(",")):
                         for cache in a.lcpp_caches.split(","):
-                            if (fa or cache == "f16") and (a.fresh or not lcpp_file(t, fa, cache, 0, n).exists()):
+                            if (fa or cache == "f16") and (a.fresh or not measured(lcpp_file(t, fa, cache, 0, n))):
                                 run_lcpp(ggufs[t], t, fa, cache, 0, a, lock, n)
         if not a.skip_mixqrt:
             mxq = a.mxq or default_mxq()
             for d in depths:
                 for kv in a.kv_types.split(","):
-                    if a.fresh or not mixqrt_file(kv, d).exists():
+                    if a.fresh or not measured(mixqrt_file(kv, d)):
                         run_mixqrt(mxq, kv, d, a, lock)
             for n in longs:
                 for kv in a.kv_types.split(","):
-                    if a.fresh or not mixqrt_file(kv, 0, n).exists():
+                    if a.fresh or not measured(mixqrt_file(kv, 0, n)):
                         run_mixqrt(mxq, kv, 0, a, lock, n)
     report(a)
 
