@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, llama_cpp_bin, provenance, update_doc  # noqa: E402
-from long_context import DATA, DOC, Lock, loadavg, measured, prepare_ggufs  # noqa: E402
+from long_context import DATA, DOC, SRC, Lock, child_env, code_commit, loadavg, measured, prepare_ggufs  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "wikitext-2-test.txt"
 
@@ -51,10 +51,10 @@ def kl_file(system: str, kv: str, ctx: int) -> Path:
 def run_child(cmd, lock, out: Path, parse) -> dict:
     with lock:
         before, t = loadavg(), time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=SRC["dir"], env=child_env())
         after = loadavg()
     rec = {"command": shlex.join(cmd), "loadavg_before": before, "loadavg_after": after,
-           "seconds": round(time.time() - t, 1), "returncode": r.returncode}
+           "seconds": round(time.time() - t, 1), "returncode": r.returncode, "code": code_commit()}
     if r.returncode == 0:
         rec["result"] = parse(r)
     else:
@@ -122,8 +122,8 @@ def cmd_kl(a) -> None:
 
 
 def report_kl(a) -> None:
-    rows = ["| window | system | KV cache | against | bits per value | mean KL | KL p99 | same top % | PPL | load before/after |",
-            "|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = ["| window | system | KV cache | against | bits per value | mean KL | KL p99 | same top % | PPL | load before/after "
+            "| mixqrt code |", "|---:|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     bits = {"f32": 32, "f16": 16, "q8_0": 8.5}
     for p in sorted(DATA.glob("kl-*-c*.json"), key=lambda p: (int(p.stem.rsplit("-c", 1)[1]), p.stem)):
         system, kv = p.stem.split("-")[1:3]
@@ -142,7 +142,8 @@ def report_kl(a) -> None:
         ppl = f"{r['ppl']:.3f}" if r.get("ppl") is not None else "-"
         name = "mixqrt (q4a file)" if system == "mixqrt" else "llama.cpp (Q4_0 file)"
         rows.append(f"| {ctx:,d} | {name} | {kv} | {base} | {b if b is not None else '-'} | {kl} | {p99} | {same} | "
-                    f"{ppl} | {rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]} |")
+                    f"{ppl} | {rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]} | "
+                    f"{rec.get('code', '-') if system == 'mixqrt' else '-'} |")
     prov = provenance("python benchmarks/kv_quality.py " + " ".join(sys.argv[1:]))
     prov += (f"- WikiText-2 test, the first {a.chunks} window(s) of each size, the second half of each scored "
              f"(llama-perplexity's method); KL(base || type) per scored position, averaged; each row's command is "
@@ -261,7 +262,14 @@ def main() -> None:
         x.add_argument("-t", "--threads", type=int, default=2)
         x.add_argument("--lock", default=None, metavar="FILE")
         x.add_argument("--fresh", action="store_true")
+        x.add_argument("--src", default=None, metavar="DIR",
+                       help="the mixqrt source tree (a built checkout) the mixqrt runs use (default: this one)")
     a = p.parse_args()
+    if a.src:
+        SRC["dir"] = str(Path(a.src).resolve())
+        sys.path.insert(0, SRC["dir"])          # passkey runs in this process
+        for m in [m for m in sys.modules if m == "mixqrt" or m.startswith("mixqrt.")]:
+            del sys.modules[m]
     a.fn(a)
 
 
