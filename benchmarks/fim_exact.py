@@ -123,7 +123,7 @@ def run_llama(name: str, gguf: str, cs: list[dict], threads: int, log_dir: Path)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mxq", required=True, help="mixqrt's file (the default q4a of the test GGUF)")
+    ap.add_argument("--mxq", default=None, help="mixqrt's file (the default q4a of the test GGUF); none: llama.cpp only")
     ap.add_argument("--gguf", action="append", default=[], metavar="NAME=PATH", help="llama.cpp files (repeatable)")
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
           flush=True)
     load0 = os.getloadavg()
     results = {}
-    systems = [("mixqrt:" + Path(a.mxq).name, lambda: run_mixqrt(a.mxq, cs))]
+    systems = [("mixqrt:" + Path(a.mxq).name, lambda: run_mixqrt(a.mxq, cs))] if a.mxq else []
     for spec in a.gguf:
         name, _, path = spec.partition("=")
         systems.append((f"llama.cpp:{name}", lambda n=name, p=path: run_llama(n, p, cs, a.threads, Path(a.log_dir))))
