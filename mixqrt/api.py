@@ -26,7 +26,7 @@ from mixqrt import oai
 from mixqrt.errors import GenerationError, RequestError
 from mixqrt.oai import ROLES, check_messages  # noqa: F401 - part of this module's API
 
-__all__ = ["create_completion", "create_chat_completion", "check_messages", "RequestError", "Stats", "model_name"]
+__all__ = ["create_completion", "create_chat_completion", "create_embedding", "check_messages", "RequestError", "Stats", "model_name"]
 
 
 def _context(pipe) -> int:
@@ -45,9 +45,12 @@ def model_name(pipe) -> str:
 
 
 # ============================================================================ running
-def _responses(pipe, prompt, kw) -> Iterator:
-    """pipe.stream(...) with a "context_length_exceeded" code on the too-long-prompt error."""
-    it = iter(pipe.stream(prompt, **kw))
+def _responses(pipe, prompt, kw, suffix=None) -> Iterator:
+    """pipe.stream(...) (pipe.stream_infill(prompt, suffix, ...) with a suffix) with a
+    "context_length_exceeded" code on the too-long-prompt error."""
+    if suffix is not None and not hasattr(pipe, "stream_infill"):
+        raise RequestError("suffix", "suffix (fill-in-the-middle) needs a Pipeline (its stream_infill)")
+    it = iter(pipe.stream(prompt, **kw) if suffix is None else pipe.stream_infill(prompt, suffix, **kw))
     try:
         while True:
             try:
@@ -80,14 +83,14 @@ def _run(pipe, req: oai.Request, model, stats):
                         getattr(pipe, "tokenizer", None))
 
     if not req.stream:
-        for r in _responses(pipe, prompt, kw):
+        for r in _responses(pipe, prompt, kw, req.suffix):
             out.feed(r)
         if stats is not None:
             stats.last = out.lasts[0]
         return out.whole()
 
     def chunks():
-        responses = _responses(pipe, prompt, kw)
+        responses = _responses(pipe, prompt, kw, req.suffix)
         try:
             first = next(responses, None)   # prefill first: a too-long prompt fails before any chunk
             yield from out.start()
@@ -128,6 +131,20 @@ def create_completion(pipe, prompt, *, suffix=None, max_tokens: int | None = 16,
             "logprobs": logprobs, "n": n, "best_of": best_of, "logit_bias": logit_bias,
             "stream_options": stream_options}
     return _run(pipe, oai.parse("completion", body), model, stats)
+
+
+# ============================================================================ embeddings
+def create_embedding(pipe, input, *, model: str | None = None, encoding_format: str = "float",
+                     dimensions: int | None = None, user: str | None = None) -> dict:
+    """OpenAI's embeddings object (llama-cpp-python's create_embedding shape) for a string, a list of
+    strings or token ids: data[i].embedding, usage.prompt_tokens. Pooling and normalization are the
+    model's (mixqrt.embed); dimensions truncates where the model allows."""
+    req = oai.parse_embeddings({"input": input, "model": model, "encoding_format": encoding_format,
+                                "dimensions": dimensions, "user": user})
+    seqs = pipe.embed_ids(req.input)
+    vecs = pipe.embed(seqs, dimensions=req.dimensions)
+    return oai.embeddings_reply(vecs, model if model is not None else model_name(pipe), sum(map(len, seqs)),
+                                req.encoding_format)
 
 
 # ============================================================================ chat

@@ -151,12 +151,20 @@ def cmd_generate(a):
     pipe = _pipeline(a)
     prompt = a.prompt if a.prompt is not None else sys.stdin.read()
     last = None
+    if a.suffix is not None and a.chat:
+        raise SystemExit("mixqrt generate: --suffix (fill-in-the-middle) and --chat do not go together")
     if not a.chat:
         sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
-    for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a)):
+    if a.suffix is not None:       # fill-in-the-middle: the prompt is the text before the cursor
+        pieces = pipe.stream_infill(prompt, a.suffix, **_sampling_kwargs(a))
+    else:
+        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a))
+    for r in pieces:
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
+    if a.suffix is not None:
+        sys.stdout.write(a.suffix)
     sys.stdout.write("\n")
     if last is not None and not a.quiet:
         print(f"[prompt {last.prompt_tokens} tok, {last.prompt_tps:.1f} tok/s | "
@@ -190,15 +198,12 @@ def cmd_chat(a):
 
 
 def cmd_ppl(a):
-    from mixqrt.evaluate import perplexity
+    from mixqrt.evaluate import encode_text, perplexity
     from mixqrt.pipeline import load
     m = load(a.model, a.recipe, threads=a.threads, offline=True if a.offline else None, progress=not a.quiet)
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
-    toks = m.tokenizer.encode(text, add_special_tokens=False)
-    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
-    if bos is not None:
-        toks = [bos] + list(toks)
+    toks, bos = encode_text(m.tokenizer, text, parse_special=a.parse_special)
 
     def show(i, v):
         if not a.json and not a.quiet:
@@ -323,6 +328,9 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     _add_model(s, optional=True)
     s.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    s.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: the prompt is the text before the cursor, TEXT the text after it "
+                        "(the model's FIM tokens; llama.cpp's /infill prompt, docs/completion.md)")
     _add_sampling(s)
     s.set_defaults(fn=cmd_generate)
 
@@ -338,6 +346,9 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext-2 test")
     s.add_argument("--ctx", type=int, default=512)
     s.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    s.add_argument("--parse-special", action="store_true",
+                   help="read special-token text in the file (\"<unk>\", \"<|endoftext|>\") as those tokens "
+                        "(default: the text is data, encoded as text, as llama-perplexity does)")
     s.add_argument("--save-logits", default=None, metavar="FILE", help="save log-probs for a later --kl-base")
     s.add_argument("--kl-base", default=None, metavar="FILE", help="compare with a base model's saved log-probs")
     s.add_argument("--json", action="store_true")

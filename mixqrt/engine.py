@@ -254,13 +254,15 @@ class Engine:
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
         self._compiling = 0             # requests whose grammar is being compiled (count as queued)
+        self._jobs: deque = deque()     # embedding packs (mixqrt.embed), run between steps
+        self._job_turn = False          # a job ran last: the next round is a step (jobs and steps alternate)
         self._masker = None             # the thread that computes grammar masks during the forward
         self._closing = False
         self._error: BaseException | None = None
         self._n = dict(steps=0, tokens_generated=0, prompt_tokens=0, prefill_tokens=0, requests=0,
                        finished=0, cancelled=0, stalled=0, failed=0, decode_tokens=0,
                        max_batch=0, draft_tokens=0, accepted_draft_tokens=0, verify_steps=0,
-                       grammar_masks=0, grammar_mask_seconds=0.0)
+                       grammar_masks=0, grammar_mask_seconds=0.0, embed_requests=0, embed_tokens=0)
         self._thread = threading.Thread(target=self._loop, name="mixqrt-engine", daemon=True)
         self._thread.start()
 
@@ -346,6 +348,55 @@ class Engine:
             raise
         return req
 
+    def embed(self, seqs, embedder) -> "Future":
+        """Queue embeddings of token-id sequences -> a concurrent.futures.Future of embedder.embed's
+        result (``asyncio.wrap_future`` for async callers). The forwards run on the engine thread, one
+        pack of embedder.batch_tokens tokens per scheduling round, alternating with decode steps, so
+        running streams keep getting tokens; no K/V is kept. EngineBusy past max_queue."""
+        from concurrent.futures import Future, InvalidStateError
+        seqs = [self.model.check_tokens(s) for s in seqs]
+        too_long = [i for i, s in enumerate(seqs) if s.size > self.max_context]
+        if too_long:
+            raise RequestError("input", f"input {too_long[0]} has {seqs[too_long[0]].size} tokens; the context "
+                                        f"holds {self.max_context}")
+        fut: Future = Future()
+        packs = list(embedder._packs(seqs)) if seqs else []
+        state = {"left": len(packs), "out": [None] * len(seqs)}
+
+        def run(pack):
+            if fut.done():                  # cancelled by the caller, or an earlier pack failed
+                return
+            try:
+                for i, h in zip(pack, embedder.hidden([seqs[i] for i in pack], embedder.rows())):
+                    state["out"][i] = h
+                state["left"] -= 1
+                result, error = (embedder.pool(state["out"]), None) if state["left"] == 0 else (None, None)
+            except Exception as e:  # noqa: BLE001 — handed to the caller
+                result, error = None, e
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                elif result is not None:
+                    fut.set_result(result)
+            except InvalidStateError:       # the caller cancelled meanwhile
+                pass
+        with self._cond:
+            if self._error is not None or self._closing:
+                raise GenerationError("the engine is closed" if self._closing else
+                                      f"the engine stopped after an internal error: {self._error!r}")
+            waiting = len(self._queue) + self._compiling + len({id(j[1]) for j in self._jobs})
+            if waiting >= self.max_queue:
+                raise EngineBusy(f"the engine is busy: {waiting} requests are waiting (max_queue="
+                                 f"{self.max_queue}); retry later")
+            if not packs:
+                fut.set_result(embedder.pool([]))
+                return fut
+            self._jobs.extend((lambda p=p: run(p), fut) for p in packs)
+            self._n["embed_requests"] += 1
+            self._n["embed_tokens"] += int(sum(s.size for s in seqs))
+            self._cond.notify_all()
+        return fut
+
     def _grammar(self, response_format, tools, tool_choice, parallel):
         """-> (grammar text or None, the request field it comes from). Tool calls forced by
         tool_choice win over response_format."""
@@ -398,6 +449,8 @@ class Engine:
                     "stalled": self._n["stalled"], "failed": self._n["failed"],
                     "compiling": self._compiling, "grammar_masks": self._n["grammar_masks"],
                     "grammar_mask_seconds": self._n["grammar_mask_seconds"],
+                    "embed_requests": self._n["embed_requests"], "embed_tokens": self._n["embed_tokens"],
+                    "embed_packs_queued": len(self._jobs),
                     "alive": self._thread.is_alive()}
 
     def close(self, timeout: float = 30.0) -> None:
@@ -431,6 +484,9 @@ class Engine:
                     work = self._schedule()
                 if work is None:
                     return
+                if callable(work):          # an embedding pack (Engine.embed)
+                    work()
+                    continue
                 self._step(*work)
         except BaseException as e:  # noqa: BLE001 — a bug in the engine itself: fail every request
             with self._cond:
@@ -447,6 +503,10 @@ class Engine:
         while True:
             now = time.perf_counter()
             if self._closing:
+                for _, fut in self._jobs:
+                    if not fut.done():
+                        fut.set_exception(GenerationError("the engine is closed"))
+                self._jobs.clear()
                 for s in list(self._slots):
                     self._finish(s, "cancelled")
                 while self._queue:
@@ -473,6 +533,12 @@ class Engine:
             decode = [s for s in self._slots if s.tok is not None and not s.req._full()]
             for s in self._slots:
                 s.req.paused = s.tok is not None and s.req._full()
+            while self._jobs and self._jobs[0][1].done():     # a failed embedding request's other packs
+                self._jobs.popleft()
+            if self._jobs and not (self._job_turn and (prefill is not None or decode)):
+                self._job_turn = True
+                return self._jobs.popleft()[0]
+            self._job_turn = False
             if prefill is not None or decode:
                 self._cache.evict()         # running caches grew by the last step: keep the bound
                 return prefill, decode

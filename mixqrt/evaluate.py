@@ -111,6 +111,17 @@ class LogitsFile:
             self.f.close()
 
 
+def encode_text(tokenizer, text: str, *, parse_special: bool = False) -> tuple[list, int | None]:
+    """An evaluation text -> (token ids, the BOS id or None), as llama-perplexity tokenizes it: BOS
+    first when the model adds one, and the text encoded as text. WikiText's literal "<unk>" must
+    stay the five characters it is, not Gemma's unknown-token id (issue 39: PPL 37.5 instead of
+    15.5); parse_special=True reads special-token text as the tokens, for a text that carries them
+    on purpose (llama-perplexity's --parse-special)."""
+    toks = list(tokenizer.encode(text, add_special_tokens=False, parse_special=parse_special))
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
+    return ([bos] + toks if bos is not None else toks), bos
+
+
 def perplexity(logits_fn, tokens, *, ctx: int = 512, chunks: int | None = None, bos_id: int | None = None,
                save_logits: str | None = None, kl_base: str | None = None, progress: bool = True,
                on_chunk=None) -> PplResult:

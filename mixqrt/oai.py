@@ -298,6 +298,12 @@ def check_prompt(prompt) -> str:
     raise RequestError("prompt", f"prompt is required: a non-empty string, got {what}")
 
 
+def _text_field(name, v) -> str:
+    if not isinstance(v, str):
+        raise RequestError(name, f"{name} must be a string, got {_show(v)}")
+    return v
+
+
 def _stream_options(v) -> bool:
     if v is None:
         return False
@@ -428,6 +434,7 @@ class Request:
     cache_salt: str | None = None
     cache_prompt: bool = True
     user: str | None = None
+    suffix: str | None = None               # completion: the text after the insertion (fill-in-the-middle)
 
     def gen_kwargs(self, context: int) -> dict:
         """-> keyword arguments of Engine.submit / Pipeline.stream (None ones left out: model defaults)."""
@@ -472,6 +479,8 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
     r = Request(kind)
     if kind == "chat":                        # absent: the same error as a wrong type
         r.messages = check_messages(b.get(key))
+    elif b.get("suffix") not in (None, "") and b.get(key) in ("", [""]):
+        r.prompt = ""                         # fill-in-the-middle at the start of a file
     else:
         r.prompt = check_prompt(b.get(key))
 
@@ -525,8 +534,10 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
     else:
         lp = _integer("logprobs", b.get("logprobs"), lo=0, hi=MAX_TOP_LOGPROBS)
         r.logprobs, r.top_logprobs = lp is not None, lp or 0
-        if b.get("suffix") not in (None, ""):
-            raise RequestError("suffix", "suffix (fill-in-the-middle) is not supported")
+        if b.get("suffix") not in (None, ""):     # fill-in-the-middle (mixqrt.fim): the prompt is the prefix
+            r.suffix = _text_field("suffix", b["suffix"])
+            if r.echo or b.get("echo"):
+                raise RequestError("echo", "echo with suffix (fill-in-the-middle) is not supported")
         r.echo = _bool("echo", b.get("echo"), False)
         if r.echo and r.logprobs:
             raise RequestError("logprobs", "logprobs with echo (the prompt's logprobs) is not supported")
@@ -760,3 +771,52 @@ def _tool_replies(req: Request, tokenizer) -> list | None:
     if choice == "none":
         return None
     return [ChatReply(tools, choice, tool_format(tokenizer)) for _ in range(req.n)]
+
+
+# ============================================================================ embeddings
+EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
+
+
+@dataclass
+class EmbeddingRequest:
+    input: object
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+def parse_embeddings(body: dict, max_depth: int = MAX_JSON_DEPTH) -> EmbeddingRequest:
+    """Check an OpenAI embeddings body -> EmbeddingRequest (input's contents are checked when it is
+    encoded: mixqrt.embed.encode_inputs); RequestError naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise RequestError(None, "request body must be a JSON object")
+    check_values(body, max_depth)
+    for k in body:
+        if k not in EMBEDDING_FIELDS and k not in IGNORED:
+            raise RequestError(_safe(k), f"unrecognized request argument: {_safe(k)}")
+    if body.get("input") is None:
+        raise RequestError("input", "input is required: a string, a list of strings or token ids")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise RequestError("encoding_format", f"encoding_format must be 'float' or 'base64', got {_show(fmt)}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model", f"model must be a string, got {_show(body['model'])}")
+    return EmbeddingRequest(body["input"], body.get("model"), fmt, _integer("dimensions", body.get("dimensions"), lo=1),
+                            _string("user", body.get("user")))
+
+
+def embeddings_reply(vectors, model: str, prompt_tokens: int, encoding_format: str = "float") -> dict:
+    """OpenAI's embeddings list: float lists, or base64 of little-endian float32 (what the openai
+    client asks for by default and decodes with numpy)."""
+    import base64
+
+    import numpy as np
+    data = []
+    for i, v in enumerate(vectors):
+        v = np.asarray(v, dtype="<f4")
+        emb = base64.b64encode(v.tobytes()).decode("ascii") if encoding_format == "base64" else \
+            [float(x) for x in v]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": int(prompt_tokens), "total_tokens": int(prompt_tokens)}}

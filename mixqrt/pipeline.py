@@ -27,7 +27,8 @@ from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model
 class LoadedModel:
     """A model ready to run: graph + tokenizer + the .mxq it is mapped from."""
 
-    def __init__(self, path, *, threads: int | None = None, hugepages: bool = True, willneed: bool = True):
+    def __init__(self, path, *, threads: int | None = None, hugepages: bool = True, willneed: bool = True,
+                 weights_in_memory: bool = False):
         from mixqrt.io.mxq import MxqFile
         from mixqrt.models import get_model_class
 
@@ -36,7 +37,9 @@ class LoadedModel:
         # MADV_HUGEPAGE + MADV_WILLNEED on the mapping: measured 1.08x median over plain mmap in
         # docs/lab/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
         # a mixture of experts gets no whole-file read-ahead: the experts no token picks stay on disk
-        self.file = MxqFile(path, hugepages=hugepages, willneed=False)
+        # weights_in_memory: a private copy of the file instead of a mapping of it (mixqrt serve: the
+        # file may change under a long-running server; io.arena.Arena copy=True)
+        self.file = MxqFile(path, hugepages=hugepages, willneed=False, copy=weights_in_memory)
         meta = self.file.meta
         from mixqrt.models.spec import MOE_ARCHS
         if willneed and meta.get("arch") not in MOE_ARCHS:
@@ -47,7 +50,10 @@ class LoadedModel:
         self.recipe = meta.get("recipe", {}).get("name")
         self._tokenizer = None          # built on first use: ~0.1-0.3 s and ~100 MiB for a 151k vocabulary
         self._tokenizer_lock = threading.Lock()
-        self.generation_config = dict(meta.get("generation_config") or {})
+        from mixqrt.limits import check_generation_config, check_values
+        self.generation_config = check_generation_config(dict(meta.get("generation_config") or {}),
+                                                         f"{path}: generation_config")
+        check_values(dict(meta.get("config") or {}), f"{path}: config")
         cls = get_model_class(meta.get("arch"))
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
@@ -94,6 +100,13 @@ class LoadedModel:
     def logits(self, token_ids) -> np.ndarray:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
+
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """A mixqrt.embed.Embedder with the file's embedding settings (pooling, normalization,
+        attention, dense projections), each overridable."""
+        from mixqrt.embed import Embedder
+        return Embedder(self.model, self.meta.get("embedding"), tensors=self.file.tensors, pooling=pooling,
+                        normalize=normalize, **kw)
 
     def close(self) -> None:
         from mixqrt import ops
@@ -149,18 +162,20 @@ class Pipeline:
     def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
                  offline: bool | None = None, progress: bool = True, max_context: int | None = None,
                  draft=None, draft_recipe: str | None = None, draft_k: int = 4, lookup: int | None = None,
-                 response_format=None):
+                 response_format=None, weights_in_memory: bool = False):
         """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
         loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
         draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
-        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md)."""
+        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md).
+        weights_in_memory: read the .mxq into private memory instead of mapping it (what `mixqrt
+        serve` does: a file replaced or truncated under the server cannot change or fault it)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
         # every generation's default response_format (mixqrt.grammar); a call's own argument wins
         self.response_format = response_format
         if response_format is not None:
             from mixqrt.grammar import grammar_from_response_format
             grammar_from_response_format(response_format)      # its shape is checked now
-        self.loaded = LoadedModel(self.path, threads=threads)
+        self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
         self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
         self.drafter = None
@@ -270,6 +285,58 @@ class Pipeline:
         if isinstance(text_or_messages, str):
             return [{"generated_text": (text_or_messages + t) if full else t} for t in texts]
         return [{"generated_text": list(text_or_messages) + [{"role": "assistant", "content": t}]} for t in texts]
+
+    # ------------------------------------------------------------------ fill-in-the-middle
+    def infill_ids(self, prefix: str, suffix: str, extra=None, *, prompt: str = "", spm: bool = False,
+                   max_new_tokens: int | None = None, n_batch: int | None = None) -> list[int]:
+        """The token ids of a fill-in-the-middle prompt (mixqrt.fim.build_infill: the model's FIM
+        tokens, llama.cpp's repo-level order and trimming; FimError when the model has none)."""
+        from mixqrt.fim import DEFAULT_N_BATCH, build_infill
+        return build_infill(self.tokenizer, prefix, suffix, extra, prompt, n_ctx=self.max_context,
+                            n_predict=-1 if max_new_tokens is None else int(max_new_tokens),
+                            n_batch=n_batch or DEFAULT_N_BATCH, spm=spm)
+
+    def stream_infill(self, prefix: str, suffix: str, extra=None, *, prompt: str = "", spm: bool = False,
+                      n_batch: int | None = None, **kw):
+        """GenerationResponse pieces of the middle between prefix and suffix. extra: other files of
+        the repository, [{"filename": ..., "text": ...}] (llama.cpp's input_extra); prompt: text
+        typed after the prefix. Generation stops at end-of-text or any FIM token; neither is in the
+        text. kw: the generation arguments of stream()."""
+        from mixqrt.fim import stop_ids
+        kw = self._gen_kwargs(kw)
+        if kw.get("tools") or kw.get("response_format") is not None:
+            raise GenerationError("infill takes neither tools nor response_format")
+        ids = self.infill_ids(prefix, suffix, extra, prompt=prompt, spm=spm,
+                              max_new_tokens=kw.get("max_new_tokens"), n_batch=n_batch)
+        kw["eos_token_ids"] = stop_ids(self.tokenizer, self.model)
+        return self._run(ids, kw)
+
+    def infill(self, prefix: str, suffix: str, extra=None, **kw) -> str:
+        """The middle text between prefix and suffix (see stream_infill)."""
+        return "".join(p.text for p in self.stream_infill(prefix, suffix, extra, **kw) if p.index == 0)
+
+    # ------------------------------------------------------------------ embeddings
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """mixqrt.embed.Embedder with this model's settings (LoadedModel.embedder)."""
+        return self.loaded.embedder(pooling, normalize, **kw)
+
+    def embed(self, texts, *, pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings of a string, a list of strings or a list of token-id lists -> float32 [N, D]
+        (pooling "none": a list of [n_i, D] arrays). Pooling and L2 normalization come from the model
+        (mixqrt.embed), each overridable; dimensions truncates (Matryoshka) where the model allows.
+        The forwards run on the engine's thread between decode steps (Engine.embed)."""
+        from mixqrt.embed import check_dimensions, truncate
+        seqs = self.embed_ids(texts)
+        emb = self.embedder(pooling, normalize)
+        dims = check_dimensions(emb, dimensions)
+        out = self.engine.embed(seqs, emb).result()
+        return truncate(out, dims, emb.normalize) if dims is not None else out
+
+    def embed_ids(self, texts) -> list[list[int]]:
+        """Token ids of embedding inputs (text is user text: control-token strings stay text)."""
+        from mixqrt.embed import encode_inputs
+        return encode_inputs(self.tokenizer, texts, max_tokens=self.max_context)
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:

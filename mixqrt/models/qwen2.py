@@ -632,10 +632,15 @@ class Model:
         gu = _proj(self.layers[li].gate_up, self.ffn_in(li, x), self.layers[li].down)   # [T, 2I]
         self.ffn_out(li, x, gu)
 
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """The final norm of hidden states x [T, D] (a new array): what the head multiplies, and
+        what embeddings pool (mixqrt.embed)."""
+        return ops.rmsnorm(x, self.norm, self.args.rms_norm_eps)
+
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final norm and lm_head: logits [T, V]."""
         first = self.layers[0].qkv[0] if self.layers and self.layers[0] is not None else None
-        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps), then=first)
+        return ops.matmul(self.lm_head, self.final_norm(x), then=first)
 
     def logits(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] float32 of every position, from position 0 with a fresh cache."""

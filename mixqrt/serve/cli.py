@@ -7,7 +7,7 @@ import sys
 
 from mixqrt.errors import MixqrtError
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
-from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS
+from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS, MAX_CONNECTIONS
 from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
 
 DEFAULT_SLOTS = 8
@@ -19,8 +19,9 @@ def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_qu
                    limits=None, **kw):
     """A uvicorn.Config whose limits keep every client answered: the listen backlog holds a burst
     of connections (no resets), and limit_concurrency (which counts open connections) sits above
-    what the engine admits (running + queued), so the engine's 503 + Retry-After answers first;
-    uvicorn's own 503 is the last guard. The HTTP protocol is guard.protocol_class's: a header
+    what the engine admits (running + queued) and above the Guard's connection budget, so the
+    engine's 503 + Retry-After and the Guard's shedding answer first; uvicorn's own 503 is the last
+    guard. The HTTP protocol is guard.protocol_class's: a header
     deadline and a per-peer connection limit (`limits`, default the app's own), so that stalled
     or hoarded connections cannot fill limit_concurrency; the body deadline is the app's Guard."""
     import uvicorn
@@ -28,8 +29,11 @@ def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_qu
     from mixqrt.serve.guard import Limits, protocol_class
     if limits is None:
         limits = getattr(getattr(getattr(app, "state", None), "server", None), "limits", None) or Limits()
+    # uvicorn's limit counts every connection and every request task: above the Guard's budget, which
+    # sheds half-open connections first (guard.protocol_class), and above what the engine admits
+    budget = max(limits.max_connections, limits.max_client_connections + 1)
     return uvicorn.Config(app, host=host, port=port, backlog=2048, http=protocol_class(limits),
-                          limit_concurrency=max_slots + max_queue + 64, timeout_keep_alive=5,
+                          limit_concurrency=max(budget, max_slots + max_queue) + 64, timeout_keep_alive=5,
                           access_log=False, log_level=kw.pop("log_level", "warning"),
                           h11_max_incomplete_event_size=64 * 1024, **kw)
 
@@ -78,7 +82,8 @@ def limits_from_args(a):
                   allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
                   allowed_origins=tuple(a.allowed_origins or ()), max_body_bytes=a.max_body_bytes,
                   max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout, header_timeout=a.header_timeout,
-                  body_timeout=a.body_timeout, max_client_connections=a.max_client_connections)
+                  body_timeout=a.body_timeout, max_client_connections=a.max_client_connections,
+                  max_connections=a.max_connections)
 
 
 MAX_KEY_FILE_BYTES = 1 << 20
@@ -139,7 +144,8 @@ def cmd_serve(a):
     from mixqrt.pipeline import Pipeline
     from mixqrt.serve.app import create_app
     pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
-                    offline=True if a.offline else None, max_context=a.ctx, **speculative_kwargs(a))
+                    offline=True if a.offline else None, max_context=a.ctx, weights_in_memory=not a.mmap_weights,
+                    **speculative_kwargs(a))
     if not a.quiet:
         logging.basicConfig(level=logging.INFO, format="mixqrt serve: %(message)s")
     app = create_app(pipe, model=a.model_alias or _model_id(a.model), limits=limits_from_args(a),
@@ -245,6 +251,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--max-client-connections", type=_non_negative, default=MAX_CLIENT_CONNECTIONS,
                    help=f"open connections accepted from one client address; more get 503 and are closed "
                         f"(default {MAX_CLIENT_CONNECTIONS}; 0: no limit, e.g. behind a reverse proxy)")
+    s.add_argument("--mmap-weights", action="store_true",
+                   help="map the .mxq instead of reading it into private memory (less memory at start, "
+                        "but a file replaced or truncated under the server stops it: docs/server.md)")
+    s.add_argument("--max-connections", type=_non_negative, default=MAX_CONNECTIONS,
+                   help=f"open connections in all (default {MAX_CONNECTIONS}, above --max-client-connections); at "
+                        f"it the oldest connection without a request in progress is shed (0: no budget)")
     s.add_argument("--model-alias", default=None, help="model id reported by /v1/models (default: MODEL)")
     r = s.add_argument_group("Ray Serve (pip install 'mixqrt[ray]'; docs/server.md)")
     r.add_argument("--ray", action="store_true", help="serve engine replicas on Ray Serve")
