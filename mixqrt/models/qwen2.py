@@ -16,6 +16,9 @@ import numpy as np
 from mixqrt import ops
 from mixqrt.platform import tuning
 from mixqrt.cache import KVCache
+from mixqrt.kv.packed import PackedKVCache
+
+KV_CACHES = (KVCache, PackedKVCache)
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
@@ -360,12 +363,22 @@ class Model:
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
-    def make_cache(self, max_len: int | None = None, dtype=None) -> KVCache:
-        """A cache for max_len positions (default: the whole context); dtype float32 or float16
-        (default: self.kv_dtype)."""
+    def make_cache(self, max_len: int | None = None, dtype=None, kv_type: str | None = None):
+        """A cache for max_len positions (default: the whole context): kv_type "f32" / "f16" (a
+        KVCache; dtype float32 / float16 says the same) or a packed type "q4" / "q8"
+        (mixqrt.kv.PackedKVCache); default self.kv_type, else self.kv_dtype."""
+        from mixqrt import kv
         a = self.args
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                       int(max_len or a.max_position_embeddings), dtype or self.kv_dtype)
+        n = int(max_len or a.max_position_embeddings)
+        if kv_type is None and dtype is not None:
+            kv_type = kv.dtype_kv_type(dtype)
+        return kv.make_kv_cache(kv_type or getattr(self, "kv_type", None) or kv.dtype_kv_type(self.kv_dtype),
+                                a.num_hidden_layers, a.num_key_value_heads, a.head_dim, n, self.kv_windows())
+
+    def kv_windows(self) -> list:
+        """Per layer, the sliding window of its attention or None (a windowed layer's cache holds only
+        its window)."""
+        return [None] * self.args.num_hidden_layers
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, cache: KVCache | None = None, pos0: int | None = None, *,
@@ -497,7 +510,7 @@ class Model:
         if len({id(c) for c in caches}) != len(caches):
             raise GenerationError("decode_batch: two sequences share one KV cache")
         for c in caches:
-            if not isinstance(c, KVCache):
+            if not isinstance(c, KV_CACHES):
                 raise GenerationError(f"decode_batch: caches must be KVCache objects, got {type(c).__name__}")
             c.check_room(c.offset, 1)
         return ids, caches
@@ -510,7 +523,7 @@ class Model:
         if prefill is not None:
             p_ids, p_cache = prefill
             p_ids = self.check_tokens(p_ids)
-            if not isinstance(p_cache, KVCache) or any(p_cache is c for c in caches):
+            if not isinstance(p_cache, KV_CACHES) or any(p_cache is c for c in caches):
                 raise GenerationError("decode_batch: prefill wants its own KVCache, not one of the decoding sequences'")
             p_cache.check_room(p_cache.offset, p_ids.size)
             p0, p_n = p_cache.offset, p_ids.size
@@ -598,11 +611,16 @@ class Model:
 
     def attend(self, li: int, q: np.ndarray, cache: KVCache, pos0: int, out=None) -> np.ndarray:
         """Layer li's attention of q [T, Hq, Dh] (positions pos0..) over its cache -> [T, Hq, Dh]."""
+        if getattr(cache, "packed", False):
+            return cache.attend(li, q, pos0, out)
         return ops.attention(q, cache.keys[li], cache.values[li], pos0, out)
 
     def attend_batch(self, li: int, q: np.ndarray, caches: list, pos: np.ndarray, out: np.ndarray) -> None:
         """Layer li's attention of one decode query per sequence (q [B, Hq, Dh], row b at pos[b] on
         caches[b]) into out [B, Hq, Dh]."""
+        if getattr(caches[0], "packed", False):
+            ops.kv_attention_batch(q, caches, li, pos, out=out)
+            return
         ops.attention_batch(q, [c.keys[li] for c in caches], [c.values[li] for c in caches], pos, out=out)
 
     def ffn_in(self, li: int, x: np.ndarray) -> np.ndarray:

@@ -42,13 +42,70 @@ static inline void MQ_FN(kv_exp64_)(const float *x, float mx, float *p) {
     }
 }
 
+/* ---- small vector helpers: the same values on every tier (conversions and roundings are exact /
+ * round-to-nearest-even in all of them; max is order-free) */
+static inline void MQ_FN(kv_cvt16_)(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = mq_f16_to_f32(src[i]);
+}
+
+/* y = a * b (n a multiple of 16), returns max |y| (0 if none is larger) */
+static inline float MQ_FN(kv_mul_absmax_)(const float *a, const float *b, float *y, int n) {
+    float m = 0.0f;
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i));
+        _mm512_storeu_ps(y + i, v);
+        mv = _mm512_max_ps(mv, _mm512_abs_ps(v));
+    }
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; i < n; i++) {
+        y[i] = a[i] * b[i];
+        const float v = y[i] < 0 ? -y[i] : y[i];
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+/* out[i] = rint(x[i] * s) as a byte (|x[i] * s| <= 127, or 0 .. 255 unsigned) */
+static inline void MQ_FN(kv_round8_)(const float *x, float s, uint8_t *out, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), sv))));
+#endif
+    for (; i < n; i++) out[i] = (uint8_t)(int)nearbyintf(x[i] * s);
+}
+
+static inline float MQ_FN(kv_max_)(const float *x, int n) {
+    int i = 0;
+    float m = x[0];
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        for (i = 16; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+        m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* The online-softmax step shared by both block kinds: s [g][64] scores of n positions (the rest is
  * ignored) -> s holds p (zeros past n), alpha[j] the old sums' factor; m, l updated. */
 static inline void MQ_FN(kv_probs_)(float *s, int g, int n, float *m, float *l, float *alpha) {
     for (int j = 0; j < g; j++) {
         float *sj = s + (size_t)j * 64;
-        float bm = sj[0];
-        for (int t = 1; t < n; t++) bm = sj[t] > bm ? sj[t] : bm;
+        const float bm = MQ_FN(kv_max_)(sj, n);
         const float mn = m[j] > bm ? m[j] : bm;
         if (m[j] == -INFINITY) alpha[j] = 0.0f;
         else {
@@ -68,8 +125,7 @@ static inline void MQ_FN(kv_probs_)(float *s, int g, int n, float *m, float *l, 
 static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *k, const uint16_t *v, int n,
                                  float scale, float *m, float *l, float *acc, float *sc, float *row) {
     for (int t = 0; t < n; t++) {
-        const uint16_t *kr = k + (size_t)t * Dh;
-        for (int c = 0; c < Dh; c++) row[c] = mq_f16_to_f32(kr[c]);
+        MQ_FN(kv_cvt16_)(k + (size_t)t * Dh, row, Dh);
         for (int j = 0; j < g; j++) sc[(size_t)j * 64 + t] = MQ_FN(dotf_)(q + (size_t)j * Dh, row, Dh) * scale;
     }
     float alpha[MQ_KV_GB];
@@ -79,8 +135,7 @@ static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *
         for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j];
     }
     for (int t = 0; t < n; t++) {
-        const uint16_t *vr = v + (size_t)t * Dh;
-        for (int c = 0; c < Dh; c++) row[c] = mq_f16_to_f32(vr[c]);
+        MQ_FN(kv_cvt16_)(v + (size_t)t * Dh, row, Dh);
         for (int j = 0; j < g; j++) {
             const float p = sc[(size_t)j * 64 + t];
             float *aj = acc + (size_t)j * Dh;
@@ -234,24 +289,20 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
     int32_t *isum = (int32_t *)(q8 + (size_t)MQ_KV_GB * 256);  /* [g][64], then [g][Dh] */
     uint8_t *p8 = (uint8_t *)(isum + (size_t)MQ_KV_GB * 256);  /* [g][64] */
     float kmin[256], kscale[256], vsc[64], vmn[64], d8[MQ_KV_GB], cst[MQ_KV_GB];
-    for (int c = 0; c < Dh; c++) { kscale[c] = mq_f16_to_f32(ks[c]); kmin[c] = mq_f16_to_f32(km[c]); }
-    for (int t = 0; t < 64; t++) { vsc[t] = mq_f16_to_f32(vs[t]); vmn[t] = mq_f16_to_f32(vm[t]); }
+    MQ_FN(kv_cvt16_)(ks, kscale, Dh);
+    MQ_FN(kv_cvt16_)(km, kmin, Dh);
+    MQ_FN(kv_cvt16_)(vs, vsc, 64);
+    MQ_FN(kv_cvt16_)(vm, vmn, 64);
     for (int j = 0; j < g; j++) {
         const float *qj = q + (size_t)j * Dh;
-        float a = 0.0f;
-        for (int c = 0; c < Dh; c++) {
-            row[c] = qj[c] * kscale[c];
-            const float b = row[c] < 0 ? -row[c] : row[c];
-            a = b > a ? b : a;
-        }
+        const float a = MQ_FN(kv_mul_absmax_)(qj, kscale, row, Dh);
         cst[j] = MQ_FN(dotf_)(qj, kmin, Dh);
         int8_t *qo = q8 + (size_t)j * Dh;
         if (a > 0.0f) {
-            const float inv = 127.0f / a;
-            for (int c = 0; c < Dh; c++) qo[c] = (int8_t)(int)nearbyintf(row[c] * inv);
+            MQ_FN(kv_round8_)(row, 127.0f / a, (uint8_t *)qo, Dh);
             d8[j] = a / 127.0f;
         } else {
-            for (int c = 0; c < Dh; c++) qo[c] = 0;
+            memset(qo, 0, (size_t)Dh);
             d8[j] = 0.0f;
         }
     }
@@ -263,15 +314,10 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
     MQ_FN(kv_probs_)(sc, g, 64, m, l, alpha);
     for (int j = 0; j < g; j++) {
         const float *pj = sc + (size_t)j * 64;
-        float b = 0.0f;
-        for (int t = 0; t < 64; t++) {
-            row[t] = pj[t] * vsc[t];
-            b = row[t] > b ? row[t] : b;
-        }
+        const float b = MQ_FN(kv_mul_absmax_)(pj, vsc, row, 64);     /* p' >= 0 */
         uint8_t *po = p8 + (size_t)j * 64;
         if (b > 0.0f) {
-            const float inv = pmax / b;
-            for (int t = 0; t < 64; t++) po[t] = (uint8_t)(int)nearbyintf(row[t] * inv);
+            MQ_FN(kv_round8_)(row, pmax / b, po, 64);
             e8[j] = b / pmax;
         } else {
             for (int t = 0; t < 64; t++) po[t] = 0;
