@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mixqrt import kv, ops
+from mixqrt import cache, ops
+from mixqrt.kv import packed
 from mixqrt.errors import GenerationError, KernelError
 from mixqrt.kv import ref
 from mixqrt.platform import isa
@@ -109,7 +110,7 @@ def test_batch_is_single_sequences():
     rng = np.random.default_rng(3)
     caches, qs, pos = [], [], []
     for b, n in enumerate((1, 63, 64, 65, 200, 129)):
-        c = kv.PackedKVCache(2, 2, 64, 256, "q4", windows=[None, 40])
+        c = packed.PackedKVCache(2, 2, 64, 256, "q4", windows=[None, 40])
         for li in range(2):
             k, v = rng.standard_normal((2, n, 2, 64)).astype(np.float32)
             c.write(li, k, v, 0)
@@ -136,9 +137,9 @@ def test_bad_arguments_are_typed_errors():
     with pytest.raises(KernelError):
         ops.kv_attention(q, kf, vf, None, 0, 5)
     with pytest.raises(GenerationError):
-        kv.PackedKVCache(2, 2, 48, 128, "q4")                      # head_dim not a multiple of 32
+        packed.PackedKVCache(2, 2, 48, 128, "q4")                      # head_dim not a multiple of 32
     with pytest.raises(GenerationError):
-        kv.make_kv_cache("q3", 2, 2, 64, 128)
+        cache.make_kv_cache("q3", 2, 2, 64, 128)
 
 
 def _fill(c, rng, n, start=0):
@@ -150,11 +151,11 @@ def _fill(c, rng, n, start=0):
 
 def test_trim_and_release():
     rng = np.random.default_rng(5)
-    c = kv.PackedKVCache(1, 1, 64, 2048, "q4")
+    c = packed.PackedKVCache(1, 1, 64, 2048, "q4")
     _fill(c, rng, 100)
     assert c.trim(10) == 10 and c.offset == 90                   # within the f16 blocks kept: exact
     _fill(c, rng, 1000, 90)
-    assert c.offset == 1090 and c.freed_upto == 1090 // 64 - kv.KEEP
+    assert c.offset == 1090 and c.freed_upto == 1090 // 64 - packed.KEEP
     gone = c.trim(1090 - 300)                                    # into a block whose f16 rows went
     assert gone == 1090 - 256 and c.offset == 256               # down to its start
     _fill(c, rng, 10, 256)                                       # and writing there works
@@ -170,12 +171,12 @@ def test_trimmed_cache_reads_as_a_fresh_one():
     k = rng.standard_normal((300, 2, 64)).astype(np.float32)
     v = rng.standard_normal((300, 2, 64)).astype(np.float32)
     k2 = rng.standard_normal((300, 2, 64)).astype(np.float32)
-    a = kv.PackedKVCache(1, 2, 64, 512, "q4")
+    a = packed.PackedKVCache(1, 2, 64, 512, "q4")
     a.write(0, k[:200], v[:200], 0); a.advance(200)
     a.write(0, k2[200:300], k2[200:300], 200); a.advance(300)
     a.trim(100 + 20)                                             # to 180: block 2 partial again
     a.write(0, k[180:300], v[180:300], 180); a.advance(300)
-    b = kv.PackedKVCache(1, 2, 64, 512, "q4")
+    b = packed.PackedKVCache(1, 2, 64, 512, "q4")
     b.write(0, k, v, 0); b.advance(300)
     q = rng.standard_normal((1, 4, 64)).astype(np.float32)
     assert np.array_equal(a.attend(0, q, 299), b.attend(0, q, 299))
@@ -183,20 +184,20 @@ def test_trimmed_cache_reads_as_a_fresh_one():
 
 def test_windowed_layer_keeps_its_window():
     rng = np.random.default_rng(7)
-    c = kv.PackedKVCache(2, 1, 64, 8192, "q4", windows=[128, None])
+    c = packed.PackedKVCache(2, 1, 64, 8192, "q4", windows=[128, None])
     assert c.pk[0] is None and c.pk[1] is not None
     _fill(c, rng, 4000)
     q = rng.standard_normal((1, 2, 64)).astype(np.float32)
     want = ref.attention(q, c.kf[0].astype(np.float32), c.vf[0].astype(np.float32), None, 3999, 4, 128)
     assert np.array_equal(c.attend(0, q, 3999), want)
-    per_token = kv.kv_bytes_per_token("q4", 2, 1, 64, windows=[128, None])
-    assert per_token == kv.kv_bytes_per_token("q4", 1, 1, 64)
+    per_token = cache.kv_bytes_per_token("q4", 2, 1, 64, windows=[128, None])
+    assert per_token == cache.kv_bytes_per_token("q4", 1, 1, 64)
 
 
 def test_bytes_per_value():
-    assert kv.bits_per_value("q4", 64) == 4.5 and kv.bits_per_value("q4", 128) == 4.375
-    assert kv.bits_per_value("q8", 64) == 8.5 and kv.bits_per_value("f16", 64) == 16
-    assert kv.kv_bytes_per_token("f32", 24, 2, 64) == 24576
+    assert cache.kv_bits_per_value("q4", 64) == 4.5 and cache.kv_bits_per_value("q4", 128) == 4.375
+    assert cache.kv_bits_per_value("q8", 64) == 8.5 and cache.kv_bits_per_value("f16", 64) == 16
+    assert cache.kv_bytes_per_token("f32", 24, 2, 64) == 24576
 
 
 def test_model_decode_steps_equal_verify_rows():

@@ -22,10 +22,11 @@ LAYERS = [
     ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.platform"]),
     ("formats", ["mixqrt.formats"]),                   # layout, kmeans, rotation, qtensor, codec
     ("ops", ["mixqrt.ops"]),                         # pool, matmul, attention, elementwise, probes, ref
-    ("models", ["mixqrt.models", "mixqrt.cache", "mixqrt.kv"]),   # spec, base, the graphs; the KV caches
-    ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template"]),
+    ("models", ["mixqrt.models", "mixqrt.cache", "mixqrt.kv", "mixqrt.embed"]),   # the graphs, the KV caches, pooling
+    ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template", "mixqrt.fim"]),
     ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler
-    ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
+    ("generate", ["mixqrt.validate", "mixqrt.params",    # request values' checks; the one request object
+                  "mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
                   "mixqrt.grammar", "mixqrt.tools",     # constrained decoding, tool calls
                   "mixqrt.engine", "mixqrt.engine_cache", "mixqrt.speculative"]),
     ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model

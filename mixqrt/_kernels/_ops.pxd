@@ -2,6 +2,7 @@
 from libc.stdint cimport int8_t, uint8_t, uint16_t, int64_t
 
 cdef extern from "mq_format.h" nogil:
+    uint16_t mq_f32_to_f16(float f)
     void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *levels,
                         float q5_lo, float q5_step)
     void mq_dequant_row_at(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, float *out,

@@ -31,22 +31,23 @@ cdef void _kv_task(void *arg, int64_t i0, int64_t i1) noexcept nogil:
         mq_kvattn(a, h, r0, r1, scr)
 
 
-cdef int _kv_fill(mq_kvatt *a, cnp.ndarray q, cnp.ndarray out, kf, vf, pk, int pos0, int bits, int window,
+cdef int _kv_fill(mq_kvatt *a, int T, int Hq, int qdh, kf, vf, pk, int pos0, int bits, int window,
                   str who) except -1:
-    """Checks one sequence's arrays and fills a (q / out rows [T, Hq, Dh])."""
+    """Checks one sequence's stores against T query rows of Hq heads of qdh and fills a (q and out are
+    the caller's to set)."""
     cdef cnp.ndarray k16 = kf, v16 = vf, p8
     if k16.dtype not in (np.uint16, np.float16) or v16.dtype != k16.dtype or k16.ndim != 3 \
             or v16.ndim != 3 or k16.shape[0] != v16.shape[0] or k16.shape[1] != v16.shape[1] \
             or k16.shape[2] != v16.shape[2] or not k16.flags.c_contiguous or not v16.flags.c_contiguous:
         raise ValueError(f"{who}: the f16 stores must be contiguous [Hkv, S, Dh] float16 arrays")
     cdef int Hkv = k16.shape[0], S = k16.shape[1], Dh = k16.shape[2]
-    if Dh % 32 or Dh > 256 or Dh < 32 or S % 64 or Hkv < 1 or q.shape[2] != Dh or q.shape[1] % Hkv:
-        raise ValueError(f"{who}: q ({q.shape[0]}, {q.shape[1]}, {q.shape[2]}) against stores [{Hkv}, {S}, {Dh}] (head_dim a multiple of "
+    if Dh % 32 or Dh > 256 or Dh < 32 or S % 64 or Hkv < 1 or qdh != Dh or Hq % Hkv:
+        raise ValueError(f"{who}: q ({T}, {Hq}, {qdh}) against stores [{Hkv}, {S}, {Dh}] (head_dim a multiple of "
                          f"32 up to 256, length a multiple of 64, query heads a multiple of KV heads)")
     if bits not in (4, 8) or window < 0:
         raise ValueError(f"{who}: bits must be 4 or 8 and window >= 0, got {bits}, {window}")
-    if pos0 < 0 or pos0 + q.shape[0] > S:
-        raise ValueError(f"{who}: positions {pos0}..{pos0 + q.shape[0] - 1} exceed the cache length {S}")
+    if pos0 < 0 or pos0 + T > S:
+        raise ValueError(f"{who}: positions {pos0}..{pos0 + T - 1} exceed the cache length {S}")
     a.block_bytes = MQ_KV_BLOCK_BYTES(Dh, bits)
     a.pk = NULL
     if pk is not None:
@@ -55,9 +56,9 @@ cdef int _kv_fill(mq_kvatt *a, cnp.ndarray q, cnp.ndarray out, kf, vf, pk, int p
                 or p8.shape[2] != a.block_bytes or not p8.flags.c_contiguous:
             raise ValueError(f"{who}: the packed store must be contiguous uint8 [{Hkv}, {S // 64}, {a.block_bytes}]")
         a.pk = <const uint8_t*>_ptr(p8)
-    a.q = <const float*>_ptr(q); a.out = <float*>_ptr(out)
+    a.q = NULL; a.out = NULL
     a.kf = <const uint16_t*>_ptr(k16); a.vf = <const uint16_t*>_ptr(v16)
-    a.T = q.shape[0]; a.Hq = q.shape[1]; a.Hkv = Hkv; a.Dh = Dh; a.S = S; a.pos0 = pos0
+    a.T = T; a.Hq = Hq; a.Hkv = Hkv; a.Dh = Dh; a.S = S; a.pos0 = pos0
     a.bits = bits; a.window = window
     return 0
 
@@ -71,7 +72,8 @@ def kv_attention(cnp.ndarray q, kf, vf, pk, int pos0, int bits, int window, cnp.
     if q.ndim != 3 or out.ndim != 3 or out.shape[0] != q.shape[0] or out.shape[1] != q.shape[1] or out.shape[2] != q.shape[2]:
         raise ValueError("kv_attention: q and out must be [T, Hq, Dh]")
     cdef mq_kvatt a
-    _kv_fill(&a, q, out, kf, vf, pk, pos0, bits, window, "kv_attention")
+    _kv_fill(&a, q.shape[0], q.shape[1], q.shape[2], kf, vf, pk, pos0, bits, window, "kv_attention")
+    a.q = <const float*>_ptr(q); a.out = <float*>_ptr(out)
     cdef _kv_arg arg
     arg.seqs = &a; arg.nseq = 1; arg.Hkv = a.Hkv
     arg.chunk = MQ_KV_TR if a.T > 1 else 0
@@ -107,8 +109,10 @@ def kv_attention_batch(cnp.ndarray q, list kfs, list vfs, list pks, positions, i
     cdef _kv_arg arg
     try:
         for b in range(B):
-            _kv_fill(&seqs[b], q[b:b + 1], out[b:b + 1], kfs[b], vfs[b], pks[b], pos[b], bits, win[b],
+            _kv_fill(&seqs[b], 1, q.shape[1], q.shape[2], kfs[b], vfs[b], pks[b], pos[b], bits, win[b],
                      "kv_attention_batch")
+            seqs[b].q = <const float*>_ptr(q) + <size_t>b * q.shape[1] * q.shape[2]
+            seqs[b].out = <float*>_ptr(out) + <size_t>b * q.shape[1] * q.shape[2]
             if hkv < 0:
                 hkv = seqs[b].Hkv
             elif seqs[b].Hkv != hkv:

@@ -127,8 +127,14 @@ class PackedKVCache:
                 from mixqrt.ops.pool import _ops
                 _ops.kv_pack(self.kf[layer], self.vf[layer], b0, b1, self.bits, self.pk[layer])
 
+    @property
+    def fusable(self) -> bool:
+        """The fused native decode layer can write and read it (no windowed layer)."""
+        return all(w is None for w in self.windows)
+
     def advance(self, pos_end: int) -> None:
         self.offset = int(pos_end)
+        self.hwm = max(self.hwm, self.offset)
         self.packed_upto = max(self.packed_upto, self.offset // G)
         self._release()
 

@@ -99,6 +99,9 @@ class Model(qwen2.Model):
         a = self.args
         return a.sliding_window if a.sliding[li] else None
 
+    def kv_windows(self):
+        return [self._window(li) for li in range(self.args.num_hidden_layers)]
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         x = ops.embed(self.embed_tokens, ids)
         x *= np.float32(math.sqrt(self.args.hidden_size))

@@ -15,14 +15,14 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.platform import tuning
-from mixqrt.cache import KVCache
-from mixqrt.kv.packed import PackedKVCache
-
-KV_CACHES = (KVCache, PackedKVCache)
+from mixqrt.cache import KVCache, kv_type_of_dtype, make_kv_cache
 from mixqrt.errors import GenerationError, ModelError
+from mixqrt.kv.packed import PackedKVCache
 from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
 from mixqrt.models.base import tensor_shape, to_f32
+
+KV_CACHES = (KVCache, PackedKVCache)
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 
@@ -220,7 +220,9 @@ class Model:
     layer_class = Layer                    # a subclass with more fields sets these three together
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
-    kv_dtype = np.float32          # set to np.float16 to halve the KV cache (ops.attention reads both)
+    # the KV cache's type (mixqrt.cache.KV_TYPES): a bare graph computes exactly (f32); a Pipeline sets
+    # its own (DEFAULT_KV_TYPE unless told otherwise), as does `mixqrt ppl --kv-type`
+    kv_type = "f32"
     # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
     # another model_type (another graph) decodes op by op through layer_forward, never through it
     native_decode_types = ("qwen2", "llama")
@@ -363,22 +365,26 @@ class Model:
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
-    def make_cache(self, max_len: int | None = None, dtype=None, kv_type: str | None = None):
-        """A cache for max_len positions (default: the whole context): kv_type "f32" / "f16" (a
-        KVCache; dtype float32 / float16 says the same) or a packed type "q4" / "q8"
-        (mixqrt.kv.PackedKVCache); default self.kv_type, else self.kv_dtype."""
-        from mixqrt import kv
+    def make_cache(self, max_len: int | None = None, kv_type: str | None = None, *, dtype=None):
+        """A cache for max_len positions (default: the whole context; its pages become resident as
+        positions are written) of kv_type (default: self.kv_type; mixqrt.cache.KV_TYPES). dtype:
+        the older spelling of the float types (np.float32 / np.float16)."""
         a = self.args
-        n = int(max_len or a.max_position_embeddings)
-        if kv_type is None and dtype is not None:
-            kv_type = kv.dtype_kv_type(dtype)
-        return kv.make_kv_cache(kv_type or getattr(self, "kv_type", None) or kv.dtype_kv_type(self.kv_dtype),
-                                a.num_hidden_layers, a.num_key_value_heads, a.head_dim, n, self.kv_windows())
+        if dtype is not None:
+            kv_type = kv_type_of_dtype(dtype)
+        return make_kv_cache(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                             int(max_len or a.max_position_embeddings), windows=self.kv_windows())
 
-    def kv_windows(self) -> list:
-        """Per layer, the sliding window of its attention or None (a windowed layer's cache holds only
-        its window)."""
-        return [None] * self.args.num_hidden_layers
+    def kv_windows(self):
+        """Per-layer sliding window of the attention (None: every layer sees the whole context)."""
+        return None
+
+    def kv_bytes_per_token(self, kv_type: str | None = None) -> float:
+        """Steady-state KV bytes per cached token of kv_type (default self.kv_type), K and V, all layers."""
+        from mixqrt.cache import kv_bytes_per_token
+        a = self.args
+        return kv_bytes_per_token(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                                  self.kv_windows())
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, cache: KVCache | None = None, pos0: int | None = None, *,
@@ -434,10 +440,13 @@ class Model:
         the last layer's FFN then runs on that row alone (its attention still writes every row's K/V),
         as llama.cpp's prompt processing does; the other rows of the result are not final."""
         x = self.embed(ids)                                                     # [t, D]
-        if ids.size == 1 and ops.FUSED_DECODE and cache.dtype == np.float32:
+        if ids.size == 1 and ops.FUSED_DECODE and (cache.dtype == np.float32 or getattr(cache, "fusable", False)):
             fused = self.fused_layers()
             if fused is not None:                      # one native call per layer, same bits
-                ops.run_decode_layers(fused, x, cache.keys, cache.values, pos0)
+                if cache.dtype == np.float32:
+                    ops.run_decode_layers(fused, x, cache.keys, cache.values, pos0)
+                else:                                  # a packed cache without windowed layers
+                    ops.run_decode_layers(fused, x, cache.kf, cache.vf, pos0, cache.pk, cache.bits)
                 cache.advance(pos0 + 1)
                 return x
         positions = self.positions(pos0, ids.size)

@@ -86,16 +86,16 @@ class Server:
 
     # ------------------------------------------------------------------ request -> engine
     def prepare(self, kind: str, body: dict):
-        """Check a request body -> (prompt ids, engine kwargs, oai.Request); HTTPError for bad ones."""
+        """Check a request body -> (prompt ids, oai.Request); HTTPError for bad ones."""
         try:
             req = oai.parse(kind, body, max_tokens_cap=self.limits.max_tokens, max_depth=self.limits.max_json_depth)
-            gen = req.gen_kwargs(self.context)
             if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
-                ids = chat_ids(self.tokenizer, req.messages, req.tools, req.tool_choice)
+                ids = chat_ids(self.tokenizer, req.messages, req.params.tools, req.params.tool_choice)
             elif req.suffix is not None:            # fill-in-the-middle: the prompt is the prefix (mixqrt.fim)
+                mnt = req.params.max_new_tokens
                 ids = build_infill(self.tokenizer, req.prompt, req.suffix, n_ctx=self.context,
-                                   n_predict=req.max_tokens if req.max_tokens and req.max_tokens > 0 else -1)
-                gen["eos_token_ids"] = fim_stop_ids(self.tokenizer, self.pipe.model)
+                                   n_predict=mnt if mnt > 0 else -1)
+                req.params = req.params.replace(eos_token_ids=list(fim_stop_ids(self.tokenizer, self.pipe.model)))
             else:
                 ids = encode_prompt(self.tokenizer, req.prompt)
         except RequestError as e:
@@ -109,20 +109,18 @@ class Server:
             raise HTTPError(400, f"the prompt has {len(ids)} tokens; with at least one new token that needs "
                                  f"{len(ids) + 1} positions but the context holds {self.context}",
                             param=key, code="context_length_exceeded")
-        gen["max_new_tokens"] = min(gen["max_new_tokens"], self.context - len(ids))
         # no temperature: the engine's generate.resolve_sampling applies the greedy default
-        return ids, gen, req
+        return ids, req
 
     async def generate(self, request, kind: str):
         route = request.url.path
         try:
             self.check_file()
             body = await read_json(request, self.limits)
-            ids, gen, parsed = await run_in_threadpool(self.prepare, kind, body)
-            salt = cache_salt(parsed.cache_salt, request.headers.get("authorization"), self.limits)
-            use_cache = parsed.cache_prompt
+            ids, parsed = await run_in_threadpool(self.prepare, kind, body)
+            salt = cache_salt(parsed.params.cache_salt, request.headers.get("authorization"), self.limits)
             try:
-                req = self.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=use_cache)
+                req = self.engine.submit(ids, parsed.params.replace(cache_salt=salt))
             except EngineBusy as e:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None
