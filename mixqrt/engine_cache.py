@@ -235,7 +235,7 @@ def block_key(prev: bytes, salt, tokens: np.ndarray) -> bytes:
 
 
 class BlockTree:
-    """Whole blocks of a packed KV cache (PackedKVCache.export_blocks rows: every layer's K and V of
+    """Whole blocks of a packed KV cache (PackedKVCache.export_block: every layer's K and V of
     BLOCK positions), keyed by a chain hash of the salt and every token up to the block's end, LRU
     by block. A lookup follows the chain from the first block and stops at the first block not
     cached; the partial last block is always recomputed. The same interface as PrefixTree for the
@@ -279,20 +279,19 @@ class BlockTree:
     @staticmethod
     def copy_into(path: list, kv) -> int:
         """Import a match() path into an empty packed cache -> rows written."""
-        if not path:
-            return 0
-        kv.import_blocks(0, np.stack([blk.data for blk in path]))
+        for i, blk in enumerate(path):
+            kv.import_block(i, blk.data)
         return kv.offset
 
     def insert(self, salt, tokens: np.ndarray, kv) -> int:
         """Store the whole blocks of `tokens` (kv holds their rows) not cached yet -> new blocks."""
         new = 0
-        keys = list(self._chain(salt, tokens, tokens.size // self.block))
+        keys = list(self._chain(salt, tokens, min(tokens.size // self.block, kv.exportable_blocks())))
         for i, key in keys:
             self.lookup_steps += 1
             if key in self.blocks:
                 continue
-            data = np.array(kv.export_blocks(i, i + 1)[0])
+            data = np.array(kv.export_block(i))
             blk = _Block(key, np.array(tokens[i * self.block:(i + 1) * self.block], dtype=np.int32), data, salt)
             self.blocks[key] = blk
             self.roots[salt] = self.roots.get(salt, 0) + 1
@@ -351,8 +350,8 @@ class PromptCache:
         self.kv_type = check_kv_type(kv_type or getattr(model, "kv_type", None))
         self._probe = model.make_cache(self.max_len, self.kv_type)     # sizes only: no page of it is written
         self.row_bytes = int(round(model.kv_bytes_per_token(self.kv_type)))    # steady-state bytes per cached row
-        # a packed cache is shared in whole blocks (export_blocks / import_blocks), a float one by rows
-        self.packed = hasattr(self._probe, "export_blocks")
+        # a packed cache is shared in whole blocks (export_block / import_block), a float one by rows
+        self.packed = hasattr(self._probe, "export_block")
         self.tree = BlockTree(self._probe.BLOCK) if self.packed else PrefixTree()
         self.busy: dict[int, CacheEntry] = {}
         self.hits = self.misses = self.cached_tokens = 0
@@ -424,9 +423,8 @@ class PromptCache:
         the copy holds kv.offset <= n rows, the caller writes the rest again."""
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), src.salt, src.store, src.reserve)
         if self.packed:
-            nb = n // self.tree.block
-            if nb:
-                entry.kv.import_blocks(0, src.kv.export_blocks(0, nb))
+            for b in range(min(n // self.tree.block, src.kv.exportable_blocks())):
+                entry.kv.import_block(b, src.kv.export_block(b))
             entry.hwm = entry.kv.offset
         else:
             for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):

@@ -218,3 +218,32 @@ def test_model_decode_steps_equal_verify_rows():
     for i in range(9):
         one = m(ids[60 + i:61 + i], b, last_only=True)
         assert np.array_equal(one, rows[i])
+
+
+def test_blocks_export_and_import():
+    """A prompt cache's whole blocks: a cache that imports another's blocks and goes on reads as the
+    original does (block 0 and windowed layers travel in f16, the others packed)."""
+    rng = np.random.default_rng(9)
+    for windows in ([None, None], [None, 100]):
+        a = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
+        _fill(a, rng, 200)
+        assert a.exportable_blocks() == 3
+        b = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
+        for i in range(3):
+            b.import_block(i, a.export_block(i))
+        assert b.offset == 192
+        a.trim(8)
+        k, v = rng.standard_normal((2, 40, 2, 64)).astype(np.float32)
+        for c in (a, b):
+            for li in range(2):
+                c.write(li, k, v, 192)
+            c.advance(232)
+        q = rng.standard_normal((3, 14, 64)).astype(np.float32)
+        for li in range(2):
+            assert np.array_equal(a.attend(li, q, 229), b.attend(li, q, 229))
+        assert b.trim(232 - 100) == 232 - 64                     # block 1 came without f16 rows: to its start
+        with pytest.raises(GenerationError):
+            b.import_block(5, a.export_block(0))
+    c = packed.PackedKVCache(1, 1, 64, 8192, "q4", windows=[64])
+    _fill(c, rng, 1000)
+    assert c.exportable_blocks() == 0                            # its window's pages went: nothing to share

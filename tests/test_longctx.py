@@ -245,25 +245,25 @@ def test_long_prefill_interleaves_decode_at_16k(tmp_path):
 
 # ------------------------------------------------------------------ the prompt cache over a packed cache
 class PackedStub(BlockTrimCache):
-    """The packed cache's contract (mixqrt.cache: BLOCK, export_blocks, import_blocks, a trim down
-    to a block start) over float rows, lossless: an engine over it must give the plain tokens."""
+    """The packed cache's contract (mixqrt.kv.packed.PackedKVCache: BLOCK, exportable_blocks,
+    export_block, import_block, a trim down to a block start) over float rows, lossless: an engine
+    over it must give the plain tokens."""
     BLOCK = 64
 
     def _rows(self, b0, b1):
         return self.stacked[:, :, b0 * self.BLOCK:b1 * self.BLOCK]
 
-    def export_blocks(self, b0: int, b1: int) -> np.ndarray:
-        assert 0 <= b0 < b1 <= self.offset // self.BLOCK, "only complete blocks are exported"
-        return np.stack([np.ascontiguousarray(self._rows(b, b + 1)).view(np.uint8).reshape(-1)
-                         for b in range(b0, b1)])
+    def exportable_blocks(self) -> int:
+        return self.offset // self.BLOCK
 
-    def import_blocks(self, b0: int, data: np.ndarray) -> None:
-        assert data.dtype == np.uint8 and data.ndim == 2 and b0 <= self.offset // self.BLOCK
-        shape = self._rows(0, 1).shape
-        for i, row in enumerate(data):
-            self._rows(b0 + i, b0 + i + 1)[...] = row.view(self.dtype).reshape(shape)
-        if b0 == self.offset // self.BLOCK:
-            self.offset = (b0 + len(data)) * self.BLOCK
+    def export_block(self, b: int) -> np.ndarray:
+        assert 0 <= b < self.offset // self.BLOCK, "only complete blocks are exported"
+        return np.ascontiguousarray(self._rows(b, b + 1)).view(np.uint8).reshape(-1)
+
+    def import_block(self, b: int, data: np.ndarray) -> None:
+        assert data.dtype == np.uint8 and data.ndim == 1 and b == self.offset // self.BLOCK
+        self._rows(b, b + 1)[...] = data.view(self.dtype).reshape(self._rows(0, 1).shape)
+        self.offset = (b + 1) * self.BLOCK
 
 
 def test_packed_prompt_cache_reuses_whole_blocks(lm):

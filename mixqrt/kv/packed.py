@@ -174,6 +174,57 @@ class PackedKVCache:
         w = self.windows[layer] if window is None else window
         return kv_attention(q, self.kf[layer], self.vf[layer], self.pk[layer], pos0, self.bits, w, out)
 
+    # ------------------------------------------------------------------ whole blocks (the prompt cache)
+    BLOCK = G
+
+    def exportable_blocks(self) -> int:
+        """Complete blocks export_block can give with every layer's data in them: all of them, unless a
+        windowed layer gave back some f16 pages (then none: a later row's window could need them)."""
+        if any(f > 0 for f in self._wfreed):
+            return 0
+        return self.offset // G
+
+    def export_block(self, b: int) -> np.ndarray:
+        """Block b's bytes, every layer: block 0 and windowed layers as f16 K and V, the other layers'
+        packed block (1-D uint8; a prompt cache keeps it and import_block puts it back)."""
+        if not 0 <= b < self.exportable_blocks():
+            raise GenerationError(f"block {b} cannot be exported ({self.exportable_blocks()} can)")
+        parts = []
+        for li in range(self.num_layers):
+            if b == 0 or self.pk[li] is None:
+                parts.append(self.kf[li][:, b * G:(b + 1) * G].reshape(-1).view(np.uint8))
+                parts.append(self.vf[li][:, b * G:(b + 1) * G].reshape(-1).view(np.uint8))
+            else:
+                parts.append(self.pk[li][:, b].reshape(-1))
+        return np.concatenate(parts)
+
+    def import_block(self, b: int, data) -> None:
+        """Append block b (export_block's bytes) to a cache holding exactly b blocks."""
+        data = np.asarray(data)
+        if b != self.offset // G or self.offset % G:
+            raise GenerationError(f"import_block({b}): the cache holds {self.offset} positions")
+        f16 = self.num_kv_heads * G * self.head_dim * 2
+        sizes = [2 * f16 if (b == 0 or self.pk[li] is None) else self.num_kv_heads * self.block_bytes
+                 for li in range(self.num_layers)]
+        if data.dtype != np.uint8 or data.ndim != 1 or data.size != sum(sizes):
+            raise GenerationError(f"import_block({b}): {data.size} bytes, the block takes {sum(sizes)}")
+        if b + 1 > self.nb:
+            raise GenerationError(f"import_block({b}): the cache holds {self.nb} blocks")
+        o = 0
+        for li, n in enumerate(sizes):
+            if b == 0 or self.pk[li] is None:
+                shape = (self.num_kv_heads, G, self.head_dim)
+                self.kf[li][:, b * G:(b + 1) * G] = data[o:o + f16].view(np.float16).reshape(shape)
+                self.vf[li][:, b * G:(b + 1) * G] = data[o + f16:o + n].view(np.float16).reshape(shape)
+            else:
+                self.pk[li][:, b] = data[o:o + n].reshape(self.num_kv_heads, self.block_bytes)
+            o += n
+        self.offset = (b + 1) * G
+        self.hwm = max(self.hwm, self.offset)
+        self.packed_upto = max(self.packed_upto, b + 1)
+        if b >= 1:
+            self.freed_upto = max(self.freed_upto, b + 1)      # a packed block arrives without its f16 rows
+
     # ------------------------------------------------------------------ housekeeping
     def trim(self, n: int) -> int:
         """Forget the last n positions, or more: down to the start of a block whose f16 rows were given
