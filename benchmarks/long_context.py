@@ -330,9 +330,9 @@ def main() -> None:
 
 
 def default_mxq() -> str:
+    """The demo model's default-recipe file (what `mixqrt generate -p hi` makes and caches)."""
     from mixqrt.pipeline import prepare
-    from mixqrt.testing import model_path
-    return str(prepare(str(model_path("qwen")), None, progress=False))
+    return str(prepare(None, None, progress=False))
 
 
 if __name__ == "__main__":

@@ -341,3 +341,66 @@ def test_generate_shows_prefill_progress_of_long_prompts(capsys):
     assert "prompt" in capsys.readouterr().err
     assert list(_prefill_progress(Pipe(), pieces(), quiet=True)) == list("abc")
     assert capsys.readouterr().err == ""
+
+
+class Opaque(KVCache):
+    """A cache type with neither float rows nor blocks to copy out (a packed cache without
+    export_blocks): never shared, each request and each choice prefills its own."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        del self.stacked
+
+
+def test_a_cache_without_rows_or_blocks_is_not_shared(lm):
+    prompt = list(range(5, 40))
+    with Engine(lm) as plain:
+        want, _ = greedy(plain, prompt, cache_prompt=False)
+    mp = pytest.MonkeyPatch()
+    a = lm.model.args
+    mp.setattr(lm.model, "make_cache", lambda max_len=None, kv_type=None, **kw: Opaque(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, int(max_len or a.max_position_embeddings)))
+    try:
+        with Engine(lm) as eng:
+            assert not eng._cache.shareable
+            assert greedy(eng, prompt)[0] == want
+            got, last = greedy(eng, prompt)
+            assert got == want and last.cached_tokens == 0 and eng.stats()["cache_nodes"] == 0
+            two = list(eng.submit(prompt, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2))
+            for i in range(2):
+                assert [r.token for r in two if r.index == i and r.token is not None] == want
+    finally:
+        mp.undo()
+
+
+def wait_for(cond, tries: int = 500) -> None:
+    """Poll until cond() (the engine thread gets there on its own; no time is asserted)."""
+    import time
+    for _ in range(tries):
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the engine never got there")
+
+
+def test_making_room_keeps_the_waiting_requests_own_prefix(lm):
+    """Room for a waiting request is made by evicting other cached runs first, not the prefix it
+    is about to reuse."""
+    shared = list(range(3, 60))
+    with Engine(lm, kv_cache_bytes=0) as off:
+        c = off._cache
+    with Engine(lm, kv_cache_bytes=1 << 20, max_slots=2) as eng:
+        greedy(eng, shared + [7])                                  # the shared prefix is cached first
+        for i in range(3):                                         # then other runs, more recent
+            greedy(eng, [100 + i] * 50)
+        wait_for(lambda: len(eng._cache.tree) == 4)                # every finished run is in the tree
+        busy = eng.submit(list(range(200, 210)), max_new_tokens=40, temperature=0.0, eos_token_ids=[], buffer=1)
+        next(busy)                        # then its unread buffer pauses it: a running slot of <= 50 rows
+        wait_for(lambda: busy.paused)
+        assert c.bytes_for(10) == c.bytes_for(51)
+        tree = eng._cache.tree
+        cap = tree.bytes + eng._cache.busy_bytes() + c.bytes_for(len(shared) + 1) - 1000
+        eng._cache.capacity = cap                                  # tight: room needs one eviction
+        _, last = greedy(eng, shared + [9])
+        busy.cancel()
+        assert last.cached_tokens == len(shared) and tree.evictions >= 1
