@@ -214,10 +214,11 @@ BLOCK_OVERHEAD = 320     # bytes counted per cached block besides its data and t
 
 
 class _Block:
-    __slots__ = ("key", "tokens", "data", "salt")
+    __slots__ = ("key", "tokens", "data", "salt", "tail")
 
-    def __init__(self, key: bytes, tokens: np.ndarray, data: np.ndarray, salt):
+    def __init__(self, key: bytes, tokens: np.ndarray, data: np.ndarray, salt, tail=None):
         self.key, self.tokens, self.data, self.salt = key, tokens, data, salt
+        self.tail = tail         # a partial last block: (the key of the chain it follows, the salt's repr)
 
     def nbytes(self) -> int:
         return self.tokens.nbytes + self.data.nbytes + BLOCK_OVERHEAD
@@ -245,6 +246,7 @@ class BlockTree:
         self.block = int(block)
         self.blocks: OrderedDict = OrderedDict()      # key -> _Block, least recently used first
         self.roots: dict = {}                         # salt -> blocks cached under it
+        self.tails: dict = {}                         # (chain key, salt) -> keys of partial last blocks
         self.bytes = 0
         self.lookup_steps = 0
         self.evictions = 0
@@ -262,25 +264,45 @@ class BlockTree:
             key = block_key(key, salt, tokens[i * b:(i + 1) * b])
             yield i, key
 
+    TAILS_PER_CHAIN = 4    # partial last blocks kept after one chain of whole blocks
+
     def match(self, salt, tokens: np.ndarray, limit: int | None = None) -> tuple[int, list]:
-        """Cached whole blocks at the start of `tokens` (at most `limit` tokens) -> (tokens, [_Block, ...])."""
+        """Cached whole blocks at the start of `tokens` (at most `limit` tokens), then the partial
+        block after them that shares the most tokens with the rest -> (tokens, [_Block, ...,
+        (tail, rows)])."""
         limit = tokens.size if limit is None else min(int(limit), tokens.size)
-        path = []
+        path, prev = [], b""
         for i, key in self._chain(salt, tokens, limit // self.block):
             self.lookup_steps += 1
             blk = self.blocks.get(key)
             if blk is None or not np.array_equal(blk.tokens, tokens[i * self.block:(i + 1) * self.block]):
                 break
             path.append(blk)
+            prev = key
+        n = len(path) * self.block
+        best, rows = None, 0
+        for key in self.tails.get((prev, repr(salt)), ()):
+            t = self.blocks[key]
+            m = common_prefix(t.tokens, tokens[n:limit])
+            if m > rows:
+                best, rows = t, m
+        if best is not None:                          # the deepest: used, but older than its chain
+            self.blocks.move_to_end(best.key)
         for blk in reversed(path):                    # the first block most recent: deeper ones go first
             self.blocks.move_to_end(blk.key)
-        return len(path) * self.block, path
+        if best is not None:
+            path.append((best, rows))
+        return n + rows, path
 
     @staticmethod
     def copy_into(path: list, kv) -> int:
         """Import a match() path into an empty packed cache -> rows written."""
         for i, blk in enumerate(path):
-            kv.import_block(i, blk.data)
+            if isinstance(blk, tuple):                # the partial last block: its first rows
+                t, rows = blk
+                kv.import_tail(i, t.data, len(t.tokens), rows)
+            else:
+                kv.import_block(i, blk.data)
         return kv.offset
 
     def insert(self, salt, tokens: np.ndarray, kv) -> int:
@@ -297,21 +319,60 @@ class BlockTree:
             self.roots[salt] = self.roots.get(salt, 0) + 1
             self.bytes += blk.nbytes()
             new += 1
+        nb = len(keys)
+        m = tokens.size - nb * self.block
+        if 0 < m < self.block and nb == kv.offset // self.block and kv.offset % self.block == m:
+            new += self._insert_tail(salt, keys[-1][1] if keys else b"", tokens[nb * self.block:], kv, nb)
         for _, key in reversed(keys):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
         return new
 
+    def _insert_tail(self, salt, prev: bytes, tail: np.ndarray, kv, b: int) -> int:
+        """Keep the partial block after chain `prev` (kv's rows [b * block, offset)), unless a kept
+        tail already starts with it; a longer one replaces the tails it extends."""
+        idx = (prev, repr(salt))
+        have = self.tails.setdefault(idx, [])
+        for key in list(have):
+            t = self.blocks[key]
+            if common_prefix(t.tokens, tail) == len(tail):
+                self.blocks.move_to_end(key)
+                return 0
+            if common_prefix(t.tokens, tail) == len(t.tokens):   # the new tail extends it
+                self._drop(key)
+        key = block_key(prev + b"tail", salt, tail)
+        blk = _Block(key, np.array(tail, dtype=np.int32), np.array(kv.export_tail(b)), salt, tail=idx)
+        self.blocks[key] = blk
+        self.tails.setdefault(idx, []).append(key)
+        self.roots[salt] = self.roots.get(salt, 0) + 1
+        self.bytes += blk.nbytes()
+        while len(self.tails[idx]) > self.TAILS_PER_CHAIN:
+            self._drop(self.tails[idx][0])
+        return 1
+
+    def _drop(self, key: bytes) -> None:
+        blk = self.blocks.pop(key)
+        self._forget(blk)
+
+    def _forget(self, blk) -> None:
+        self.bytes -= blk.nbytes()
+        left = self.roots[blk.salt] - 1
+        if left:
+            self.roots[blk.salt] = left
+        else:
+            del self.roots[blk.salt]
+        if blk.tail is not None:
+            keys = self.tails.get(blk.tail, [])
+            if blk.key in keys:
+                keys.remove(blk.key)
+            if not keys:
+                self.tails.pop(blk.tail, None)
+
     def evict(self, limit: int) -> int:
         n = 0
         while self.bytes > limit and self.blocks:
             _, blk = self.blocks.popitem(last=False)
-            self.bytes -= blk.nbytes()
-            left = self.roots[blk.salt] - 1
-            if left:
-                self.roots[blk.salt] = left
-            else:
-                del self.roots[blk.salt]
+            self._forget(blk)
             n += 1
         self.evictions += n
         return n

@@ -247,3 +247,27 @@ def test_blocks_export_and_import():
     c = packed.PackedKVCache(1, 1, 64, 8192, "q4", windows=[64])
     _fill(c, rng, 1000)
     assert c.exportable_blocks() == 0                            # its window's pages went: nothing to share
+
+
+def test_block_tree_tails_on_a_packed_cache():
+    """The prompt cache keeps a finished sequence's partial last block in f16: a new prompt sharing
+    part of it gets whole blocks plus those rows, which read as the original cache's."""
+    from mixqrt.engine_cache import BlockTree
+    rng = np.random.default_rng(10)
+    a = packed.PackedKVCache(2, 2, 64, 1024, "q4")
+    _fill(a, rng, 150)
+    toks = rng.integers(0, 1000, 150)
+    tree = BlockTree(64)
+    assert tree.insert(None, toks, a) == 3                       # 2 blocks and the tail
+    prompt = np.concatenate([toks[:140], [5, 6, 7]])
+    n, path = tree.match(None, prompt)
+    assert n == 140 and isinstance(path[-1], tuple)
+    b = packed.PackedKVCache(2, 2, 64, 1024, "q4")
+    assert tree.copy_into(path, b) == 140
+    q = rng.standard_normal((1, 14, 64)).astype(np.float32)
+    a.trim(10)
+    for li in range(2):
+        assert np.array_equal(a.attend(li, q, 139), b.attend(li, q, 139))
+    assert tree.match("other salt", prompt)[0] == 0
+    tree.evict(0)
+    assert tree.bytes == 0 and not tree.tails and not tree.roots

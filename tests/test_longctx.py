@@ -265,6 +265,16 @@ class PackedStub(BlockTrimCache):
         self._rows(b, b + 1)[...] = data.view(self.dtype).reshape(self._rows(0, 1).shape)
         self.offset = (b + 1) * self.BLOCK
 
+    def export_tail(self, b: int) -> np.ndarray:
+        assert b == self.offset // self.BLOCK and self.offset % self.BLOCK
+        return np.ascontiguousarray(self.stacked[:, :, b * self.BLOCK:self.offset]).view(np.uint8).reshape(-1)
+
+    def import_tail(self, b: int, data: np.ndarray, m: int, rows: int) -> None:
+        assert b == self.offset // self.BLOCK and not self.offset % self.BLOCK and 0 < rows <= m
+        shape = self.stacked[:, :, :m].shape
+        self.stacked[:, :, b * self.BLOCK:b * self.BLOCK + rows] = data.view(self.dtype).reshape(shape)[:, :, :rows]
+        self.offset = b * self.BLOCK + rows
+
 
 def test_packed_prompt_cache_reuses_whole_blocks(lm):
     rng = np.random.default_rng(3)
@@ -281,10 +291,10 @@ def test_packed_prompt_cache_reuses_whole_blocks(lm):
             from mixqrt.engine_cache import BlockTree
             assert isinstance(eng._cache.tree, BlockTree)
             got1, last1 = greedy(eng, p150)
-            got2, last2 = greedy(eng, p150)               # 149 tokens may come from the cache: 2 whole blocks
+            got2, last2 = greedy(eng, p150)               # 149 tokens from the cache: 2 whole blocks + the tail
             got3, last3 = greedy(eng, other)              # shares 100 tokens: 1 whole block
             got4, last4 = greedy(eng, p150, cache_salt="x")    # another salt: nothing
-            assert (last1.cached_tokens, last2.cached_tokens, last3.cached_tokens, last4.cached_tokens) == (0, 128, 64, 0)
+            assert (last1.cached_tokens, last2.cached_tokens, last3.cached_tokens, last4.cached_tokens) == (0, 149, 64, 0)
             assert got1 == got2 == got4 == want[0] and got3 == want[1]
             two = list(eng.submit(p150, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2, cache_prompt=False))
             for i in range(2):                            # the second choice copies whole blocks, writes the rest

@@ -225,6 +225,34 @@ class PackedKVCache:
         if b >= 1:
             self.freed_upto = max(self.freed_upto, b + 1)      # a packed block arrives without its f16 rows
 
+    def export_tail(self, b: int) -> np.ndarray:
+        """The partial last block's f16 K and V rows (positions b * 64 .. offset - 1, every layer),
+        for a prompt cache; import_tail puts a prefix of them back."""
+        m = self.offset - b * G
+        if b != self.offset // G or m <= 0:
+            raise GenerationError(f"export_tail({b}): the cache holds {self.offset} positions")
+        parts = []
+        for li in range(self.num_layers):
+            parts.append(np.ascontiguousarray(self.kf[li][:, b * G:b * G + m]).reshape(-1).view(np.uint8))
+            parts.append(np.ascontiguousarray(self.vf[li][:, b * G:b * G + m]).reshape(-1).view(np.uint8))
+        return np.concatenate(parts)
+
+    def import_tail(self, b: int, data, m: int, rows: int) -> None:
+        """Append the first `rows` of an exported tail of m positions to a cache holding b blocks."""
+        data = np.asarray(data)
+        one = self.num_kv_heads * m * self.head_dim * 2
+        if b != self.offset // G or self.offset % G or not 0 < rows <= m < G:
+            raise GenerationError(f"import_tail({b}, {m}, {rows}): the cache holds {self.offset} positions")
+        if data.dtype != np.uint8 or data.ndim != 1 or data.size != 2 * self.num_layers * one:
+            raise GenerationError(f"import_tail: {data.size} bytes, {m} positions take {2 * self.num_layers * one}")
+        shape = (self.num_kv_heads, m, self.head_dim)
+        for li in range(self.num_layers):
+            o = 2 * li * one
+            self.kf[li][:, b * G:b * G + rows] = data[o:o + one].view(np.float16).reshape(shape)[:, :rows]
+            self.vf[li][:, b * G:b * G + rows] = data[o + one:o + 2 * one].view(np.float16).reshape(shape)[:, :rows]
+        self.offset = b * G + rows
+        self.hwm = max(self.hwm, self.offset)
+
     # ------------------------------------------------------------------ housekeeping
     def trim(self, n: int) -> int:
         """Forget the last n positions, or more: down to the start of a block whose f16 rows were given
