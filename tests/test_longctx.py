@@ -414,3 +414,46 @@ def test_making_room_keeps_the_waiting_requests_own_prefix(lm):
         _, last = greedy(eng, shared + [9])
         busy.cancel()
         assert last.cached_tokens == len(shared) and tree.evictions >= 1
+
+
+# ------------------------------------------------------------------ benchmarks/long_context.py's report
+def test_long_context_report_from_raw_files(tmp_path, monkeypatch):
+    """The page is rebuilt from the raw files: llama-bench jsonl (several depths in one file or one
+    per file), mixqrt bench JSON; llama.cpp's best per depth, ratios, loads; long prompts apart."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import long_context as lc
+    monkeypatch.setattr(lc, "DATA", tmp_path)
+    monkeypatch.setattr(lc, "DOC", tmp_path / "page.md")
+
+    def lcpp(name, rows, load="# load 1.00 2.00 3.00 -> 4.00 5.00 6.00"):
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (tmp_path / name).with_suffix(".err").write_text(load + "\n")
+    base = {"flash_attn": 1, "type_k": "f16"}
+    lcpp("llamacpp-Q4_0-fa1-f16-d0_4096.jsonl", [
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 200.0},
+        {**base, "n_prompt": 0, "n_gen": 32, "n_depth": 0, "avg_ts": 60.0},
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 4096, "avg_ts": 150.0},
+        {**base, "n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 40.0}])
+    lcpp("llamacpp-Q4_0-fa1-q8_0-d4096.jsonl", [
+        {**base, "type_k": "q8_0", "n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 45.0}])
+    lcpp("llamacpp-Q4_0-fa1-f16-pp16384.jsonl", [{**base, "n_prompt": 16384, "n_gen": 0, "n_depth": 0, "avg_ts": 70.0}])
+    for d, tg in ((0, 80.0), (4096, 64.0)):
+        (tmp_path / f"mixqrt-f16-d{d}.json").write_text(json.dumps({
+            "loadavg_before": "2.0 1 1", "loadavg_after": "3.0 1 1", "result": {
+                "kv_type": "f16", "depth": d, "pp_tok_s": 300.0, "tg_tok_s": tg, "kv_bytes_per_token": 12288,
+                "peak_rss_bytes": 1 << 29, "n_prompt": 512, "depth_fill_seconds": 1.0}}))
+    (tmp_path / "mixqrt-f16-pp16384.json").write_text(json.dumps({
+        "loadavg_before": "2.0 1 1", "loadavg_after": "3.0 1 1", "result": {
+            "kv_type": "f16", "depth": 0, "pp_tok_s": 140.0, "tg_tok_s": 1.0, "kv_bytes_per_token": 12288,
+            "peak_rss_bytes": 1 << 29, "n_prompt": 16384, "model_bytes": 1 << 28, "file_bytes": 1 << 28}}))
+    a = argparse.Namespace(kv_types="f16", n_prompt=512, n_gen=32, threads=2, repetitions=1, plot="")
+    lc._N_PROMPT["n"] = 512
+    lc.report(a)
+    page = (tmp_path / "page.md").read_text()
+    assert "| 4,096 | f16 | 300.0 | 64.0 | 0.80x | 150.0 (Q4_0 fa1 f16) | 45.0 (Q4_0 fa1 q8_0) | 2.00x | 1.42x |" in page
+    assert "| 16,384 | f16 | 140.0 | 70.0 (Q4_0 fa1 f16) | 2.00x |" in page
+    assert "1.00/4.00" in page and "| Q4_0 | 1 | q8_0 | 4,096 |" in page
