@@ -222,16 +222,9 @@ class Model:
     layer_class = Layer                    # a subclass with more fields sets these three together
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
-<<<<<<< HEAD
     # the KV cache's type (mixqrt.cache.KV_TYPES): a bare graph computes exactly (f32); a Pipeline sets
     # its own (DEFAULT_KV_TYPE unless told otherwise), as does `mixqrt ppl --kv-type`
     kv_type = "f32"
-    # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
-    # another model_type (another graph) decodes op by op through layer_forward, never through it
-    native_decode_types = ("qwen2", "llama")
-=======
-    kv_type = DEFAULT_KV_TYPE      # the KV cache's type (mixqrt.cache.KV_TYPES); an instance may set its own
->>>>>>> main
 
     def __init__(self, args: ModelArgs, weights: dict, generation_config: dict | None = None):
         self._setup(args, generation_config)
