@@ -575,7 +575,10 @@ class Engine:
         checked that it fits)."""
         if len(self._slots) + req.n > self.max_slots:
             return False
-        return not self._slots or self._cache.room_for(req.prompt_tokens, req.n)
+        if not self._slots:
+            return True
+        self._cache.touch(req.seq.prompt, req.cache_salt, req.cache_prompt)   # its own prefix is evicted last
+        return self._cache.room_for(req.prompt_tokens, req.n)
 
     def _cut_longest(self, decode: list[_Slot]) -> None:
         """Under the lock: end the decoding slot holding the most rows with "length" (its next

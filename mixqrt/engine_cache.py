@@ -353,6 +353,8 @@ class PromptCache:
         self.row_bytes = int(round(model.kv_bytes_per_token(self.kv_type)))    # steady-state bytes per cached row
         # a packed cache is shared in whole blocks (export_blocks / import_blocks), a float one by rows
         self.packed = hasattr(self._probe, "export_blocks")
+        # a cache type with neither rows nor blocks to copy is never shared (each request prefills)
+        self.shareable = self.packed or hasattr(self._probe, "stacked")
         self.tree = BlockTree(self._probe.BLOCK) if self.packed else PrefixTree()
         self.busy: dict[int, CacheEntry] = {}
         self.hits = self.misses = self.cached_tokens = 0
@@ -378,6 +380,13 @@ class PromptCache:
             self._fit_rows[n] = lo
         return self._fit_rows[n]
 
+    def touch(self, prompt, salt=None, use: bool = True) -> None:
+        """Mark the cached prefix of a waiting request recently used, so that making room for it
+        evicts other runs first."""
+        if use and self.capacity > 0 and self.shareable:
+            p = np.asarray(prompt, dtype=np.int64)
+            self.tree.match(salt, p, limit=p.size - 1)
+
     def room_for(self, rows: int, n: int = 1) -> bool:
         """Whether n more running caches of `rows` rows fit beside the busy ones, cached prompts
         evicted (least recently used first) to make room."""
@@ -398,7 +407,7 @@ class PromptCache:
         """A cache for `prompt` (ints) under `salt` -> (entry, n): rows [0, n) already hold the
         prompt's first n tokens (n <= len(prompt) - 1: the last token always runs, for its logits).
         use=False: nothing is read now nor stored when the request ends."""
-        use = bool(use) and self.capacity > 0
+        use = bool(use) and self.capacity > 0 and self.shareable
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), salt, use, len(prompt))
         n = 0
         if use:
@@ -428,6 +437,8 @@ class PromptCache:
             if nb:
                 entry.kv.import_blocks(0, src.kv.export_blocks(0, nb))
             entry.hwm = entry.kv.offset
+        elif not self.shareable:
+            pass                                # nothing to copy: the caller writes all n rows
         else:
             for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):
                 b[:, :n] = a[:, :n]
