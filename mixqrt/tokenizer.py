@@ -193,6 +193,17 @@ def eos_ids_from_gguf(meta: dict, where: str = "GGUF") -> set[int]:
 log = logging.getLogger("mixqrt")
 
 
+def with_bos(tokenizer, ids: list) -> list[int]:
+    """The BOS rule, the only copy: `ids` with the tokenizer's BOS in front when it asks for one
+    (add_bos_token) and the ids do not start with it already. Any object with bos_token_id and
+    add_bos_token works (a tokenizer of a test)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = [int(t) for t in ids]
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, int(bos))
+    return ids
+
+
 class Tokenizer:
     """Encode/decode, special ids, chat template and streaming for one model."""
 
@@ -493,9 +504,7 @@ class Tokenizer:
             plain.append(text[pos:])
         if any(plain):
             ids += self.encode("".join(plain), parse_special=False)
-        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, int(self.bos_token_id))
-        return ids
+        return with_bos(self, ids)
 
     def _template(self, tools=None) -> str:
         template = self.chat_template

@@ -38,13 +38,12 @@ def test_kv_types_checked_and_sized():
     assert kv_bytes_per_token("f16", 24, 2, 64) == 12288
     c = make_kv_cache("f16", 2, 2, 16, 64)
     assert isinstance(c, KVCache) and c.keys[0].dtype == np.float16 and c.offset == 0
-    for t in KV_TYPES:           # every type is made, or refused with a typed error naming it
-        try:
-            c = make_kv_cache(t, 2, 2, 16, 128)
-        except MixqrtError as e:
-            assert t in str(e)
-            continue
+    for t in KV_TYPES:           # every type is made for a head_dim of 64
+        c = make_kv_cache(t, 2, 2, 64, 128)
         assert c.max_len == 128 and c.offset == 0
+    for t in ("q4", "q8"):       # a packed type needs a head_dim the kernel takes: a typed error naming it
+        with pytest.raises(MixqrtError, match="head_dim"):
+            make_kv_cache(t, 2, 2, 16, 128)
 
 
 def test_model_make_cache_kv_type(lm):
@@ -205,7 +204,8 @@ def test_cli_help_lists_kv_types():
     sub = next(a for a in p._actions if hasattr(a, "choices") and isinstance(a.choices, dict)).choices
     for cmd in ("generate", "chat", "serve", "ppl", "bench", "inspect"):
         text = sub[cmd].format_help()
-        assert "--kv-type" in text and f"default {DEFAULT_KV_TYPE}" in text, cmd
+        default = "f32" if cmd == "ppl" else DEFAULT_KV_TYPE      # ppl measures the model itself unless told
+        assert "--kv-type" in text and f"default {default}" in text, cmd
         assert all(t in text for t in KV_TYPES), cmd
     assert "--depth" in sub["bench"].format_help()
     a = p.parse_args(["generate", "--kv-type", "f16", "--kv-cache-bytes", "512MiB", "-p", "x"])
@@ -245,25 +245,35 @@ def test_long_prefill_interleaves_decode_at_16k(tmp_path):
 
 # ------------------------------------------------------------------ the prompt cache over a packed cache
 class PackedStub(BlockTrimCache):
-    """The packed cache's contract (mixqrt.cache: BLOCK, export_blocks, import_blocks, a trim down
-    to a block start) over float rows, lossless: an engine over it must give the plain tokens."""
+    """The packed cache's contract (mixqrt.kv.packed.PackedKVCache: BLOCK, exportable_blocks,
+    export_block, import_block, a trim down to a block start) over float rows, lossless: an engine
+    over it must give the plain tokens."""
     BLOCK = 64
 
     def _rows(self, b0, b1):
         return self.stacked[:, :, b0 * self.BLOCK:b1 * self.BLOCK]
 
-    def export_blocks(self, b0: int, b1: int) -> np.ndarray:
-        assert 0 <= b0 < b1 <= self.offset // self.BLOCK, "only complete blocks are exported"
-        return np.stack([np.ascontiguousarray(self._rows(b, b + 1)).view(np.uint8).reshape(-1)
-                         for b in range(b0, b1)])
+    def exportable_blocks(self) -> int:
+        return self.offset // self.BLOCK
 
-    def import_blocks(self, b0: int, data: np.ndarray) -> None:
-        assert data.dtype == np.uint8 and data.ndim == 2 and b0 <= self.offset // self.BLOCK
-        shape = self._rows(0, 1).shape
-        for i, row in enumerate(data):
-            self._rows(b0 + i, b0 + i + 1)[...] = row.view(self.dtype).reshape(shape)
-        if b0 == self.offset // self.BLOCK:
-            self.offset = (b0 + len(data)) * self.BLOCK
+    def export_block(self, b: int) -> np.ndarray:
+        assert 0 <= b < self.offset // self.BLOCK, "only complete blocks are exported"
+        return np.ascontiguousarray(self._rows(b, b + 1)).view(np.uint8).reshape(-1)
+
+    def import_block(self, b: int, data: np.ndarray) -> None:
+        assert data.dtype == np.uint8 and data.ndim == 1 and b == self.offset // self.BLOCK
+        self._rows(b, b + 1)[...] = data.view(self.dtype).reshape(self._rows(0, 1).shape)
+        self.offset = (b + 1) * self.BLOCK
+
+    def export_tail(self, b: int) -> np.ndarray:
+        assert b == self.offset // self.BLOCK and self.offset % self.BLOCK
+        return np.ascontiguousarray(self.stacked[:, :, b * self.BLOCK:self.offset]).view(np.uint8).reshape(-1)
+
+    def import_tail(self, b: int, data: np.ndarray, m: int, rows: int) -> None:
+        assert b == self.offset // self.BLOCK and not self.offset % self.BLOCK and 0 < rows <= m
+        shape = self.stacked[:, :, :m].shape
+        self.stacked[:, :, b * self.BLOCK:b * self.BLOCK + rows] = data.view(self.dtype).reshape(shape)[:, :, :rows]
+        self.offset = b * self.BLOCK + rows
 
 
 def test_packed_prompt_cache_reuses_whole_blocks(lm):
@@ -281,10 +291,10 @@ def test_packed_prompt_cache_reuses_whole_blocks(lm):
             from mixqrt.engine_cache import BlockTree
             assert isinstance(eng._cache.tree, BlockTree)
             got1, last1 = greedy(eng, p150)
-            got2, last2 = greedy(eng, p150)               # 149 tokens may come from the cache: 2 whole blocks
+            got2, last2 = greedy(eng, p150)               # 149 tokens from the cache: 2 whole blocks + the tail
             got3, last3 = greedy(eng, other)              # shares 100 tokens: 1 whole block
             got4, last4 = greedy(eng, p150, cache_salt="x")    # another salt: nothing
-            assert (last1.cached_tokens, last2.cached_tokens, last3.cached_tokens, last4.cached_tokens) == (0, 128, 64, 0)
+            assert (last1.cached_tokens, last2.cached_tokens, last3.cached_tokens, last4.cached_tokens) == (0, 149, 64, 0)
             assert got1 == got2 == got4 == want[0] and got3 == want[1]
             two = list(eng.submit(p150, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2, cache_prompt=False))
             for i in range(2):                            # the second choice copies whole blocks, writes the rest
@@ -341,3 +351,109 @@ def test_generate_shows_prefill_progress_of_long_prompts(capsys):
     assert "prompt" in capsys.readouterr().err
     assert list(_prefill_progress(Pipe(), pieces(), quiet=True)) == list("abc")
     assert capsys.readouterr().err == ""
+
+
+class Opaque(KVCache):
+    """A cache type with neither float rows nor blocks to copy out (a packed cache without
+    export_blocks): never shared, each request and each choice prefills its own."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        del self.stacked
+
+
+def test_a_cache_without_rows_or_blocks_is_not_shared(lm):
+    prompt = list(range(5, 40))
+    with Engine(lm) as plain:
+        want, _ = greedy(plain, prompt, cache_prompt=False)
+    mp = pytest.MonkeyPatch()
+    a = lm.model.args
+    mp.setattr(lm.model, "make_cache", lambda max_len=None, kv_type=None, **kw: Opaque(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, int(max_len or a.max_position_embeddings)))
+    try:
+        with Engine(lm) as eng:
+            assert not eng._cache.shareable
+            assert greedy(eng, prompt)[0] == want
+            got, last = greedy(eng, prompt)
+            assert got == want and last.cached_tokens == 0 and eng.stats()["cache_nodes"] == 0
+            two = list(eng.submit(prompt, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2))
+            for i in range(2):
+                assert [r.token for r in two if r.index == i and r.token is not None] == want
+    finally:
+        mp.undo()
+
+
+def wait_for(cond, tries: int = 500) -> None:
+    """Poll until cond() (the engine thread gets there on its own; no time is asserted)."""
+    import time
+    for _ in range(tries):
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the engine never got there")
+
+
+def test_making_room_keeps_the_waiting_requests_own_prefix(lm):
+    """Room for a waiting request is made by evicting other cached runs first, not the prefix it
+    is about to reuse."""
+    shared = list(range(3, 60))
+    with Engine(lm, kv_cache_bytes=0) as off:
+        c = off._cache
+    with Engine(lm, kv_cache_bytes=1 << 20, max_slots=2) as eng:
+        greedy(eng, shared + [7])                                  # the shared prefix is cached first
+        for i in range(3):                                         # then other runs, more recent
+            greedy(eng, [100 + i] * 50)
+        wait_for(lambda: len(eng._cache.tree) == 4)                # every finished run is in the tree
+        busy = eng.submit(list(range(200, 210)), max_new_tokens=40, temperature=0.0, eos_token_ids=[], buffer=1)
+        next(busy)                        # then its unread buffer pauses it: a running slot of <= 50 rows
+        wait_for(lambda: busy.paused)
+        assert c.bytes_for(10) == c.bytes_for(51)
+        tree = eng._cache.tree
+        cap = tree.bytes + eng._cache.busy_bytes() + c.bytes_for(len(shared) + 1) - 1000
+        eng._cache.capacity = cap                                  # tight: room needs one eviction
+        _, last = greedy(eng, shared + [9])
+        busy.cancel()
+        assert last.cached_tokens == len(shared) and tree.evictions >= 1
+
+
+# ------------------------------------------------------------------ benchmarks/long_context.py's report
+def test_long_context_report_from_raw_files(tmp_path, monkeypatch):
+    """The page is rebuilt from the raw files: llama-bench jsonl (several depths in one file or one
+    per file), mixqrt bench JSON; llama.cpp's best per depth, ratios, loads; long prompts apart."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import long_context as lc
+    monkeypatch.setattr(lc, "DATA", tmp_path)
+    monkeypatch.setattr(lc, "DOC", tmp_path / "page.md")
+
+    def lcpp(name, rows, load="# load 1.00 2.00 3.00 -> 4.00 5.00 6.00"):
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (tmp_path / name).with_suffix(".err").write_text(load + "\n")
+    base = {"flash_attn": 1, "type_k": "f16"}
+    lcpp("llamacpp-Q4_0-fa1-f16-d0_4096.jsonl", [
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 200.0},
+        {**base, "n_prompt": 0, "n_gen": 32, "n_depth": 0, "avg_ts": 60.0},
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 4096, "avg_ts": 150.0},
+        {**base, "n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 40.0}])
+    lcpp("llamacpp-Q4_0-fa1-q8_0-d4096.jsonl", [
+        {**base, "type_k": "q8_0", "n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 45.0}])
+    lcpp("llamacpp-Q4_0-fa1-f16-pp16384.jsonl", [{**base, "n_prompt": 16384, "n_gen": 0, "n_depth": 0, "avg_ts": 70.0}])
+    for d, tg in ((0, 80.0), (4096, 64.0)):
+        (tmp_path / f"mixqrt-f16-d{d}.json").write_text(json.dumps({
+            "loadavg_before": "2.0 1 1", "loadavg_after": "3.0 1 1", "result": {
+                "kv_type": "f16", "depth": d, "pp_tok_s": 300.0, "tg_tok_s": tg, "kv_bytes_per_token": 12288,
+                "peak_rss_bytes": 1 << 29, "n_prompt": 512, "depth_fill_seconds": 1.0}}))
+    (tmp_path / "mixqrt-f16-pp16384.json").write_text(json.dumps({
+        "loadavg_before": "2.0 1 1", "loadavg_after": "3.0 1 1", "result": {
+            "kv_type": "f16", "depth": 0, "pp_tok_s": 140.0, "tg_tok_s": 1.0, "kv_bytes_per_token": 12288,
+            "peak_rss_bytes": 1 << 29, "n_prompt": 16384, "model_bytes": 1 << 28, "file_bytes": 1 << 28}}))
+    a = argparse.Namespace(kv_types="f16", n_prompt=512, n_gen=32, threads=2, repetitions=1, plot="")
+    lc._N_PROMPT["n"] = 512
+    lc.report(a)
+    page = (tmp_path / "page.md").read_text()
+    assert "| 4,096 | f16 | 300.0 | 64.0 | 0.80x | 150.0 (Q4_0 fa1 f16) | 45.0 (Q4_0 fa1 q8_0) | 2.00x | 1.42x |" in page
+    assert "| 16,384 | f16 | 140.0 | 70.0 (Q4_0 fa1 f16) | 2.00x |" in page
+    assert "1.00/4.00" in page and "| Q4_0 | 1 | q8_0 | 4,096 |" in page
