@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -56,9 +55,9 @@ class LogitsFile:
     def __init__(self, path, mode: str, meta: dict | None = None):
         self.path, self.mode = str(path), mode
         if mode == "w":
-            from mixqrt.io.atomic import mkstemp_for    # a unique temp, renamed onto path by close()
-            fd, self._tmp = mkstemp_for(self.path)
-            self.f = os.fdopen(fd, "wb")
+            from mixqrt.io.atomic import atomic_write   # the temp is renamed onto path by close(ok=True)
+            self._write = atomic_write(self.path)
+            self.f = self._write.__enter__()
             self.meta = dict(meta or {})
             self.rows = 0
             self.f.write(LOGITS_MAGIC + b"\0" * 8)   # header offset is patched on close
@@ -100,13 +99,13 @@ class LogitsFile:
                 self.f.write(json.dumps(self.meta).encode())
                 self.f.seek(8)
                 self.f.write(hoff.to_bytes(8, "little"))
-                self.f.flush()
-                os.fsync(self.f.fileno())
-                self.f.close()
-                os.replace(self._tmp, self.path)
+                self._write.__exit__(None, None, None)        # flushed, fsynced, renamed onto path
             else:
-                self.f.close()
-                os.unlink(self._tmp)
+                err = GeneratorExit()
+                try:
+                    self._write.__exit__(GeneratorExit, err, None)   # the temp removed, path untouched
+                except GeneratorExit:
+                    pass
         else:
             self.f.close()
 
@@ -124,8 +123,11 @@ def encode_text(tokenizer, text: str, *, parse_special: bool = False) -> tuple[l
 
 def perplexity(logits_fn, tokens, *, ctx: int = 512, chunks: int | None = None, bos_id: int | None = None,
                save_logits: str | None = None, kl_base: str | None = None, progress: bool = True,
-               on_chunk=None) -> PplResult:
-    """llama-perplexity over `tokens` with `logits_fn(chunk_ids) -> float32 [ctx, vocab]`."""
+               on_chunk=None, pieces_fn=None) -> PplResult:
+    """llama-perplexity over `tokens` with `logits_fn(chunk_ids) -> float32 [ctx, vocab]`, or with
+    `pieces_fn(chunk_ids, first)` -> float32 arrays whose rows, in order, are the logits of
+    positions first .. ctx-2 (the scored ones): a long window never holds [ctx, vocab] logits
+    (16384 x 151936 floats are 10 GB)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if ctx < 4 or ctx % 2:
         raise GenerationError(f"ctx must be an even number >= 4, got {ctx}")
@@ -149,20 +151,32 @@ def perplexity(logits_fn, tokens, *, ctx: int = 512, chunks: int | None = None, 
             ids = tokens[i * ctx:(i + 1) * ctx].copy()
             if bos_id is not None:
                 ids[0] = bos_id
-            logits = np.asarray(logits_fn(ids), dtype=np.float32)
-            lp = log_softmax(logits[first:ctx - 1])                                 # [ctx-first-1, V]
-            tgt = tokens[i * ctx + first + 1:(i + 1) * ctx]
-            tok_nll = -lp[np.arange(len(tgt)), tgt]
-            nll += tok_nll.sum()
-            nll2 += (tok_nll ** 2).sum()
-            count += len(tgt)
-            if saver:
-                saver.write(lp)
-            if base:
-                bp = base.read(len(tgt))
-                p = np.exp(bp)
-                kls.append((p * (bp - lp)).sum(axis=-1))
-                same += int((bp.argmax(-1) == lp.argmax(-1)).sum())
+            if pieces_fn is None:
+                pieces = [np.asarray(logits_fn(ids), dtype=np.float32)[first:ctx - 1]]
+            else:
+                pieces = pieces_fn(ids, first)
+            pos = i * ctx + first + 1                   # the token the next scored row predicts
+            for piece in pieces:
+                lp = log_softmax(np.asarray(piece, dtype=np.float32))                # [rows, V]
+                tgt = tokens[pos:pos + lp.shape[0]]
+                if tgt.size != lp.shape[0] or pos + lp.shape[0] > (i + 1) * ctx:
+                    raise GenerationError(f"the logits of chunk {i} have more rows than its {ctx - first - 1} "
+                                          "scored positions")
+                pos += lp.shape[0]
+                tok_nll = -lp[np.arange(len(tgt)), tgt]
+                nll += tok_nll.sum()
+                nll2 += (tok_nll ** 2).sum()
+                count += len(tgt)
+                if saver:
+                    saver.write(lp)
+                if base:
+                    bp = base.read(len(tgt))
+                    p = np.exp(bp)
+                    kls.append((p * (bp - lp)).sum(axis=-1))
+                    same += int((bp.argmax(-1) == lp.argmax(-1)).sum())
+            if pos != (i + 1) * ctx:
+                raise GenerationError(f"the logits of chunk {i} cover {pos - i * ctx - first - 1} of its "
+                                      f"{ctx - first - 1} scored positions")
             running.append(math.exp(nll / count))
             if on_chunk:
                 on_chunk(i, running[-1])

@@ -12,9 +12,25 @@ import math
 
 from mixqrt.errors import ModelError
 
-# The context a Pipeline or Engine allots by default when not told (the model's own, capped here):
-# the KV cache of every slot is sized from it, so a 128k-context model does not reserve 128k.
-DEFAULT_MAX_CONTEXT = 4096
+_BYTE_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1 << 20,
+               "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30}
+
+
+def parse_bytes(v: str) -> int:
+    """A byte count on the command line: 1048576, 50MiB, 1.5GB (0 allowed); argparse's type error otherwise."""
+    import argparse
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"must be a byte count like 1073741824, 512MiB or 1GB, got {v!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def context_window(model_context: int, asked=None) -> int:
+    """The context a Pipeline or an Engine allots: `asked` (the model's own when not given), never
+    more than the model's own (max_position_embeddings): the one cap, so the two cannot differ."""
+    return min(int(asked) if asked else int(model_context), int(model_context))
+
 
 # key -> (smallest, largest) accepted value
 INT_LIMITS = {

@@ -39,7 +39,6 @@ cdef extern from "mq_ops.h" nogil:
     size_t mq_gemm_tile_stride(int nc)
     int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1)
     int mq_set_lean_mv(int on)
-    int mq_set_few_t(int on)
     int mq_set_float_mv(int on)
     int mq_set_q6_fold(int on)
     int mq_set_q2c_mv(int on)

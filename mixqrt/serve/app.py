@@ -12,7 +12,6 @@ seconds, or goes away, has its request cancelled. Response objects are OpenAI's 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 import time
@@ -31,47 +30,14 @@ from mixqrt.fim import build_infill
 from mixqrt.fim import stop_ids as fim_stop_ids
 from mixqrt.generate import encode_prompt
 from mixqrt.tools import chat_ids
-from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
+from mixqrt.serve.guard import Guard, HTTPError, Limits, read_json
+from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response  # noqa: F401  (re-exported)
+from mixqrt.serve.replies import bad_request as _bad_request
+from mixqrt.serve.replies import engine_error as _engine_error  # noqa: F401
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.serve.watch import watch_pipeline
 
 from mixqrt.engine import Engine, EngineBusy
-
-
-class SafeJSONResponse(JSONResponse):
-    """JSON with non-ASCII escaped: a reply never fails to encode (and never 500s) whatever text
-    it carries."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-# ============================================================================ prompt-cache isolation
-def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
-    """The engine's cache salt for a request: with API keys configured, a hash of the request's
-    key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
-    never share cached prompts; without keys, the request's salt. One rule either way: an empty
-    salt is no salt (the key's, or everyone's, shared cache). The Guard refuses a request with two
-    Authorization headers, so the key hashed here is the key it checked."""
-    salt = salt or None
-    if not api_keys(limits):
-        return salt
-    token = (authorization or "").partition(" ")[2].strip()
-    key = hashlib.sha256(b"mixqrt prompt-cache salt\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return f"{key}:{salt or ''}"
-
-
-def error_response(e: HTTPError) -> JSONResponse:
-    return SafeJSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _bad_request(e: RequestError) -> HTTPError:
-    return HTTPError(400, str(e), param=e.field, code=e.code)
-
-
-def _engine_error(e: GenerationError) -> HTTPError:
-    """An error a request's iteration raised: a 400 naming the field when it is a RequestError."""
-    return _bad_request(e) if isinstance(e, RequestError) else HTTPError(400, oai.safe_message(e))
 
 
 class Server:
@@ -86,16 +52,16 @@ class Server:
 
     # ------------------------------------------------------------------ request -> engine
     def prepare(self, kind: str, body: dict):
-        """Check a request body -> (prompt ids, engine kwargs, oai.Request); HTTPError for bad ones."""
+        """Check a request body -> (prompt ids, oai.Request); HTTPError for bad ones."""
         try:
             req = oai.parse(kind, body, max_tokens_cap=self.limits.max_tokens, max_depth=self.limits.max_json_depth)
-            gen = req.gen_kwargs(self.context)
             if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
-                ids = chat_ids(self.tokenizer, req.messages, req.tools, req.tool_choice)
+                ids = chat_ids(self.tokenizer, req.messages, req.params.tools, req.params.tool_choice)
             elif req.suffix is not None:            # fill-in-the-middle: the prompt is the prefix (mixqrt.fim)
+                mnt = req.params.max_new_tokens
                 ids = build_infill(self.tokenizer, req.prompt, req.suffix, n_ctx=self.context,
-                                   n_predict=req.max_tokens if req.max_tokens and req.max_tokens > 0 else -1)
-                gen["eos_token_ids"] = fim_stop_ids(self.tokenizer, self.pipe.model)
+                                   n_predict=mnt if mnt > 0 else -1)
+                req.params = req.params.replace(eos_token_ids=list(fim_stop_ids(self.tokenizer, self.pipe.model)))
             else:
                 ids = encode_prompt(self.tokenizer, req.prompt)
         except RequestError as e:
@@ -109,20 +75,18 @@ class Server:
             raise HTTPError(400, f"the prompt has {len(ids)} tokens; with at least one new token that needs "
                                  f"{len(ids) + 1} positions but the context holds {self.context}",
                             param=key, code="context_length_exceeded")
-        gen["max_new_tokens"] = min(gen["max_new_tokens"], self.context - len(ids))
         # no temperature: the engine's generate.resolve_sampling applies the greedy default
-        return ids, gen, req
+        return ids, req
 
     async def generate(self, request, kind: str):
         route = request.url.path
         try:
             self.check_file()
             body = await read_json(request, self.limits)
-            ids, gen, parsed = await run_in_threadpool(self.prepare, kind, body)
-            salt = cache_salt(parsed.cache_salt, request.headers.get("authorization"), self.limits)
-            use_cache = parsed.cache_prompt
+            ids, parsed = await run_in_threadpool(self.prepare, kind, body)
+            salt = cache_salt(parsed.params.cache_salt, request.headers.get("authorization"), self.limits)
             try:
-                req = self.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=use_cache)
+                req = self.engine.submit(ids, parsed.params.replace(cache_salt=salt))
             except EngineBusy as e:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None

@@ -118,7 +118,7 @@ def engine_kwargs(a) -> dict:
     gc = a.gemm_cache_bytes or 0
     return {"max_slots": a.max_slots, "max_queue": a.max_queue, "prefill_chunk": a.prefill_chunk,
             "kv_cache_bytes": a.kv_cache_bytes, "stall_timeout": a.stall_timeout, "threads": a.threads,
-            "gemm_cache_bytes": gc}
+            "gemm_cache_bytes": gc, "kv_type": a.kv_type}
 
 
 def cmd_serve(a):
@@ -145,6 +145,7 @@ def cmd_serve(a):
     from mixqrt.serve.app import create_app
     pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
                     offline=True if a.offline else None, max_context=a.ctx, weights_in_memory=not a.mmap_weights,
+                    kv_type=a.kv_type,
                     **speculative_kwargs(a))
     if not a.quiet:
         logging.basicConfig(level=logging.INFO, format="mixqrt serve: %(message)s")
@@ -183,17 +184,7 @@ def _non_negative(v: str) -> int:
     return n
 
 
-_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1 << 20,
-          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30}
-
-
-def _bytes(v: str) -> int:
-    """A byte count: 1048576, 50MiB, 1.5GB (0 allowed)."""
-    import re
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"must be a byte count like 1073741824, 512MiB or 1GB, got {v!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from mixqrt.limits import parse_bytes as _bytes  # noqa: E402  (the byte counts of --kv-cache-bytes, also `mixqrt generate`'s)
 
 
 def _positive_float(v: str) -> float:
@@ -208,12 +199,20 @@ def _csv(v: str) -> list:
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching; --ray: replicas)")
+    s = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (continuous batching; --ray: replicas)",
+        description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (suffix: fill-in-the-middle), "
+                    "/v1/embeddings, llama.cpp's /infill, /v1/models, /health, /metrics (docs/server.md, "
+                    "docs/completion.md).")
     s.add_argument("model", nargs="?", default=None,
                    help="a .mxq, a .gguf, a Hugging Face folder, a hub id or alias (default: the demo model)")
     s.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")
     s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
-    s.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    s.add_argument("--ctx", type=int, default=None,
+                   help="context length (default: the model's own, e.g. 32768 for Qwen2.5)")
+    from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
+    s.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
+                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {DEFAULT_KV_TYPE}; docs/long-context.md)")
     add_speculative_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
@@ -232,8 +231,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests waiting for a slot; more get 503 + Retry-After")
     s.add_argument("--prefill-chunk", type=_positive, default=256, help="prompt tokens per scheduler step")
     s.add_argument("--kv-cache-bytes", type=_bytes, default=None,
-                   help="memory bound of the KV caches, prompt cache included (LRU; 50MiB, 2GiB...; "
-                        "0: no prompt cache; default 1GiB)")
+                   help="memory bound of the KV caches, prompt cache included (LRU; 50MiB, 2GiB...; a prompt "
+                        "that cannot fit gets a 400; 0: no prompt cache and no bound; default: a quarter of "
+                        "the memory available at start)")
     s.add_argument("--gemm-cache-bytes", type=_non_negative, default=None,
                    help="bytes of unpacked weight tiles that batched steps of more than 8 rows read "
                         "instead of unpacking (default 0: off; docs/engine.md)")

@@ -29,7 +29,9 @@ from mixqrt import oai
 from mixqrt.engine import EngineBusy
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
 from mixqrt.fim import build_infill, stop_ids
+from mixqrt.params import UNTIL_FULL
 from mixqrt.serve.guard import HTTPError, read_json
+from mixqrt.validate import integer
 
 IGNORED = {"id_slot", "t_max_prompt_ms", "model"}
 SAMPLERS = {"top_k", "top_p", "min_p", "temperature", "infill", "penalties"}
@@ -40,7 +42,7 @@ MAX_RESPONSE_FIELDS = 64
 
 
 def _parse(srv, body: dict):
-    """-> (prompt ids, engine kwargs, options dict); RequestError naming the field."""
+    """-> (prompt ids, SamplingParams, oai.Request, options dict); RequestError naming the field."""
     if not isinstance(body, dict):
         raise RequestError(None, "request body must be a JSON object")
     oai.check_values(body, srv.limits.max_json_depth)
@@ -72,23 +74,24 @@ def _parse(srv, body: dict):
         raise RequestError("n_predict" if e.field == "max_tokens" else e.field, str(e).replace("max_tokens", "n_predict"))
     n_predict = body.get("n_predict")
     if n_predict is None or (isinstance(n_predict, int) and n_predict < 0):
-        req.max_tokens = srv.limits.max_tokens      # llama.cpp: -1 is "until the context ends"
+        # llama.cpp: -1 is "until the context ends" (the server's cap, when it has one)
+        cap = srv.limits.max_tokens
+        req.params = req.params.replace(max_tokens=cap if cap is not None else UNTIL_FULL)
     opts = {}
     for k in ("n_indent", "t_max_predict_ms"):
         v = body.get(k)
-        opts[k] = oai._integer(k, v, lo=0, hi=1 << 30) or 0 if v is not None else 0
+        opts[k] = integer(k, v, lo=0, hi=1 << 30) if v is not None else 0
     fields = body.get("response_fields")
     if fields is not None and (not isinstance(fields, list) or len(fields) > MAX_RESPONSE_FIELDS
                                or not all(isinstance(f, str) and 0 < len(f) <= 64 for f in fields)):
         raise RequestError("response_fields", f"response_fields must be a list of at most {MAX_RESPONSE_FIELDS} "
                                               "field names")
     opts["response_fields"] = fields
-    gen = req.gen_kwargs(srv.context)
+    mnt = req.params.max_new_tokens
     ids = build_infill(srv.tokenizer, body["input_prefix"], body["input_suffix"], body.get("input_extra"), prompt,
-                       n_ctx=srv.context, n_predict=req.max_tokens if req.max_tokens else -1)
-    gen["max_new_tokens"] = min(gen["max_new_tokens"], srv.context - len(ids))
-    gen["eos_token_ids"] = stop_ids(srv.tokenizer, srv.pipe.model)
-    return ids, gen, req, opts
+                       n_ctx=srv.context, n_predict=mnt if mnt > 0 else -1)
+    params = req.params.replace(eos_token_ids=list(stop_ids(srv.tokenizer, srv.pipe.model)))
+    return ids, params, req, opts
 
 
 def _pick(obj: dict, fields) -> dict:
@@ -166,16 +169,18 @@ class _State:
 
 
 async def handle(srv, request):
-    from mixqrt.serve.app import SafeJSONResponse, _bad_request, _engine_error, cache_salt, error_response
+    from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response
+    from mixqrt.serve.replies import bad_request as _bad_request
+    from mixqrt.serve.replies import engine_error as _engine_error
     route = request.url.path
     t0 = time.perf_counter()
     try:
         srv.check_file()
         body = await read_json(request, srv.limits)
         try:
-            ids, gen, parsed, opts = await run_in_threadpool(_parse, srv, body)
+            ids, params, parsed, opts = await run_in_threadpool(_parse, srv, body)
             salt = cache_salt(None, request.headers.get("authorization"), srv.limits)
-            req = srv.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=parsed.cache_prompt)
+            req = srv.engine.submit(ids, params.replace(cache_salt=salt))
         except EngineBusy as e:
             raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                             headers={"Retry-After": "1"}) from None
