@@ -13,8 +13,6 @@
 static int mq_lean_mv = 1;   /* the lean decode kernels (MIXQRT_LEAN_MV=0: off, every format its plain mv) */
 static int mq_q6_fold = 1;   /* q6 short rows through mv_q6f (MIXQRT_Q6_FOLD=0: off) */
 static int mq_q2c_mv = 1;    /* q2c through mv_q2c (MIXQRT_Q2C_MV=0: the unpack path) */
-/* off: T = 2..8 of q4x / q6x / q3x through the GEMM (MIXQRT_FEW_T=0, set by mixqrt.platform.tuning) */
-static int mq_few_t = 1;
 /* the row formats' GEMM for T >= this (<= 0: never); below it rows_exact (each row the T = 1 row).
  * q4x / q6x / q3x run the GEMM above MQ_FEW_T rows whatever it is (their GEMM rows are the T = 1 rows). */
 static int mq_gemm_min_t = MQ_EXACT_T + 1;
@@ -22,7 +20,6 @@ static int mq_gemm_min_t = MQ_EXACT_T + 1;
 int mq_avx512_set_lean_mv(int on) { int old = mq_lean_mv; if (on >= 0) mq_lean_mv = on != 0; return old; }
 int mq_avx512_set_q6_fold(int on) { int old = mq_q6_fold; if (on >= 0) mq_q6_fold = on != 0; return old; }
 int mq_avx512_set_q2c_mv(int on) { int old = mq_q2c_mv; if (on >= 0) mq_q2c_mv = on != 0; return old; }
-int mq_avx512_set_few_t(int on) { int old = mq_few_t; if (on >= 0) mq_few_t = on != 0; return old; }
 void mq_avx512_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
 static int gemm_on(int T) { return mq_gemm_min_t > 0 && T >= mq_gemm_min_t; }
 
@@ -101,7 +98,7 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     ctx_t cx;
     ctx_init(&cx, j);
     if (j->T == 1) mv_kernel(j)(&cx, j, n0, n1);
-    else if (t->few != NULL && j->T <= MQ_FEW_T && mq_few_t) t->few(&cx, j, n0, n1);
+    else if (t->few != NULL && j->T <= MQ_FEW_T) t->few(&cx, j, n0, n1);   /* (the GEMM lost there: 1.2-1.6x) */
     else if (t->mm != NULL && !gemm_on(j->T)) rows_exact(&cx, j, n0, n1);
     else t->gemm[j->T <= 2 ? 0 : j->T <= 4 ? 1 : 2](&cx, j, n0, n1);
 }
@@ -112,7 +109,7 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
 int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
     if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
     if (MQ_AVX512_TRAITS[j->fmt].groups)
-        return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && mq_few_t) ? GTT : 0;
+        return j->N % MQ_XROWS == 0 && j->T > MQ_FEW_T ? GTT : 0;
     return gemm_on(j->T) ? GTT : 0;   /* below: rows_exact */
 }
 
