@@ -139,7 +139,7 @@ def load(path_or_name, recipe: str | None = None, *, threads=None, offline=None,
 
 _GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
              "do_sample", "return_full_text", "stop_strings", "max_tokens", "n", "logprobs", "top_logprobs",
-             "presence_penalty", "frequency_penalty", "logit_bias", "draft_k",
+             "presence_penalty", "frequency_penalty", "logit_bias", "draft_k", "prediction",
              "response_format", "tools", "tool_choice", "parallel_tool_calls"}
 
 

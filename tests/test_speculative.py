@@ -255,8 +255,8 @@ def test_adaptive_k_follows_acceptance():
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
     sp = Speculation(NgramDrafter(8), 64)
     for _ in range(20):
-        sp.record(8, 8)                  # every draft right: draft the most
-    assert sp.next_k() == 8
+        sp.record(8, 8)                  # every draft right: draft the most the few-row kernels verify
+    assert sp.next_k() >= 7
     for _ in range(30):
         sp.record(4, 0)                  # never right: stop drafting, probe (one draft) every 16 plain steps
     ks = [sp.next_k() for _ in range(32)]
@@ -266,17 +266,17 @@ def test_adaptive_k_follows_acceptance():
 def test_a_draft_models_measured_cost_lowers_k():
     """A draft model whose drafted token costs as much as a target step stops paying: k falls to 0
     even at a high acceptance; a cheap one keeps drafting."""
-    from mixqrt.speculative import Speculation
+    from mixqrt.speculative import Speculation, row_cost
     lm_like = type("M", (), {"kind": "draft", "k": 8, "new_state": lambda self, n: None})()
     sp = Speculation(lm_like, 64)
     for _ in range(20):
         sp.record(4, 3)                  # 75 % accepted
     assert sp.next_k() > 0
     for _ in range(20):
-        sp.record_times(4, 4 * 1.0, 5, 1.5)        # a draft token costs a whole target step
+        sp.record_times(4, 4 * 1.0, 5, row_cost(5))   # a draft token costs a whole target step
     assert sp.draft_cost > 0.9 and sp.next_k() == 0
     for _ in range(20):
-        sp.record_times(4, 4 * 0.05, 5, 1.5)       # ... or a twentieth of one
+        sp.record_times(4, 4 * 0.05, 5, row_cost(5))  # ... or a twentieth of one
     assert sp.draft_cost < 0.1 and sp.next_k() >= 3
 
 
