@@ -219,6 +219,7 @@ def main():
         max_tokens = int(n_src * 1.5) + 64
         base = run(plain, it, max_tokens)
         r = {"kind": it["kind"], "name": it["name"], "lines": it["lines"], "source_tokens": n_src,
+             "prompt_ids": tok.encode_chat(it["messages"], add_generation_prompt=True),
              "max_tokens": max_tokens, "load_avg_1m": os.getloadavg()[0], "plain": base}
         settings = [("lookup", False)] + ([] if a.no_prediction else [("prediction", True)])
         for label, pred in settings:
@@ -249,9 +250,9 @@ def main():
         max_t = max(r["max_tokens"] for r in results)
         server = llama_server_runs(a.llama_server_gguf, enc, max_t, a.threads, ["plain"] + a.llama_spec.split(","))
     for r in results:
-        for k in ("plain", "lookup", "prediction"):
+        for k in ("lookup", "prediction"):
             if k in r:
-                r[k].pop("tokens")
+                r[k].pop("tokens")       # identical to plain's, or not (r[k]["identical"])
     for f in free:
         f["plain"].pop("tokens")
         f["lookup"].pop("tokens")
