@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import machine_info, provenance, update_doc, write_json  # noqa: E402
+from _llama_server import complete_ids  # noqa: E402
 
 KINDS = ("rename", "fix", "check", "diff")
 MODULES = ("textwrap", "shlex", "difflib", "heapq", "fnmatch", "tempfile", "shutil", "csv", "string",
@@ -213,6 +214,18 @@ def main():
         p.configure_engine(kv_cache_bytes=0)
         run(p, {"messages": "Hello", "source": ""}, 4)
     tok = plain.tokenizer
+    servers = {}
+    if a.llama_server_gguf:       # started once; each prompt runs on them right after mixqrt's runs
+        import contextlib
+
+        from _llama_server import start_llama_server
+        from speculative import LLAMA_SPEC
+        stack = contextlib.ExitStack()
+        for label in ["plain"] + a.llama_spec.split(","):
+            srv = stack.enter_context(start_llama_server(f"llama-server-{label}", a.llama_server_gguf, a.threads,
+                                                         4096, Path("/tmp/apply-edits-llama"), extra=LLAMA_SPEC[label]))
+            servers[label] = srv.wait_ready()
+            complete_ids(srv.url, [1, 2, 3], 4)                  # warm-up
     results = []
     for it in items:
         n_src = len(tok.encode(it["source"]))
@@ -227,9 +240,21 @@ def main():
             got["identical"] = got["tokens"] == base["tokens"]
             got["speedup"] = got["decode_tps"] / max(1e-9, base["decode_tps"])
             r[label] = got
+        if servers:
+            ids = r["prompt_ids"]
+            for label, srv in servers.items():
+                got = complete_ids(srv.url, ids, max_tokens)
+                t = got.get("timings", {})
+                r[f"llama {label}"] = {"decode_tps": t.get("predicted_per_second", 0.0), "n": t.get("predicted_n"),
+                                       "drafted": t.get("draft_n", 0), "accepted": t.get("draft_n_accepted", 0),
+                                       "tokens": got.get("tokens") or []}
+            lp = r["llama plain"]["tokens"]
+            for label in servers:
+                r[f"llama {label}"]["identical_to_its_plain"] = r[f"llama {label}"].pop("tokens") == lp
         print({"kind": r["kind"], "name": r["name"], "n": base["n"], "plain": round(base["decode_tps"], 1),
                **{k: (round(r[k]["speedup"], 2), r[k]["identical"], f"{r[k]['accepted']}/{r[k]['drafted']}")
-                  for k, _ in settings}, "load": round(r["load_avg_1m"], 2)}, flush=True)
+                  for k, _ in settings}, "load": round(r["load_avg_1m"], 2),
+               **{k: round(v["decode_tps"], 1) for k, v in r.items() if k.startswith("llama ")}}, flush=True)
         results.append(r)
     free = []
     if a.free:
@@ -243,12 +268,8 @@ def main():
                          "speedup": got["decode_tps"] / max(1e-9, base["decode_tps"]),
                          "load_avg_1m": os.getloadavg()[0]})
             print("free", round(free[-1]["speedup"], 2), free[-1]["identical"], flush=True)
-    server = None
-    if a.llama_server_gguf:
-        from speculative import llama_server_runs
-        enc = {"apply": [tok.encode_chat(it["messages"], add_generation_prompt=True) for it in items]}
-        max_t = max(r["max_tokens"] for r in results)
-        server = llama_server_runs(a.llama_server_gguf, enc, max_t, a.threads, ["plain"] + a.llama_spec.split(","))
+    if servers:
+        stack.close()
     for r in results:
         for k in ("lookup", "prediction"):
             if k in r:
@@ -259,7 +280,7 @@ def main():
     for p in (plain, fast):
         p.close()
     res = {"machine": machine_info(), "target": a.target, "threads": a.threads, "lookup": a.lookup,
-           "results": results, "free": free, "llama_server": server, "llama_server_gguf": a.llama_server_gguf,
+           "results": results, "free": free, "llama_server_gguf": a.llama_server_gguf,
            "command": " ".join(["python"] + sys.argv)}
     suffix = "" if a.part == "1/1" else "-" + a.part.replace("/", "of")
     write_json(ROOT / "docs" / "data" / f"{a.tag}{suffix}.json", res)

@@ -1,7 +1,7 @@
 """Cost of a speculative verify of T rows of one sequence against one decode step and the GEMM.
 
     python benchmarks/verify_rows.py MODEL.mxq [--threads 2] [--rows 1,2,4,8,9,16,17,24,32,48,64,65]
-        [--context 600] [--rounds 3] [--reps 4]
+        [--context 600] [--rounds 3] [--reps 4] [--gemm-cache-bytes N]
 
 One sequence holds a --context-token prompt; then, per T of --rows, a forward of T rows at its next
 positions is timed and the KV cache trimmed back (as Engine._step_speculative does): the body
@@ -37,11 +37,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--gemm-cache-bytes", type=int, default=0, help="ops.set_gemm_cache: the GEMM reads cached "
+                    "unpacked tiles instead of unpacking (0: off, the default)")
     args = ap.parse_args()
     import os
 
     import mixqrt
+    from mixqrt import ops
     model = mixqrt.load(args.model, threads=args.threads, progress=False).model
+    ops.set_gemm_cache(args.gemm_cache_bytes)
     rows = [int(v) for v in args.rows.split(",")]
     cache = model.make_cache(args.context + max(rows) + 600)
     rng = np.random.default_rng(0)

@@ -153,7 +153,11 @@ def cmd_generate(a):
     last = None
     if not a.chat:
         sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
-    for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a)):
+    kw = _sampling_kwargs(a)
+    if a.prediction is not None:
+        with open(a.prediction, encoding="utf-8") as f:
+            kw["prediction"] = f.read()
+    for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **kw):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
@@ -323,6 +327,10 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     _add_model(s, optional=True)
     s.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    s.add_argument("--prediction", default=None, metavar="FILE",
+                   help="text the reply is expected to repeat (the file being edited): drafts are copied from it "
+                        "first (OpenAI's `prediction`; speculative decoding, the output unchanged; "
+                        "docs/speculative.md)")
     _add_sampling(s)
     s.set_defaults(fn=cmd_generate)
 
