@@ -327,7 +327,8 @@ def test_router_scores_are_the_same_bits_on_every_tier(n, k, t, seed):
     for odd widths too, so the experts a token is routed to never depend on the CPU; the matmul
     kernels' float products do not promise that."""
     import mixqrt.platform.isa as isa
-    from mixqrt import ops, ops_ref
+    from mixqrt import ops
+    from mixqrt.ops import ref as ops_ref
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((n, k)).astype(np.float32)
     x = (rng.standard_normal((t, k)) * 3).astype(np.float32)

@@ -19,9 +19,9 @@ import mixqrt
 ROOT = Path(mixqrt.__file__).parent
 
 LAYERS = [
-    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.platform", "mixqrt.ops_ref"]),
+    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.platform"]),
     ("formats", ["mixqrt.formats"]),                   # layout, kmeans, rotation, qtensor, codec
-    ("ops", ["mixqrt.ops"]),
+    ("ops", ["mixqrt.ops"]),                         # pool, matmul, attention, elementwise, probes, ref
     ("models", ["mixqrt.models", "mixqrt.cache"]),      # spec, base, the graphs; the KV cache
     ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template"]),
     ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler

@@ -1,5 +1,5 @@
 """Qwen2/Llama graph on synthetic float weights vs an independent float64 numpy forward (written here,
-not reusing mixqrt.ops_ref), KV-cache decode vs full recompute, config and weight validation."""
+not reusing mixqrt.ops.ref), KV-cache decode vs full recompute, config and weight validation."""
 import os
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The float ops of a Qwen2 layer on every ISA tier against mixqrt.ops_ref (float64 inside), and
+"""The float ops of a Qwen2 layer on every ISA tier against mixqrt.ops.ref (float64 inside), and
 the native pool: thread counts, results independent of the thread count, the bandwidth probe."""
 import os
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import mixqrt.platform.isa as isa
-from mixqrt import ops, ops_ref
+from mixqrt import ops
+from mixqrt.ops import ref as ops_ref
 from mixqrt._kernels import _ops
 
 EPS = 2.0 ** -24

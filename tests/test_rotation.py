@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import mixqrt
 import mixqrt.platform.isa as isa
-from mixqrt import ops, ops_ref
+from mixqrt import ops
+from mixqrt.ops import ref as ops_ref
 from mixqrt.cli import parse_rotate
 from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import FormatError, KernelError, QuantError

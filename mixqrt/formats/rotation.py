@@ -25,7 +25,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from mixqrt import ops_ref
 from mixqrt.errors import QuantError
 
 try:
@@ -93,6 +92,26 @@ def scale(block: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(block))
 
 
+def hadamard_ref(x: np.ndarray, block: int, signs=None) -> np.ndarray:
+    """H_b (signs * x) per block of `block` values of the last axis (Sylvester order, scaled by
+    1/sqrt(block)): the butterflies of the C op in the same order, in float32, so bit-identical.
+    The numpy spec of ops.hadamard (mixqrt.ops.ref.hadamard), kept here below the ops layer."""
+    y = np.array(x, dtype=np.float32, copy=True)
+    if signs is not None:
+        y *= np.asarray(signs, dtype=np.float32)
+    k = y.shape[-1]
+    v = y.reshape(-1, k // block, block)
+    h = 1
+    while h < block:
+        u = v.reshape(v.shape[0], v.shape[1], block // (2 * h), 2, h)
+        a, c = u[:, :, :, 0].copy(), u[:, :, :, 1].copy()
+        u[:, :, :, 0] = a + c
+        u[:, :, :, 1] = a - c
+        h *= 2
+    y *= np.float32(1.0 / np.sqrt(block))
+    return y
+
+
 def hadamard(x: np.ndarray, b: int, s, inplace: bool = False) -> np.ndarray:
     """H_b (s * x) on the rows of x (any leading shape) by the C kernel (numpy reference when not
     built), without argument checks: ops.hadamard checks and calls this (this module sits below
@@ -102,7 +121,7 @@ def hadamard(x: np.ndarray, b: int, s, inplace: bool = False) -> np.ndarray:
         raise QuantError("an in-place rotation needs a writeable C-contiguous float32 array")
     x = np.ascontiguousarray(x, dtype=np.float32)
     if _ops is None:
-        y = ops_ref.hadamard(x, b, s)
+        y = hadamard_ref(x, b, s)
         if inplace:
             x[...] = y
             return x

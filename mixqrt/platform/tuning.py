@@ -7,7 +7,7 @@ today). Each has a name, a default, a meaning and the place where it takes effec
 - ``C``: a setter of ``mixqrt._kernels._ops`` that ``push`` calls once, when ``mixqrt.ops`` loads the
   extension (MIXQRT_ISA: ``mixqrt.platform.isa`` sets it in every kernel module). The C sources never read the
   environment.
-- ``Python``: a module reads ``value(NAME)`` (ops.py, models/qwen2.py).
+- ``Python``: a module reads ``value(NAME)`` (mixqrt/ops/, models/qwen2.py).
 
 A value that does not parse raises ``KernelError`` naming the variable, when this module is imported
 (so at the first ``import mixqrt.ops``), not later in a hot loop. ``mixqrt doctor`` prints the table

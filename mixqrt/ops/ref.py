@@ -6,31 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from mixqrt.formats.rotation import hadamard_ref as hadamard  # noqa: F401  (the spec lives below ops)
+
 
 def matmul(w, x: np.ndarray) -> np.ndarray:
     """y = x @ W^T. w: QTensor or float array [N, K]; x: [K] or [T, K] float32 -> [N] or [T, N]."""
     wf = w.dequantize() if hasattr(w, "dequantize") else np.asarray(w, dtype=np.float32)
     wf = wf.reshape(-1, wf.shape[-1])
     return (np.asarray(x, dtype=np.float32) @ wf.T).astype(np.float32)
-
-
-def hadamard(x: np.ndarray, block: int, signs=None) -> np.ndarray:
-    """H_b (signs * x) per block of `block` values of the last axis (Sylvester order, scaled by
-    1/sqrt(block)): the butterflies of the C op in the same order, in float32, so bit-identical."""
-    y = np.array(x, dtype=np.float32, copy=True)
-    if signs is not None:
-        y *= np.asarray(signs, dtype=np.float32)
-    k = y.shape[-1]
-    v = y.reshape(-1, k // block, block)
-    h = 1
-    while h < block:
-        u = v.reshape(v.shape[0], v.shape[1], block // (2 * h), 2, h)
-        a, c = u[:, :, :, 0].copy(), u[:, :, :, 1].copy()
-        u[:, :, :, 0] = a + c
-        u[:, :, :, 1] = a - c
-        h *= 2
-    y *= np.float32(1.0 / np.sqrt(block))
-    return y
 
 
 def embed(w, ids) -> np.ndarray:
