@@ -287,34 +287,72 @@ def main():
 
 
 def write_doc(tag: str):
+    """The per-kind table (and the llama.cpp one, where the runs had it) from every saved part."""
     parts = sorted((ROOT / "docs" / "data").glob(f"{tag}*.json"))
     runs = [json.loads(p.read_text()) for p in parts]
     med = statistics.median
-    lines = []
-    for res in runs:
-        lines.append(provenance(res["command"]).split("\n")[0])
-    lines += [f"- machine: {runs[0]['machine'].get('cpu', '')}", ""]
     rows = [r for res in runs for r in res["results"]]
-    lines += ["| kind | prompts | lines | plain tok/s | copy drafter: speed-up (min / median) | identical | "
-              "accepted / drafted | mean verified draft | with `prediction`: speed-up (min / median) | identical |",
-              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    loads = [r["load_avg_1m"] for r in rows]
+    lines = [f"- command{'s' if len(runs) > 1 else ''}: " + "; ".join(f"`{res['command']}`" for res in runs),
+             f"- machine: {runs[0]['machine'].get('cpu_model', '')}, ISA tier {runs[0]['machine'].get('isa', '')}, 2 threads; load average (1 min) during the runs "
+             f"{min(loads):.1f}-{max(loads):.1f}", "",
+             "Per prompt, in one process and in alternation: plain greedy decoding, the copy drafter (`lookup="
+             f"{runs[0]['lookup']}`) and the copy drafter with `prediction` = the original function. Speed-up = the "
+             "prompt's decode tok/s (after the first token) over plain's, then min / median over the kind's "
+             "prompts; identical = the output equals plain decoding's token for token; mean draft = drafted "
+             "tokens per verify step.", "",
+             "| kind | prompts | lines | output tokens (median) | plain tok/s | copy drafter: speed-up min / median | "
+             "identical | accepted / drafted | mean draft | with `prediction`: min / median | identical | mean draft |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for kind in KINDS + ("all",):
         rs = [r for r in rows if kind in ("all", r["kind"])]
         if not rs:
             continue
         lk = [r["lookup"] for r in rs]
         pr = [r["prediction"] for r in rs if "prediction" in r]
-        steps = sum(x.get("verify_steps", 0) for x in lk)
-        lines.append(
-            f"| {kind} | {len(rs)} | {min(r['lines'] for r in rs)}-{max(r['lines'] for r in rs)} | "
-            f"{med(r['plain']['decode_tps'] for r in rs):.1f} | "
-            f"{min(x['speedup'] for x in lk):.2f}x / {med(x['speedup'] for x in lk):.2f}x | "
-            f"{sum(x['identical'] for x in lk)}/{len(lk)} | "
-            f"{sum(x['accepted'] for x in lk)}/{sum(x['drafted'] for x in lk)} "
-            f"({sum(x['accepted'] for x in lk) / max(1, sum(x['drafted'] for x in lk)):.0%}) | "
-            f"{sum(x['drafted'] for x in lk) / max(1, steps):.1f} | "
-            + (f"{min(x['speedup'] for x in pr):.2f}x / {med(x['speedup'] for x in pr):.2f}x | "
-               f"{sum(x['identical'] for x in pr)}/{len(pr)} |" if pr else "| |"))
+
+        def cols(xs):
+            d, acc, st = (sum(x[k] for x in xs) for k in ("drafted", "accepted", "verify_steps"))
+            return (f"{min(x['speedup'] for x in xs):.2f}x / {med(x['speedup'] for x in xs):.2f}x | "
+                    f"{sum(x['identical'] for x in xs)}/{len(xs)}", f"{acc}/{d} ({acc / max(1, d):.0%})",
+                    f"{d / max(1, st):.1f}")
+        a1, a2, a3 = cols(lk)
+        p1, _, p3 = cols(pr) if pr else ("| ", "", "")
+        lines.append(f"| {'**all**' if kind == 'all' else kind} | {len(rs)} | {min(r['lines'] for r in rs)}-"
+                     f"{max(r['lines'] for r in rs)} | {med(r['plain']['n'] for r in rs):.0f} | "
+                     f"{med(r['plain']['decode_tps'] for r in rs):.1f} | {a1} | {a2} | {a3} | {p1} | {p3} |")
+    lrows = [r for r in rows if any(k.startswith("llama ") and k != "llama plain" for k in r)]
+    if lrows:
+        spec = next(k for k in lrows[0] if k.startswith("llama ") and k != "llama plain")
+        lines += ["", f"llama.cpp's llama-server on `{Path(runs[0]['llama_server_gguf']).name}` (the same weights; "
+                  f"one slot, greedy, the same token-id prompts, right after mixqrt's runs of each prompt), "
+                  f"`{spec[6:]}`, its own timings; mixqrt / llama.cpp = the copy drafter's decode tok/s over "
+                  f"llama.cpp's n-gram lookup's on the same prompt (min / median):", "",
+                  f"| kind | llama.cpp plain tok/s | llama.cpp {spec[6:]} tok/s | its speed-up over its plain | "
+                  "its accepted / drafted | identical to its plain | mixqrt copy tok/s | mixqrt / llama.cpp | "
+                  "with `prediction` / llama.cpp |", "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+        for kind in KINDS + ("all",):
+            rs = [r for r in lrows if kind in ("all", r["kind"])]
+            if not rs:
+                continue
+            ls = [r[spec] for r in rs]
+            ratio = [r["lookup"]["decode_tps"] / max(1e-9, r[spec]["decode_tps"]) for r in rs]
+            pratio = [r["prediction"]["decode_tps"] / max(1e-9, r[spec]["decode_tps"]) for r in rs if "prediction" in r]
+            lines.append(
+                f"| {'**all**' if kind == 'all' else kind} | {med(r['llama plain']['decode_tps'] for r in rs):.1f} | "
+                f"{med(x['decode_tps'] for x in ls):.1f} | "
+                f"{med(r[spec]['decode_tps'] / max(1e-9, r['llama plain']['decode_tps']) for r in rs):.2f}x | "
+                f"{sum(x['accepted'] for x in ls)}/{sum(x['drafted'] for x in ls)} | "
+                f"{sum(x['identical_to_its_plain'] for x in ls)}/{len(ls)} | "
+                f"{med(r['lookup']['decode_tps'] for r in rs):.1f} | {min(ratio):.2f}x / {med(ratio):.2f}x | "
+                + (f"{min(pratio):.2f}x / {med(pratio):.2f}x |" if pratio else " |"))
+    free = [f for res in runs for f in res.get("free") or []]
+    if free:
+        lines += ["", "Free generation (benchmarks/speculative.py's free prompts, at most 160 tokens), plain against "
+                  "the copy drafter: speed-up min / median "
+                  f"{min(f['speedup'] for f in free):.2f}x / {med(f['speedup'] for f in free):.2f}x, identical "
+                  f"{sum(f['identical'] for f in free)}/{len(free)}, drafts accepted "
+                  f"{sum(f['lookup']['accepted'] for f in free)}/{sum(f['lookup']['drafted'] for f in free)}."]
     update_doc(ROOT / "docs" / "speculative.md", {tag: "\n".join(lines)})
 
 

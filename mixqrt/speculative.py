@@ -240,7 +240,7 @@ class CopyDrafter(NgramDrafter):
                 state.pos, state.pending = i, ()
                 return
             g = a + since                            # as many tokens replaced as written
-            if since <= MAX_SUB and g < (off or end) and corpus[g] >= 0:
+            if since <= MAX_SUB and g < e and corpus[g] >= 0:
                 x = tuple(int(t) for t in corpus[a:g])
                 y = tuple(int(t) for t in corpus[e:end])
                 state.cand = (x, y) if x != y else None
@@ -514,13 +514,14 @@ class Speculation:
 
     def length(self, n: int) -> int:
         """How many of n proposed drafts to verify. A copy drafter's: the k <= n that maximises the
-        expected tokens per unit of verify cost, each draft right with probability max(alpha, the
-        copy's run of right predictions r as (r + 1) / (r + 2)): short drafts (the few-row kernels)
+        expected tokens per unit of verify cost, each draft right with probability p: the copy's run
+        of right predictions r as (r + 1) / (r + 2), at least min(alpha, 0.8) (a long-run average says
+        little about the tokens right after an edit): short drafts (the few-row kernels)
         after an edit, up to k_long once the copy has run long. Other drafters: all n."""
         run = getattr(self.state, "run", None)
         if run is None or n <= 1:
             return n
-        p = min(max(self.alpha, (run + 1) / (run + 2)), 0.999)
+        p = min(max(min(self.alpha, 0.8), (run + 1) / (run + 2)), 0.999)
         best, best_k = 0.0, 1
         for k in range(1, n + 1):
             v = expected_tokens(p, k) / row_cost(k + 1)
