@@ -449,11 +449,11 @@ def _vocab_fingerprint(tok) -> int:
 
 # Cost of a verify of T rows of one sequence relative to one decode step (the body on T rows and the
 # logits of the first 8; benchmarks/verify_rows.py on the default q4a file of Qwen2.5-Coder-0.5B, 2
-# threads, 2026-12-05, docs/speculative.md "Verify cost"): the few-row kernels up to 8 rows, the VNNI
-# GEMM from 9 (its tile unpacking costs a step's worth at once, then little per row). Between the
-# measured row counts the cost is interpolated. k is chosen to maximise expected tokens per unit of cost.
-ROW_COST_AT = ((1, 1.0), (2, 1.05), (4, 1.07), (8, 1.40), (9, 2.57), (16, 2.74), (17, 2.76), (24, 3.37),
-               (32, 4.39), (48, 4.81), (64, 5.60), (65, 5.60))
+# threads, 2026-12-05, docs/speculative.md "Verify cost"): the few-row kernels up to 8 rows, and over
+# L2 row blocks in groups of 2-8 rows up to 64 (_ops.set_few_max_t). Between the measured row counts
+# the cost is interpolated. k is chosen to maximise expected tokens per unit of cost.
+ROW_COST_AT = ((1, 1.0), (2, 1.05), (4, 1.1), (8, 1.3), (9, 1.33), (16, 1.45), (24, 1.7), (32, 1.95),
+               (48, 2.5), (64, 3.1), (65, 3.15))
 
 
 def row_cost(t: int) -> float:

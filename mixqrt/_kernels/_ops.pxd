@@ -40,6 +40,7 @@ cdef extern from "mq_ops.h" nogil:
     int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1)
     int mq_set_lean_mv(int on)
     int mq_set_few_t(int on)
+    int mq_set_few_max_t(int t)
     int mq_set_float_mv(int on)
     int mq_set_q6_fold(int on)
     int mq_set_q2c_mv(int on)

@@ -106,6 +106,7 @@ int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1) {
 void mq_set_gemm_min_t(int t) { mq_avx512_set_gemm_min_t(t); }
 int mq_set_lean_mv(int on) { return mq_avx512_set_lean_mv(on); }
 int mq_set_few_t(int on) { return mq_avx512_set_few_t(on); }
+int mq_set_few_max_t(int t) { return mq_avx512_set_few_max_t(t); }
 int mq_set_float_mv(int on) { return mq_avx512_set_float_mv(on); }
 int mq_set_q6_fold(int on) { return mq_avx512_set_q6_fold(on); }
 int mq_set_q2c_mv(int on) { return mq_avx512_set_q2c_mv(on); }
@@ -116,6 +117,7 @@ void mq_set_float_pf(size_t nbytes) { mq_avx512_set_float_pf(nbytes); }
 void mq_set_gemm_min_t(int t) { (void)t; }
 int mq_set_lean_mv(int on) { (void)on; return 0; }
 int mq_set_few_t(int on) { (void)on; return 0; }
+int mq_set_few_max_t(int t) { (void)t; return 0; }
 int mq_set_float_mv(int on) { (void)on; return 0; }
 int mq_set_q6_fold(int on) { (void)on; return 0; }
 int mq_set_q2c_mv(int on) { (void)on; return 0; }

@@ -70,6 +70,8 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     else if (j->T == 1) mq_avx512_mv(j, n0, n1);
     else if ((j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X) && j->T <= MQ_FEW_T && mq_avx512_few_on())
         mq_avx512_few(j, n0, n1);
+    else if ((j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X) && mq_avx512_few_blocked_on(j->T))
+        mq_avx512_few_blocked(j, n0, n1);
     else if (j->fmt != MQ_Q4X && j->fmt != MQ_Q6X && j->fmt != MQ_Q3X && !mq_avx512_gemm_on(j->T))
         mq_avx512_rows_exact(j, n0, n1);
     else mq_avx512_mm(j, n0, n1);

@@ -219,6 +219,8 @@ void ctx_init(ctx_t *cx, const mq_mm_job *j);
 /* the tier's kernel families (entries for kern_avx512.c) */
 void mq_avx512_mv(const mq_mm_job *j, int n0, int n1);      /* T == 1, packed formats */
 void mq_avx512_few(const mq_mm_job *j, int n0, int n1);     /* q4x / q6x / q3x, 2 <= T <= MQ_FEW_T */
+void mq_avx512_few_blocked(const mq_mm_job *j, int n0, int n1); /* q4x / q6x / q3x, MQ_FEW_T < T <= few_max_t */
+int mq_avx512_few_blocked_on(int T);
 void mq_avx512_mm(const mq_mm_job *j, int n0, int n1);      /* T >= 2, packed formats */
 void mq_avx512_mm_tiles(const mq_mm_job *j, int n0, int n1); /* row formats, T >= 2: mm_fmt (mv_fmt's fold) */
 void mq_avx512_rows_exact(const mq_mm_job *j, int n0, int n1); /* row formats, 2 <= T <= MQ_EXACT_T */

@@ -425,7 +425,8 @@ int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1)
 int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
     if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
     if (j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X)
-        return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && mq_avx512_few_on()) ? GTT : 0;
+        return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && mq_avx512_few_on()) &&
+               !mq_avx512_few_blocked_on(j->T) ? GTT : 0;
     return mq_avx512_gemm_on(j->T) ? GTT : 0;   /* below: mq_avx512_rows_exact */
 }
 

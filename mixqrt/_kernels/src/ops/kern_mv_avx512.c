@@ -909,6 +909,46 @@ void mq_avx512_few(const mq_mm_job *j, int n0, int n1) {
     mm_few(&cx, j, n0, n1);
 }
 
+/* ------------------------------------------------------------------ MQ_FEW_T < T <= mq_few_max_t tokens on the
+ * interleaved formats (a speculative verify of up to 64 drafts): the few-token kernels above over blocks of rows
+ * that stay in L2, the tokens in groups of 2..8 (as even as they split), each group reading the block the first
+ * one brought in. The weights come from memory once, as in a decode step, and each row is bit for bit the T = 1
+ * row (the few-token kernels' fold). The VNNI GEMM unpacks every tile for its token groups: from 9 to 64 tokens
+ * that unpack was most of its cost (docs/speculative.md, "Verify cost"). Block edges are multiples of
+ * MQ_XROWS rows from n0, so every group of rows is whole. */
+#ifndef FEW_BLOCK_BYTES
+#define FEW_BLOCK_BYTES (192 << 10)
+#endif
+static int mq_few_max_t = 64;   /* 0: T > MQ_FEW_T through the GEMM (MIXQRT_FEW_MAX_T) */
+int mq_avx512_set_few_max_t(int t) { int old = mq_few_max_t; if (t >= 0) mq_few_max_t = t; return old; }
+int mq_avx512_few_blocked_on(int T) { return mq_few_t && T > MQ_FEW_T && T <= mq_few_max_t; }
+
+void mq_avx512_few_blocked(const mq_mm_job *j, int n0, int n1) {
+    ctx_t cx;
+    ctx_init(&cx, j);
+    const mq_act *a = j->a;
+    int rows = (int)(FEW_BLOCK_BYTES / j->row_bytes) / MQ_XROWS * MQ_XROWS;
+    if (rows < MQ_XROWS) rows = MQ_XROWS;
+    const int ng = (j->T + MQ_FEW_T - 1) / MQ_FEW_T;
+    mq_act at = *a;
+    at.il = NULL; at.il_gt = 0;
+    mq_mm_job jt = *j;
+    jt.a = &at; jt.tiles = NULL;
+    for (int b0 = n0; b0 < n1; b0 += rows) {
+        const int b1 = n1 - b0 <= rows ? n1 : b0 + rows;
+        for (int g = 0, t0 = 0; g < ng; g++) {
+            const int nt = j->T / ng + (g < j->T % ng);     /* 2..8 tokens: T > 8 gives ng >= 2 */
+            at.T = jt.T = nt;
+            at.q = a->q + (size_t)t0 * a->kp;
+            at.d = a->d + (size_t)t0 * a->ncp;
+            at.s = a->s + (size_t)t0 * a->ncp;
+            jt.y = j->y + (size_t)t0 * j->ldy;
+            mm_few(&cx, &jt, b0, b1);
+            t0 += nt;
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ row formats, 2 <= T <= MQ_EXACT_T
  * Every row bit for bit the T = 1 row: where T = 1 runs mv_fmt, the unpacked 4-row tiles of mm_fmt
  * (mv_fmt's fold, the unpack once for all tokens); where it runs one of the lean kernels (each with
