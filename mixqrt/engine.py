@@ -316,8 +316,8 @@ class Engine:
         speculation; larger values are capped at speculative.MAX_DRAFT).
         prediction: the text the reply is expected to repeat (token ids, or a string encoded without
         a template; OpenAI's `prediction`, e.g. the file being edited): the copy drafter
-        (speculative.CopyDrafter) drafts from it before the prompt. An engine without a drafter
-        uses a copy drafter for such a request. The output stays the model's own.
+        (speculative.CopyDrafter) drafts from it before the prompt, also on an engine without a
+        drafter or with a draft model. The output stays the model's own.
         cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
         a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
         K/V nor leaves this request's behind.
@@ -496,8 +496,8 @@ class Engine:
                 self._slots.append(lead)        # first: whatever fails below, the request is a slot to fail
                 self._slots += [_Slot(req, None, 0, i, lead) for i in range(1, req.n)]
                 drafter = self.drafter
-                if drafter is None and req.prediction is not None:
-                    drafter = self._copy_drafter = self._copy_drafter or CopyDrafter()
+                if req.prediction is not None and not isinstance(drafter, CopyDrafter):
+                    drafter = self._copy_drafter = self._copy_drafter or CopyDrafter()   # copies it
                 if drafter is not None and req.draft_k != 0 and req.n == 1:
                     try:
                         lead.spec = Speculation(drafter, self.max_context, req.draft_k, source=req.prediction)

@@ -480,3 +480,11 @@ def test_copy_drafter_sampling_is_plain_sampling(models, seed):
     assert got == want
     got, _, _ = _run(lm, REPEAT, CopyDrafter(4), n=40, prediction=want[:20] + want[22:], **kw)
     assert got == want
+
+
+def test_prediction_on_a_draft_model_engine_copies(models):
+    """A request with a prediction drafts by copying even where the engine drafts with a model."""
+    lm = models["target"]
+    want, _, _ = _run(lm, REPEAT, n=30, temperature=0)
+    got, last, _ = _run(lm, REPEAT, ModelDrafter(models["other"].model, 3), n=30, temperature=0, prediction=want)
+    assert got == want and last.accepted_draft_tokens >= 20
