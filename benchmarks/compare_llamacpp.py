@@ -234,10 +234,8 @@ def ppl_mixqrt(sysm: System, s: dict) -> dict:
     m = LoadedModel(s["path"], threads=s["threads"])
     with open(s["text"], encoding="utf-8") as f:
         text = f.read()
-    toks = m.tokenizer.encode(text, add_special_tokens=False, parse_special=False)
-    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
-    if bos is not None:
-        toks = [bos] + list(toks)
+    from mixqrt.evaluate import encode_text
+    toks, bos = encode_text(m.tokenizer, text)
     return _ppl(lambda ids: m.logits(ids), toks, bos, s)
 
 

@@ -9,6 +9,9 @@ def __getattr__(name):  # lazy: importing mixqrt stays cheap
     if name in ("Pipeline", "load"):
         from mixqrt import pipeline
         return getattr(pipeline, name)
+    if name == "SamplingParams":
+        from mixqrt import params
+        return params.SamplingParams
     if name in ("Engine", "EngineBusy"):
         from mixqrt import engine
         return getattr(engine, name)

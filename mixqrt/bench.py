@@ -88,10 +88,11 @@ def _vm_hwm_bytes() -> int | None:
     return None
 
 
-def decode_bytes_per_token(model, ctx_tokens: int) -> int:
+def decode_bytes_per_token(model, ctx_tokens: int, kv_type: str | None = None) -> int:
     """Bytes a decode step must read: every weight but the embedding table (one row is gathered;
-    a tied table is read whole as the lm_head), plus the K and V cache rows attended to. A routed
-    expert counts top_k / num_experts of its bytes: what one token reads on average."""
+    a tied table is read whole as the lm_head), plus the K and V cache rows attended to (of
+    kv_type, default the model's). A routed expert counts top_k / num_experts of its bytes: what
+    one token reads on average."""
     from mixqrt.models.base import is_qtensor
     from mixqrt.models.spec import EMBED, role_of
     total = 0
@@ -104,8 +105,7 @@ def decode_bytes_per_token(model, ctx_tokens: int) -> int:
         if moe is not None and ".mlp.experts." in name and role_of(name).startswith("expert_"):
             nb = nb * moe.top_k / moe.n_experts
         total += nb
-    a = model.args
-    total += 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 4 * ctx_tokens
+    total += int(model.kv_bytes_per_token(kv_type) * ctx_tokens)
     return total
 
 
@@ -120,14 +120,30 @@ def _weights(model):
 
 def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_prompt: int = 128,
           repeats: int = 3, perf: bool = False, progress: bool = True, probe_bytes: int = 1 << 30,
-          probes: int = 3) -> list[dict]:
+          probes: int = 3, depth: int = 0, kv_type: str | None = None, depth_text=None) -> list[dict]:
     """One row per thread count: pp_tok_s, tg_tok_s, ttft_s, peak_rss_bytes, model_bytes, bandwidth_ratio.
-    The bandwidth probe (``probes`` runs over ``probe_bytes``) runs before and after each row's timings."""
+    The bandwidth probe (``probes`` runs over ``probe_bytes``) runs before and after each row's timings.
+
+    depth (llama-bench's -d): the cache first holds `depth` tokens of context (filled once, not
+    timed, with a progress bar; depth_text: their ids, default random ids), and every timed run
+    starts after them: pp and the TTFT prompt are written at positions depth.., decode attends over
+    depth + the TTFT prompt. kv_type: the KV cache's type (default the model's)."""
     from mixqrt import ops
+    from mixqrt.cache import check_kv_type
     model = loaded.model
+    kv_type = check_kv_type(kv_type or model.kv_type)
     rng = np.random.default_rng(0)
     vocab = model.args.vocab_size
     prompt = rng.integers(100, min(vocab, 30000), size=n_prompt)
+    depth = int(depth)
+    if depth < 0 or depth > model.context_length:     # the timed tokens may run past it, as llama-bench's do
+        from mixqrt.errors import GenerationError
+        raise GenerationError(f"depth must be in [0, {model.context_length}] (the model's context), got {depth}")
+    fill = (np.asarray(depth_text, dtype=np.int64)[:depth] if depth_text is not None
+            else rng.integers(100, min(vocab, 30000), size=depth))
+    if fill.size < depth:
+        from mixqrt.errors import GenerationError
+        raise GenerationError(f"depth {depth} needs that many tokens of depth_text, got {fill.size}")
     rows = []
     for nt in threads:
         if hasattr(ops, "set_num_threads"):
@@ -135,8 +151,10 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         bw = measure_bandwidth(int(nt), probe_bytes, probes)
         # the probe's 1 GB buffer is freed again: peak RSS counts from here (where Linux lets us reset it)
         hwm_reset = _reset_peak_rss()
-        cache = model.make_cache(n_prompt + n_gen + 8)
+        cache = model.make_cache(depth + max(n_prompt, ttft_prompt + n_gen) + 8, kv_type)
         model(prompt[:32], cache, 0, last_only=True)        # warm-up: page in weights, JIT nothing
+        cache.reset()
+        fill_s = _fill(model, cache, fill, progress) if depth else 0.0
         path = getattr(loaded, "path", None)
         rss_warm = rss_bytes()
         frss_warm = file_rss_bytes(path) if path else None
@@ -146,13 +164,13 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         pp, tg, ttft, steal = [], [], [], []
         counters = None
         for r in range(repeats):
-            cache.reset()
+            _rewind(model, cache, fill)
             t = time.perf_counter()
-            model(prompt, cache, 0, last_only=True)
+            model(prompt, cache, depth, last_only=True)
             pp.append(n_prompt / (time.perf_counter() - t))
-            cache.reset()
+            _rewind(model, cache, fill)
             t = time.perf_counter()
-            logits = model(prompt[:ttft_prompt], cache, 0, last_only=True)
+            logits = model(prompt[:ttft_prompt], cache, depth, last_only=True)
             tok = int(np.argmax(logits))
             ttft.append(time.perf_counter() - t)
             if perf and r == 0:
@@ -173,7 +191,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
         peak = (_vm_hwm_bytes() if hwm_reset else None) or peak_rss_bytes()
         probe = max(bw, measure_bandwidth(int(nt), probe_bytes, probes))   # probed before and after the timed runs
         tg_med = statistics.median(tg)
-        bpt = decode_bytes_per_token(model, ttft_prompt + n_gen // 2)
+        bpt = decode_bytes_per_token(model, depth + ttft_prompt + n_gen // 2, kv_type)
         bw, probe_note = honest_bound(probe, [max(tg) * bpt])
         row = {"threads": int(nt), "pp_tok_s": statistics.median(pp), "tg_tok_s": tg_med,
                "ttft_s": statistics.median(ttft), "peak_rss_bytes": peak,
@@ -181,7 +199,8 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                "read_bandwidth_bytes_s": bw, "probe_bandwidth_bytes_s": probe, "probe_note": probe_note,
                # achieved decode bandwidth / measured bandwidth; 1.0 = at the memory limit
                "bandwidth_ratio": tg_med * bpt / bw, "n_prompt": n_prompt, "n_gen": n_gen,
-               "weights_huge_fraction": huge,
+               "weights_huge_fraction": huge, "depth": depth, "depth_fill_seconds": fill_s, "kv_type": kv_type,
+               "kv_bytes_per_token": model.kv_bytes_per_token(kv_type),
                # resident memory after the warm-up (a 32-token prompt) and after the first repetition's
                # pp + n_gen decode steps: all of it (VmRSS) and the model file's mapped pages, against
                # the file's size (a MoE model reads only the experts its tokens pick)
@@ -198,6 +217,25 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
                 row["perf_error"] = counters.error if counters is not None else "not measured"
         rows.append(row)
     return rows
+
+
+def _fill(model, cache, fill: np.ndarray, progress: bool, chunk: int = 512) -> float:
+    """Write `fill` (the depth's tokens) into an empty cache, chunk by chunk with a progress bar -> seconds."""
+    from tqdm.auto import tqdm
+    t = time.perf_counter()
+    with tqdm(total=fill.size, desc="depth", unit="tok", disable=not progress, leave=False) as bar:
+        for s in range(0, fill.size, chunk):
+            model(fill[s:s + chunk], cache, s, last_only=True)
+            bar.update(min(chunk, fill.size - s))
+    return time.perf_counter() - t
+
+
+def _rewind(model, cache, fill: np.ndarray) -> None:
+    """Back to the depth's tokens only (a packed cache may trim further, to a block start: those
+    rows are written again)."""
+    cache.trim(cache.offset - fill.size)
+    if cache.offset < fill.size:
+        model(fill[cache.offset:], cache, cache.offset, last_only=True)
 
 
 def _file_size(path) -> int | None:
@@ -217,7 +255,8 @@ class _null:
 
 
 def format_rows(rows, label: str) -> str:
-    head = (f"| model | threads | pp{rows[0]['n_prompt']} tok/s | tg{rows[0]['n_gen']} tok/s | TTFT s | "
+    at = f" @ d{rows[0]['depth']}" if rows[0].get("depth") else ""
+    head = (f"| model | threads | pp{rows[0]['n_prompt']}{at} tok/s | tg{rows[0]['n_gen']}{at} tok/s | TTFT s | "
             f"peak RSS MiB | model MiB | B/token / bandwidth |")
     out = [head, "|" + "---|" * 8]
     for r in rows:
@@ -226,6 +265,10 @@ def format_rows(rows, label: str) -> str:
                    f"{r['bandwidth_ratio']:.2f} ({r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s) |")
         if r.get("probe_note"):
             out.append(f"NOTE: {r['probe_note']}")
+        if r.get("kv_type"):
+            out.append(f"KV cache {r['kv_type']}: {r['kv_bytes_per_token']:,.0f} bytes per token"
+                       + (f"; depth {r['depth']} tokens ({r['depth'] * r['kv_bytes_per_token'] / 2**20:.1f} MiB of "
+                          f"K/V), filled in {r['depth_fill_seconds']:.1f} s" if r.get("depth") else ""))
         if r.get("steal_fraction") is not None and r["steal_fraction"] >= 0.02:
             out.append(f"NOTE: the hypervisor took {100 * r['steal_fraction']:.0f} % of the CPU time during decode "
                        "(steal, /proc/stat): the machine is shared; compare ratios from one run")

@@ -117,3 +117,50 @@ class KVCache:
     def __repr__(self) -> str:
         return (f"KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"max_len={self.max_len}, offset={self.offset}, nbytes={self.nbytes})")
+
+
+# ============================================================================ KV types
+# The KV cache's element type, chosen per Pipeline / Engine (kv_type=) and on the command line
+# (--kv-type). f32 and f16 are the KVCache above; q8 and q4 are the packed, mixed-bit cache of
+# issue 41 (keys per channel over 64-token blocks, values per token, the first and the current
+# partial block kept in f16), which replaces the stub below.
+KV_TYPES = ("f32", "f16", "q8", "q4")
+DEFAULT_KV_TYPE = "f32"          # becomes "q4" with the packed cache
+_FLOAT_KV = {"f32": np.float32, "f16": np.float16}
+
+
+def check_kv_type(kv_type) -> str:
+    """A kv_type name (or None: DEFAULT_KV_TYPE) -> the checked name; GenerationError naming the choices."""
+    if kv_type is None:
+        return DEFAULT_KV_TYPE
+    name = str(kv_type).strip().lower() if isinstance(kv_type, str) else None
+    if name not in KV_TYPES:
+        raise GenerationError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+    return name
+
+
+def kv_type_of_dtype(dtype) -> str:
+    """np.float32 / np.float16 -> "f32" / "f16" (the dtype= spelling of older callers)."""
+    d = np.dtype(dtype)
+    for name, t in _FLOAT_KV.items():
+        if d == t:
+            return name
+    raise GenerationError(f"KVCache dtype must be float32 or float16, got {d}")
+
+
+def make_kv_cache(kv_type, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, windows=None):
+    """A cache of `kv_type` for positions 0 .. max_len-1; windows: per-layer sliding window or None
+    (a float cache keeps every position of every layer)."""
+    kv_type = check_kv_type(kv_type)
+    if kv_type in _FLOAT_KV:
+        return KVCache(num_layers, num_kv_heads, head_dim, max_len, _FLOAT_KV[kv_type])
+    raise GenerationError(f"kv_type {kv_type!r} needs the packed KV cache, which this build does not have yet; "
+                          f"use one of {', '.join(_FLOAT_KV)}")
+
+
+def kv_bytes_per_token(kv_type, num_layers: int, num_kv_heads: int, head_dim: int) -> float:
+    """Steady-state bytes per cached token, K and V, all layers."""
+    kv_type = check_kv_type(kv_type)
+    if kv_type in _FLOAT_KV:
+        return float(2 * num_layers * num_kv_heads * head_dim * np.dtype(_FLOAT_KV[kv_type]).itemsize)
+    raise GenerationError(f"kv_type {kv_type!r} needs the packed KV cache, which this build does not have yet")

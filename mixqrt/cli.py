@@ -23,6 +23,15 @@ def _add_model(p, optional=False):
     p.add_argument("--offline", action="store_true", help="never touch the network (like HF_HUB_OFFLINE=1)")
 
 
+LONG_WINDOW = 2048      # mixqrt ppl: windows longer than this get the scored half's logits in pieces
+
+
+def _add_kv_type(p):
+    from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
+    p.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
+                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {DEFAULT_KV_TYPE}; docs/long-context.md)")
+
+
 def _add_sampling(p):
     p.add_argument("-n", "--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config.json)")
@@ -32,7 +41,13 @@ def _add_sampling(p):
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length (default: the model's own, e.g. 32768 for Qwen2.5; KV pages are "
+                        "resident only as a sequence grows)")
+    from mixqrt.limits import parse_bytes
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, metavar="N",
+                   help="bound of the KV cache's bytes (512MiB, 2GiB...; default: a quarter of the memory available)")
+    _add_kv_type(p)
     add_speculative_arguments(p)
 
 
@@ -47,9 +62,12 @@ def _sampling_kwargs(a) -> dict:
 
 def _pipeline(a):
     from mixqrt.pipeline import Pipeline
-    return Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
+    pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
                     offline=True if a.offline else None, max_context=getattr(a, "ctx", None),
-                    **speculative_kwargs(a))
+                    kv_type=getattr(a, "kv_type", None), **speculative_kwargs(a))
+    if getattr(a, "kv_cache_bytes", None) is not None:
+        pipe.configure_engine(kv_cache_bytes=a.kv_cache_bytes)
+    return pipe
 
 
 
@@ -134,7 +152,7 @@ def cmd_imatrix(a):
 
 def cmd_inspect(a):
     from mixqrt.inspect import inspect_model
-    print(inspect_model(a.model, placement=a.placement, as_json=a.json, recipe=a.recipe))
+    print(inspect_model(a.model, placement=a.placement, as_json=a.json, recipe=a.recipe, kv_type=a.kv_type))
 
 
 def cmd_upgrade(a):
@@ -151,16 +169,24 @@ def cmd_generate(a):
     pipe = _pipeline(a)
     prompt = a.prompt if a.prompt is not None else sys.stdin.read()
     last = None
+    if a.suffix is not None and a.chat:
+        raise SystemExit("mixqrt generate: --suffix (fill-in-the-middle) and --chat do not go together")
     if not a.chat:
         sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
     kw = _sampling_kwargs(a)
     if a.prediction is not None:
         with open(a.prediction, encoding="utf-8") as f:
             kw["prediction"] = f.read()
-    for r in pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **kw):
+    if a.suffix is not None:       # fill-in-the-middle: the prompt is the text before the cursor
+        pieces = pipe.stream_infill(prompt, a.suffix, **kw)
+    else:
+        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **kw)
+    for r in pieces:
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
+    if a.suffix is not None:
+        sys.stdout.write(a.suffix)
     sys.stdout.write("\n")
     if last is not None and not a.quiet:
         print(f"[prompt {last.prompt_tokens} tok, {last.prompt_tps:.1f} tok/s | "
@@ -194,30 +220,36 @@ def cmd_chat(a):
 
 
 def cmd_ppl(a):
-    from mixqrt.evaluate import perplexity
+    from mixqrt.evaluate import encode_text, perplexity
     from mixqrt.pipeline import load
     m = load(a.model, a.recipe, threads=a.threads, offline=True if a.offline else None, progress=not a.quiet)
+    if a.kv_type is not None:
+        m.model.kv_bytes_per_token(a.kv_type)        # a type this build cannot make fails here
+        m.model.kv_type = a.kv_type
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
-    toks = m.tokenizer.encode(text, add_special_tokens=False)
-    bos = m.tokenizer.bos_token_id if getattr(m.tokenizer, "add_bos_token", False) else None
-    if bos is not None:
-        toks = [bos] + list(toks)
+    toks, bos = encode_text(m.tokenizer, text, parse_special=a.parse_special)
 
     def show(i, v):
         if not a.json and not a.quiet:
             print(f"[{i + 1}]{v:.4f}", end=" ", flush=True, file=sys.stderr)
 
+    # long windows: only the scored half's logits, 512 rows at a time (LONG_WINDOW; 16384 x vocab is 10 GB)
+    pieces = m.logit_pieces if a.ctx > LONG_WINDOW else None
     r = perplexity(lambda ids: m.logits(ids), toks, ctx=a.ctx, chunks=a.chunks, bos_id=bos,
-                   save_logits=a.save_logits, kl_base=a.kl_base, progress=False, on_chunk=show)
+                   save_logits=a.save_logits, kl_base=a.kl_base, progress=False, on_chunk=show, pieces_fn=pieces)
     if a.json:
         d = r.to_dict()
-        d.update(model=str(a.model), recipe=m.recipe, text=a.text)
+        mm = m.model
+        bpt = mm.kv_bytes_per_token()
+        d.update(model=str(a.model), recipe=m.recipe, text=a.text, kv_type=mm.kv_type, kv_bytes_per_token=bpt,
+                 kv_bits_per_value=8 * bpt / (2 * mm.args.num_hidden_layers * mm.args.num_key_value_heads
+                                              * mm.args.head_dim))
         print(json.dumps(d))
         return
     print(file=sys.stderr)
     print(f"PPL = {r.ppl:.4f} +/- {r.ppl_err:.5f}  ({r.tokens} tokens scored in {r.chunks} chunks of {r.ctx}, "
-          f"{r.seconds:.1f} s)")
+          f"{m.model.kv_type} KV cache, {r.seconds:.1f} s)")
     if r.kld_mean is not None:
         print(f"KL divergence: mean {r.kld_mean:.6f}, 99th percentile {r.kld_p99:.6f}; "
               f"same top token {r.same_top_pct:.2f} %")
@@ -231,7 +263,8 @@ def cmd_bench(a):
     except ValueError:
         raise SystemExit(f"mixqrt bench: -t wants a comma list of ints, got {a.threads!r}") from None
     m = load(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
-    rows = bench(m, threads=threads, n_prompt=a.n_prompt, n_gen=a.n_gen, repeats=a.repetitions, perf=a.perf)
+    rows = bench(m, threads=threads, n_prompt=a.n_prompt, n_gen=a.n_gen, repeats=a.repetitions, perf=a.perf,
+                 depth=a.depth, kv_type=a.kv_type, progress=not a.quiet)
     for r in rows:
         r["load_seconds"] = m.load_seconds
     if a.json:
@@ -314,6 +347,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("model")
     s.add_argument("--recipe", default=None, help="for a source model: show the plan for this recipe")
     s.add_argument("--placement", action="store_true", help="print the NUMA/tier placement plan")
+    _add_kv_type(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_inspect)
 
@@ -331,6 +365,9 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                    help="text the reply is expected to repeat (the file being edited): drafts are copied from it "
                         "first (OpenAI's `prediction`; speculative decoding, the output unchanged; "
                         "docs/speculative.md)")
+    s.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: the prompt is the text before the cursor, TEXT the text after it "
+                        "(the model's FIM tokens; llama.cpp's /infill prompt, docs/completion.md)")
     _add_sampling(s)
     s.set_defaults(fn=cmd_generate)
 
@@ -346,8 +383,12 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--text", required=True, help="UTF-8 text file, e.g. wikitext-2 test")
     s.add_argument("--ctx", type=int, default=512)
     s.add_argument("--chunks", type=int, default=None, help="score only the first N chunks")
+    s.add_argument("--parse-special", action="store_true",
+                   help="read special-token text in the file (\"<unk>\", \"<|endoftext|>\") as those tokens "
+                        "(default: the text is data, encoded as text, as llama-perplexity does)")
     s.add_argument("--save-logits", default=None, metavar="FILE", help="save log-probs for a later --kl-base")
     s.add_argument("--kl-base", default=None, metavar="FILE", help="compare with a base model's saved log-probs")
+    _add_kv_type(s)
     s.add_argument("--json", action="store_true")
     s.add_argument("-t", "--threads", type=int, default=None)
     s.add_argument("-q", "--quiet", action="store_true")
@@ -369,6 +410,10 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (default 512)")
     s.add_argument("-n", "--n-gen", type=int, default=128, help="decode steps for tg (default 128)")
     s.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions, median reported (default 3)")
+    s.add_argument("-d", "--depth", type=int, default=0, metavar="N",
+                   help="llama-bench's -d: N tokens of context are in the KV cache before every timed run "
+                        "(filled once, not timed; default 0)")
+    _add_kv_type(s)
     s.add_argument("--perf", action="store_true", help="cache-misses per instruction (perf_event_open)")
     s.add_argument("--json", action="store_true")
     s.add_argument("-q", "--quiet", action="store_true")

@@ -2,6 +2,7 @@
 
     eng = Engine(pipe, max_slots=8)                 # a Pipeline, a LoadedModel or a bare Model
     req = eng.submit(prompt_ids, max_new_tokens=64, temperature=0.7, seed=1, stop=["\\n\\n"])
+    req = eng.submit(prompt_ids, SamplingParams(max_new_tokens=64))   # or the options as one object
     for r in req:                                   # or: async for r in req
         print(r.text, end="")
     eng.stats(); eng.close()
@@ -38,14 +39,29 @@ from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError, RequestError
 from mixqrt.generate import GenerationResponse, Sequence
 from mixqrt.grammar import compile_async, grammar_from_response_format
-from mixqrt.limits import DEFAULT_MAX_CONTEXT
 from mixqrt.platform.perf import peak_rss_bytes
-from mixqrt.sample_utils import _int, _number
+from mixqrt.params import MAX_N, SamplingParams, as_params
 from mixqrt.speculative import MAX_DRAFT, CopyDrafter, Speculation, exact_rows, prediction_ids
+from mixqrt.validate import integer, number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+MIN_KV_CACHE_BYTES = 256 << 20         # the default bound's floor (and its value where free memory is unknown: 1 GiB)
+
+
+def default_kv_cache_bytes() -> int:
+    """The default bound of the KV memory: a quarter of the memory available now (MemAvailable),
+    at least 256 MiB; 1 GiB where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return max(MIN_KV_CACHE_BYTES, int(line.split()[1]) * 1024 // 4)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 30
+
+
 MAX_CACHE_SALT = 1024                   # characters (the server's own field allows 256, plus its key's salt)
 _ids = itertools.count(1)
 
@@ -190,16 +206,6 @@ class Request:
         return f"Request(id={self.id}, prompt_tokens={self.prompt_tokens}, finish_reason={self.finish_reason!r})"
 
 
-def _cache_salt(salt):
-    if salt is None:
-        return None
-    if not isinstance(salt, str):
-        raise RequestError("cache_salt", f"cache_salt must be a string or None, got {type(salt).__name__}")
-    if len(salt) > MAX_CACHE_SALT:
-        raise RequestError("cache_salt", f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT}")
-    return salt
-
-
 def _wake_future(fut) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -238,14 +244,18 @@ class Engine:
     """Continuous-batching generation over one model (see the module docstring).
 
     max_slots: requests decoded together; prefill_chunk: prompt tokens per step; kv_cache_bytes:
-    bound of the KV memory, cached prompts and running requests' written pages (default 1 GiB;
-    cached prompts are evicted to keep it; 0 turns the prompt cache off);
+    bound of the KV memory, cached prompts and running requests' written pages (default: a quarter
+    of the memory available at start, default_kv_cache_bytes; cached prompts are evicted to keep it,
+    a request waits for room before it starts, a prompt that cannot fit alone is refused with a
+    RequestError naming the sizes, and a decoding request that would cross it ends with "length";
+    0 turns the prompt cache off and the bound with it); kv_type: the KV cache's type
+    (mixqrt.cache.KV_TYPES; default the Pipeline's, else the model's);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
     weight tiles that batched steps read instead of unpacking (ops.set_gemm_cache, process-wide;
     default: leave it; docs/engine.md). tokenizer / max_context default to those of the Pipeline
-    or LoadedModel given (a bare Model: no text, context min(model's, 4096)). speculative: a
+    or LoadedModel given (a bare Model: no text, the model's whole context). speculative: a
     drafter (mixqrt.speculative.make_drafter: prompt lookup or a draft model) that a lone decoding
     sequence uses to emit several tokens per forward (docs/speculative.md); None: off.
     """
@@ -253,23 +263,26 @@ class Engine:
     def __init__(self, model_or_pipeline, *, max_slots: int = 8, prefill_chunk: int = 256,
                  kv_cache_bytes: int | None = None, max_queue: int = 64, stall_timeout: float = 30.0,
                  threads: int | None = None, tokenizer=None, max_context: int | None = None,
-                 gemm_cache_bytes: int | None = None, speculative=None):
+                 gemm_cache_bytes: int | None = None, speculative=None, kv_type: str | None = None):
         model, tok, ctx = _unpack(model_or_pipeline)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else tok
-        self.max_slots = _int("max_slots", max_slots, lo=1)
-        self.prefill_chunk = _int("prefill_chunk", prefill_chunk, lo=1)
-        self.max_queue = _int("max_queue", max_queue, lo=0)
-        self.stall_timeout = _number("stall_timeout", stall_timeout, lo=0.0, lo_open=True)
-        cap = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else _int("kv_cache_bytes", kv_cache_bytes, lo=0)
+        self.max_slots = integer("max_slots", max_slots, lo=1)
+        self.prefill_chunk = integer("prefill_chunk", prefill_chunk, lo=1)
+        self.max_queue = integer("max_queue", max_queue, lo=0)
+        self.stall_timeout = number("stall_timeout", stall_timeout, lo=0.0, lo_open=True)
+        cap = default_kv_cache_bytes() if kv_cache_bytes is None else integer("kv_cache_bytes", kv_cache_bytes, lo=0)
         if max_context is not None:
-            ctx = _int("max_context", max_context, lo=2)
-        self.max_context = min(int(ctx or DEFAULT_MAX_CONTEXT), model.args.max_position_embeddings)
+            ctx = integer("max_context", max_context, lo=2)
+        self.max_context = min(int(ctx or model.args.max_position_embeddings), model.args.max_position_embeddings)
+        if kv_type is None:
+            kv_type = getattr(model_or_pipeline, "kv_type", None)
         if threads is not None:
-            ops.set_num_threads(_int("threads", threads, lo=1))
+            ops.set_num_threads(integer("threads", threads, lo=1))
         if gemm_cache_bytes is not None:
-            ops.set_gemm_cache(_int("gemm_cache_bytes", gemm_cache_bytes, lo=0))
-        self._cache = PromptCache(model, self.max_context, cap)
+            ops.set_gemm_cache(integer("gemm_cache_bytes", gemm_cache_bytes, lo=0))
+        self._cache = PromptCache(model, self.max_context, cap, kv_type)
+        self.kv_type = self._cache.kv_type
         if speculative is not None and not hasattr(speculative, "propose"):
             raise GenerationError(f"speculative must be a drafter (mixqrt.speculative.make_drafter), "
                                   f"got {type(speculative).__name__}")
@@ -280,38 +293,38 @@ class Engine:
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
         self._compiling = 0             # requests whose grammar is being compiled (count as queued)
+        self._jobs: deque = deque()     # embedding packs (mixqrt.embed), run between steps
+        self._job_turn = False          # a job ran last: the next round is a step (jobs and steps alternate)
         self._masker = None             # the thread that computes grammar masks during the forward
         self._closing = False
         self._error: BaseException | None = None
         self._n = dict(steps=0, tokens_generated=0, prompt_tokens=0, prefill_tokens=0, requests=0,
                        finished=0, cancelled=0, stalled=0, failed=0, decode_tokens=0,
                        max_batch=0, draft_tokens=0, accepted_draft_tokens=0, verify_steps=0,
-                       grammar_masks=0, grammar_mask_seconds=0.0)
+                       grammar_masks=0, grammar_mask_seconds=0.0, embed_requests=0, embed_tokens=0)
         self._thread = threading.Thread(target=self._loop, name="mixqrt-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public
-    def submit(self, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None, top_p=None,
-               min_p=None, repetition_penalty=None, seed=None, stop=None, eos_token_ids=None,
-               buffer: int = 64, repetition_context_size: int = 64, do_sample: bool | None = None,
-               logprobs: bool | None = None, top_logprobs: int = 0, n: int = 1, presence_penalty: float = 0.0,
-               frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-               draft_k: int | None = None, cache_salt: str | None = None,
-               cache_prompt: bool = True, response_format=None, tools=None, tool_choice=None,
-               parallel_tool_calls: bool = True, prediction=None) -> Request:
+    def submit(self, prompt_ids, params: SamplingParams | None = None, *, buffer: int = 64, **kwargs) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
-        Bad arguments raise GenerationError (RequestError naming the field) here; EngineBusy when
-        max_queue requests already wait. Sampling arguments left at None come from the model's
-        generation_config (generate.resolve_sampling: greedy unless do_sample or the config asks
-        for sampling). Each request samples with its own RNG (seeded by `seed`), so a seeded
-        request gives the same tokens whatever it is batched with.
+        params: the request's options (mixqrt.params.SamplingParams: max_new_tokens, sampling,
+        stop, n, logprobs, penalties, logit_bias, response_format, tools, draft_k, cache_salt,
+        ...); keyword arguments build one or change the given one. buffer: pieces the consumer may
+        leave unread before the slot pauses. Bad arguments raise GenerationError (RequestError
+        naming the field) here; EngineBusy when max_queue requests already wait. Sampling
+        arguments left at None come from the model's generation_config (generate.resolve_sampling:
+        greedy unless do_sample or the config asks for sampling). Each request samples with its
+        own RNG (seeded by `seed`), so a seeded request gives the same tokens whatever it is
+        batched with.
 
         n > 1: n choices of one prompt, prefilled once (the other choices copy its KV rows, a
         prefix-cache fork) and decoded in the same batch; the pieces carry ``index`` 0..n-1 and
         choice i > 0 is seeded from (seed, i). logprobs/top_logprobs: each piece carries the
         token's log-probability under the model's raw logits (GenerationResponse.logprobs).
-        presence_penalty/frequency_penalty/logit_bias: OpenAI's (sample_utils).
+        presence_penalty/frequency_penalty/logit_bias: OpenAI's (sample_utils). n is also bounded by
+        max_slots.
         draft_k: drafts per speculative step for this request (None: the drafter's own k; 0: no
         speculation; larger values are capped at speculative.MAX_DRAFT).
         prediction: the text the reply is expected to repeat (token ids, or a string encoded without
@@ -329,27 +342,19 @@ class Engine:
         within mixqrt.grammar.COMPILE_TIMEOUT_S) ends the request with a RequestError, raised
         from its iteration. The shape of response_format is checked here.
         """
-        buffer = _int("buffer", buffer, lo=1)
-        prediction = prediction_ids(prediction, self.tokenizer, self.model.args.vocab_size)
-        if draft_k is not None:
-            draft_k = min(_int("draft_k", draft_k, lo=0), MAX_DRAFT)
-        salt = _cache_salt(cache_salt)
-        if not isinstance(cache_prompt, (bool, np.bool_)):
-            raise RequestError("cache_prompt", f"cache_prompt must be true or false, got {cache_prompt!r}")
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= min(8, self.max_slots):
-            raise RequestError("n", f"n must be an integer in [1, {min(8, self.max_slots)}] (at most 8 and the "
-                                    f"engine's max_slots), got {n!r}")
-        if seed is not None:
-            seed = _int("seed", seed)
-        seqs = [Sequence(self.model, self.tokenizer, prompt_ids, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
-                         seed=seed if i == 0 or seed is None else _choice_seed(seed, i), stop=stop,
-                         eos_token_ids=eos_token_ids, max_context=self.max_context, do_sample=do_sample,
-                         logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=presence_penalty,
-                         frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-                for i in range(int(n))]
-        grammar, field = self._grammar(response_format, tools, tool_choice, parallel_tool_calls)
+        p = as_params(params, **kwargs)
+        buffer = integer("buffer", buffer, lo=1)
+        draft_k = None if p.draft_k is None else min(p.draft_k, MAX_DRAFT)
+        prediction = prediction_ids(p.prediction, self.tokenizer, self.model.args.vocab_size)
+        if p.n > self.max_slots:
+            raise RequestError("n", f"n must be an integer in [1, {min(MAX_N, self.max_slots)}] (at most {MAX_N} "
+                                    f"and the engine's max_slots), got {p.n!r}")
+        seqs = [Sequence(self.model, self.tokenizer, prompt_ids,
+                         p if i == 0 or p.seed is None else p.replace(seed=_choice_seed(p.seed, i)),
+                         max_context=self.max_context)
+                for i in range(p.n)]
+        self._fit_kv(seqs)
+        grammar, field = self._grammar(p.response_format, p.tools, p.tool_choice, p.parallel_tool_calls)
         with self._cond:
             if self._error is not None:
                 raise GenerationError(f"the engine stopped after an internal error: {self._error!r}")
@@ -359,7 +364,7 @@ class Engine:
                 raise EngineBusy(f"the engine is busy: {len(self._queue) + self._compiling} requests are waiting "
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seqs, buffer)
-            req.cache_salt, req.cache_prompt = salt, bool(cache_prompt)
+            req.cache_salt, req.cache_prompt = p.cache_salt, p.cache_prompt
             req.draft_k, req.prediction = draft_k, prediction
             self._n["requests"] += 1
             if grammar is None:
@@ -376,6 +381,72 @@ class Engine:
                 self._n["requests"] -= 1
             raise
         return req
+
+    def _fit_kv(self, seqs: list[Sequence]) -> None:
+        """The KV bound must hold the prompt (and one new token) of each of a request's choices
+        alone, else RequestError naming the sizes; the token budget is cut to what fits."""
+        c = self._cache
+        rows = c.max_rows(len(seqs))
+        if rows >= self.max_context:
+            return
+        p = len(seqs[0].prompt)
+        if p + 1 > rows:
+            need = len(seqs) * c.bytes_for(p + 1)
+            raise RequestError("prompt", f"the prompt has {p} tokens; with one new token its KV cache needs "
+                                         f"{need:,d} bytes ({len(seqs)} x {p + 1} tokens of {self.kv_type} K/V, "
+                                         f"{c.row_bytes:,d} bytes per token) but the KV cache bound "
+                                         f"(kv_cache_bytes) is {c.capacity:,d} bytes: it holds {rows} tokens")
+        for sq in seqs:
+            sq.budget = min(sq.budget, rows - p)
+
+    def embed(self, seqs, embedder) -> "Future":
+        """Queue embeddings of token-id sequences -> a concurrent.futures.Future of embedder.embed's
+        result (``asyncio.wrap_future`` for async callers). The forwards run on the engine thread, one
+        pack of embedder.batch_tokens tokens per scheduling round, alternating with decode steps, so
+        running streams keep getting tokens; no K/V is kept. EngineBusy past max_queue."""
+        from concurrent.futures import Future, InvalidStateError
+        seqs = [self.model.check_tokens(s) for s in seqs]
+        too_long = [i for i, s in enumerate(seqs) if s.size > self.max_context]
+        if too_long:
+            raise RequestError("input", f"input {too_long[0]} has {seqs[too_long[0]].size} tokens; the context "
+                                        f"holds {self.max_context}")
+        fut: Future = Future()
+        packs = list(embedder._packs(seqs)) if seqs else []
+        state = {"left": len(packs), "out": [None] * len(seqs)}
+
+        def run(pack):
+            if fut.done():                  # cancelled by the caller, or an earlier pack failed
+                return
+            try:
+                for i, h in zip(pack, embedder.hidden([seqs[i] for i in pack], embedder.rows())):
+                    state["out"][i] = h
+                state["left"] -= 1
+                result, error = (embedder.pool(state["out"]), None) if state["left"] == 0 else (None, None)
+            except Exception as e:  # noqa: BLE001 — handed to the caller
+                result, error = None, e
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                elif result is not None:
+                    fut.set_result(result)
+            except InvalidStateError:       # the caller cancelled meanwhile
+                pass
+        with self._cond:
+            if self._error is not None or self._closing:
+                raise GenerationError("the engine is closed" if self._closing else
+                                      f"the engine stopped after an internal error: {self._error!r}")
+            waiting = len(self._queue) + self._compiling + len({id(j[1]) for j in self._jobs})
+            if waiting >= self.max_queue:
+                raise EngineBusy(f"the engine is busy: {waiting} requests are waiting (max_queue="
+                                 f"{self.max_queue}); retry later")
+            if not packs:
+                fut.set_result(embedder.pool([]))
+                return fut
+            self._jobs.extend((lambda p=p: run(p), fut) for p in packs)
+            self._n["embed_requests"] += 1
+            self._n["embed_tokens"] += int(sum(s.size for s in seqs))
+            self._cond.notify_all()
+        return fut
 
     def _grammar(self, response_format, tools, tool_choice, parallel):
         """-> (grammar text or None, the request field it comes from). Tool calls forced by
@@ -429,6 +500,8 @@ class Engine:
                     "stalled": self._n["stalled"], "failed": self._n["failed"],
                     "compiling": self._compiling, "grammar_masks": self._n["grammar_masks"],
                     "grammar_mask_seconds": self._n["grammar_mask_seconds"],
+                    "embed_requests": self._n["embed_requests"], "embed_tokens": self._n["embed_tokens"],
+                    "embed_packs_queued": len(self._jobs),
                     "alive": self._thread.is_alive()}
 
     def close(self, timeout: float = 30.0) -> None:
@@ -462,6 +535,9 @@ class Engine:
                     work = self._schedule()
                 if work is None:
                     return
+                if callable(work):          # an embedding pack (Engine.embed)
+                    work()
+                    continue
                 self._step(*work)
         except BaseException as e:  # noqa: BLE001 — a bug in the engine itself: fail every request
             with self._cond:
@@ -478,13 +554,17 @@ class Engine:
         while True:
             now = time.perf_counter()
             if self._closing:
+                for _, fut in self._jobs:
+                    if not fut.done():
+                        fut.set_exception(GenerationError("the engine is closed"))
+                self._jobs.clear()
                 for s in list(self._slots):
                     self._finish(s, "cancelled")
                 while self._queue:
                     self._end_queued(self._queue.popleft())
                 return None
             self._reap(now)
-            while self._queue and (self._queue[0].cancelled or len(self._slots) + self._queue[0].n <= self.max_slots):
+            while self._queue and (self._queue[0].cancelled or self._admissible(self._queue[0])):
                 req = self._queue.popleft()
                 if req.cancelled:
                     self._end_queued(req)
@@ -507,11 +587,38 @@ class Engine:
             decode = [s for s in self._slots if s.tok is not None and not s.req._full()]
             for s in self._slots:
                 s.req.paused = s.tok is not None and s.req._full()
+            while self._jobs and self._jobs[0][1].done():     # a failed embedding request's other packs
+                self._jobs.popleft()
+            if self._jobs and not (self._job_turn and (prefill is not None or decode)):
+                self._job_turn = True
+                return self._jobs.popleft()[0]
+            self._job_turn = False
+            if decode and not self._cache.room_to_grow([s.entry for s in decode]):
+                self._cut_longest(decode)   # the KV bound is reached: the longest decoding slot ends
+                continue
             if prefill is not None or decode:
                 self._cache.evict()         # running caches grew by the last step: keep the bound
                 return prefill, decode
             waits = [s.full_since + self.stall_timeout - now for s in self._slots if s.full_since is not None]
             self._cond.wait(max(0.0, min(waits)) + 1e-3 if waits else None)
+
+    def _admissible(self, req: Request) -> bool:
+        """Under the lock: a free slot for each choice, and room under the KV bound for their
+        prompts (cached prompts are evicted for it; a request alone always gets in, _fit_kv
+        checked that it fits)."""
+        if len(self._slots) + req.n > self.max_slots:
+            return False
+        return not self._slots or self._cache.room_for(req.prompt_tokens, req.n)
+
+    def _cut_longest(self, decode: list[_Slot]) -> None:
+        """Under the lock: end the decoding slot holding the most rows with "length" (its next
+        row would cross kv_cache_bytes)."""
+        s = max(decode, key=lambda d: d.entry.rows())
+        seq = s.seq
+        text = seq.stops.feed(seq._flush())[0] + seq.stops.flush()
+        seq.finish_reason = "length"
+        s.req._push(self._response(s.req, text, None, "length", s.t_first, s.index), final=True)
+        self._finish(s, "length")
 
     def _reap(self, now: float) -> None:
         """Cancelled slots, and slots whose consumer has not made room for stall_timeout seconds."""
@@ -708,6 +815,8 @@ class Engine:
                     break
             s.entry.hwm = max(s.entry.hwm, kv.offset)   # rows written past what is kept stay resident
             kv.trim(kv.offset - (seq.n - 1))       # keep the K/V of every token but the last emitted
+            if kv.offset < seq.n - 1:              # a packed cache dropped more (down to a block start):
+                self.model(seq.history[kv.offset:seq.n - 1], kv, last_only=True)    # write those rows again
             sp.drafter.rollback(sp.state, seq.n - 1)
             sp.record(len(drafts), accepted)
             self._n["draft_tokens"] += len(drafts)

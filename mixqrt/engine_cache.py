@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from mixqrt.cache import KVCache
+from mixqrt.cache import check_kv_type
 
 # Bytes counted for each node besides its arrays' data: the node object, two ndarray headers,
 # a children dict slot, an LRU entry (about 530 bytes traced by tracemalloc) and malloc's headers
@@ -212,16 +212,17 @@ class PrefixTree:
 # ============================================================================ the engine's side
 class CacheEntry:
     """A running request's KV cache and where its rows go when it ends."""
-    __slots__ = ("kv", "hwm", "salt", "store")
+    __slots__ = ("kv", "hwm", "salt", "store", "reserve")
 
-    def __init__(self, kv: KVCache, salt, store: bool):
-        self.kv = kv             # L x [Hkv, max_len, Dh] K and V; rows [0, kv.offset) are valid
+    def __init__(self, kv, salt, store: bool, reserve: int = 0):
+        self.kv = kv             # a KVCache (mixqrt.cache); rows [0, kv.offset) are valid
         self.hwm = 0             # rows ever written (resident pages)
         self.salt = salt         # the tree its rows go to
         self.store = store       # False: cache_prompt off, the rows are dropped
+        self.reserve = reserve   # rows counted before they are written (the prompt, admitted whole)
 
     def rows(self) -> int:
-        return max(self.hwm, self.kv.offset)
+        return max(self.hwm, self.kv.offset, self.reserve)
 
     def resident_bytes(self) -> int:
         return self.kv.resident_bytes(self.rows())
@@ -230,16 +231,50 @@ class CacheEntry:
 class PromptCache:
     """Running requests' caches and the prefix tree of finished ones, under one byte bound.
 
-    capacity 0 turns the tree off: nothing is stored or looked up."""
+    capacity 0 turns the tree off: nothing is stored or looked up (and running caches are not
+    bounded). kv_type: the caches' type (mixqrt.cache.KV_TYPES; default the model's)."""
 
-    def __init__(self, model, max_len: int, capacity: int):
+    def __init__(self, model, max_len: int, capacity: int, kv_type: str | None = None):
         self.model, self.max_len, self.capacity = model, int(max_len), int(capacity)
-        a = model.args
-        self.dtype = np.dtype(getattr(model, "kv_dtype", np.float32))
-        self.row_bytes = KVCache.bytes_needed(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 1, self.dtype)
+        self.kv_type = check_kv_type(kv_type or getattr(model, "kv_type", None))
+        self._probe = model.make_cache(self.max_len, self.kv_type)     # sizes only: no page of it is written
+        self.row_bytes = int(round(model.kv_bytes_per_token(self.kv_type)))    # steady-state bytes per cached row
         self.tree = PrefixTree()
         self.busy: dict[int, CacheEntry] = {}
         self.hits = self.misses = self.cached_tokens = 0
+        self._fit_rows: dict[int, int] = {}
+
+    def bytes_for(self, rows: int) -> int:
+        """Resident bytes of one running cache holding `rows` rows."""
+        return self._probe.resident_bytes(rows)
+
+    def max_rows(self, n: int = 1) -> int:
+        """The most rows each of n running caches may hold together within capacity (max_len when
+        the bound is off or holds the whole context)."""
+        if self.capacity <= 0:
+            return self.max_len
+        if n not in self._fit_rows:
+            lo, hi = 0, self.max_len                 # bytes_for grows with rows: bisect the largest fit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if n * self.bytes_for(mid) <= self.capacity:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self._fit_rows[n] = lo
+        return self._fit_rows[n]
+
+    def room_for(self, rows: int, n: int = 1) -> bool:
+        """Whether n more running caches of `rows` rows fit beside the busy ones, cached prompts
+        evicted (least recently used first) to make room."""
+        if self.capacity <= 0:
+            return True
+        need = n * self.bytes_for(rows)
+        busy = self.busy_bytes()
+        if busy + need > self.capacity:
+            return False
+        self.tree.evict(self.capacity - busy - need)
+        return True
 
     @property
     def evictions(self) -> int:
@@ -250,7 +285,7 @@ class PromptCache:
         prompt's first n tokens (n <= len(prompt) - 1: the last token always runs, for its logits).
         use=False: nothing is read now nor stored when the request ends."""
         use = bool(use) and self.capacity > 0
-        entry = CacheEntry(self.model.make_cache(self.max_len, self.dtype), salt, use)
+        entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), salt, use, len(prompt))
         n = 0
         if use:
             p = np.asarray(prompt, dtype=np.int64)
@@ -269,7 +304,7 @@ class PromptCache:
     def fork(self, src: CacheEntry, n: int) -> CacheEntry:
         """A busy copy of a busy cache's first n rows, under the same salt: the n choices of one
         request share its prompt's prefill this way."""
-        entry = CacheEntry(self.model.make_cache(self.max_len, self.dtype), src.salt, src.store)
+        entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), src.salt, src.store, src.reserve)
         for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):
             b[:, :n] = a[:, :n]
         entry.kv.offset = entry.hwm = n
@@ -296,6 +331,17 @@ class PromptCache:
 
     def used_bytes(self) -> int:
         return self.tree.bytes + self.busy_bytes()
+
+    def room_to_grow(self, entries) -> bool:
+        """Whether every entry can write one more row within capacity (cached prompts evicted for it)."""
+        if self.capacity <= 0:
+            return True
+        grow = sum(self.bytes_for(e.rows() + 1) - e.resident_bytes() for e in entries)
+        need = self.busy_bytes() + grow
+        if need > self.capacity:
+            return False
+        self.tree.evict(self.capacity - need)
+        return True
 
     def evict(self) -> None:
         self.tree.evict(self.capacity - self.busy_bytes())

@@ -111,10 +111,24 @@ class LogitsFile:
             self.f.close()
 
 
+def encode_text(tokenizer, text: str, *, parse_special: bool = False) -> tuple[list, int | None]:
+    """An evaluation text -> (token ids, the BOS id or None), as llama-perplexity tokenizes it: BOS
+    first when the model adds one, and the text encoded as text. WikiText's literal "<unk>" must
+    stay the five characters it is, not Gemma's unknown-token id (issue 39: PPL 37.5 instead of
+    15.5); parse_special=True reads special-token text as the tokens, for a text that carries them
+    on purpose (llama-perplexity's --parse-special)."""
+    toks = list(tokenizer.encode(text, add_special_tokens=False, parse_special=parse_special))
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
+    return ([bos] + toks if bos is not None else toks), bos
+
+
 def perplexity(logits_fn, tokens, *, ctx: int = 512, chunks: int | None = None, bos_id: int | None = None,
                save_logits: str | None = None, kl_base: str | None = None, progress: bool = True,
-               on_chunk=None) -> PplResult:
-    """llama-perplexity over `tokens` with `logits_fn(chunk_ids) -> float32 [ctx, vocab]`."""
+               on_chunk=None, pieces_fn=None) -> PplResult:
+    """llama-perplexity over `tokens` with `logits_fn(chunk_ids) -> float32 [ctx, vocab]`, or with
+    `pieces_fn(chunk_ids, first)` -> float32 arrays whose rows, in order, are the logits of
+    positions first .. ctx-2 (the scored ones): a long window never holds [ctx, vocab] logits
+    (16384 x 151936 floats are 10 GB)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     if ctx < 4 or ctx % 2:
         raise GenerationError(f"ctx must be an even number >= 4, got {ctx}")
@@ -138,20 +152,32 @@ def perplexity(logits_fn, tokens, *, ctx: int = 512, chunks: int | None = None, 
             ids = tokens[i * ctx:(i + 1) * ctx].copy()
             if bos_id is not None:
                 ids[0] = bos_id
-            logits = np.asarray(logits_fn(ids), dtype=np.float32)
-            lp = log_softmax(logits[first:ctx - 1])                                 # [ctx-first-1, V]
-            tgt = tokens[i * ctx + first + 1:(i + 1) * ctx]
-            tok_nll = -lp[np.arange(len(tgt)), tgt]
-            nll += tok_nll.sum()
-            nll2 += (tok_nll ** 2).sum()
-            count += len(tgt)
-            if saver:
-                saver.write(lp)
-            if base:
-                bp = base.read(len(tgt))
-                p = np.exp(bp)
-                kls.append((p * (bp - lp)).sum(axis=-1))
-                same += int((bp.argmax(-1) == lp.argmax(-1)).sum())
+            if pieces_fn is None:
+                pieces = [np.asarray(logits_fn(ids), dtype=np.float32)[first:ctx - 1]]
+            else:
+                pieces = pieces_fn(ids, first)
+            pos = i * ctx + first + 1                   # the token the next scored row predicts
+            for piece in pieces:
+                lp = log_softmax(np.asarray(piece, dtype=np.float32))                # [rows, V]
+                tgt = tokens[pos:pos + lp.shape[0]]
+                if tgt.size != lp.shape[0] or pos + lp.shape[0] > (i + 1) * ctx:
+                    raise GenerationError(f"the logits of chunk {i} have more rows than its {ctx - first - 1} "
+                                          "scored positions")
+                pos += lp.shape[0]
+                tok_nll = -lp[np.arange(len(tgt)), tgt]
+                nll += tok_nll.sum()
+                nll2 += (tok_nll ** 2).sum()
+                count += len(tgt)
+                if saver:
+                    saver.write(lp)
+                if base:
+                    bp = base.read(len(tgt))
+                    p = np.exp(bp)
+                    kls.append((p * (bp - lp)).sum(axis=-1))
+                    same += int((bp.argmax(-1) == lp.argmax(-1)).sum())
+            if pos != (i + 1) * ctx:
+                raise GenerationError(f"the logits of chunk {i} cover {pos - i * ctx - first - 1} of its "
+                                      f"{ctx - first - 1} scored positions")
             running.append(math.exp(nll / count))
             if on_chunk:
                 on_chunk(i, running[-1])

@@ -10,29 +10,38 @@ import numpy as np
 
 from mixqrt.errors import GenerationError
 from mixqrt.platform.perf import peak_rss_bytes
-from mixqrt.sample_utils import _int, make_logits_processors, make_sampler, token_logprobs
+from mixqrt.params import UNTIL_FULL, SamplingParams, as_params
+from mixqrt.sample_utils import make_sampler, token_logprobs
+from mixqrt.validate import integer
 
 # transformers' GenerationConfig defaults, used when neither the call nor the model says otherwise
 _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 # ============================================================================ token level
+def _make_cache(model, n: int, kv_type):
+    """model.make_cache(n) of kv_type (a stand-in model without kv types takes just n)."""
+    return model.make_cache(n) if kv_type is None else model.make_cache(n, kv_type)
+
+
 def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_processors: list | None = None,
-                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512) -> Iterator[tuple[int, np.ndarray]]:
+                  max_tokens: int = 256, cache=None, prefill_chunk: int = 512,
+                  kv_type: str | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """Yield (token, logits) for up to max_tokens new tokens after prompt_ids.
 
     logits [vocab] are those the token was sampled from (after the processors). The prompt is fed
     at cache.offset (0 for a fresh cache) in prefill_chunk pieces. The caller stops early by
-    closing the generator (e.g. leaving a for loop).
+    closing the generator (e.g. leaving a for loop). kv_type: the type of the cache made when none
+    is given (mixqrt.cache.KV_TYPES; default the model's).
     """
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
         raise GenerationError("the prompt is empty: at least one token is needed")
-    max_tokens = _int("max_tokens", max_tokens, lo=0)
+    max_tokens = integer("max_tokens", max_tokens, lo=0)
     sampler = sampler or make_sampler(0.0)
     procs = list(logits_processors or ())
     if cache is None:
-        cache = model.make_cache(prompt.size + max(max_tokens, 1))
+        cache = _make_cache(model, prompt.size + max(max_tokens, 1), kv_type)
     # every token seen so far, for the logits processors (a view of one preallocated buffer)
     history = np.empty(prompt.size + max_tokens, dtype=np.int64)
     history[:prompt.size] = prompt
@@ -157,7 +166,9 @@ class _StopMatcher:
         return out
 
 
-def _eos_ids(explicit, model, tokenizer) -> set[int]:
+def eos_ids(explicit, model, tokenizer) -> set[int]:
+    """The tokens that end a reply: `explicit` (a list of ids) when given, else the model's
+    generation_config eos_token_id and the tokenizer's eos tokens."""
     def as_set(v):
         if v is None:
             return set()
@@ -171,18 +182,6 @@ def _eos_ids(explicit, model, tokenizer) -> set[int]:
         return as_set(explicit)
     gen = getattr(model, "generation_config", None) or {}
     return as_set(gen.get("eos_token_id")) | as_set(getattr(tokenizer, "eos_token_ids", None))
-
-
-def check_stops(stop) -> list[str]:
-    """Stop strings as a list; an empty one is refused (it would match at once and end every reply)."""
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise GenerationError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(s == "" for s in stops):
-        raise GenerationError("stop strings must be non-empty (an empty one would end the reply at once)")
-    return list(stops)
 
 
 def resolve_sampling(model, temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
@@ -234,41 +233,36 @@ class Sequence:
     the token budget). Stop strings and eos tokens never reach the text.
     """
 
-    def __init__(self, model, tokenizer, prompt_ids, *, max_new_tokens: int = 256, temperature=None, top_k=None,
-                 top_p=None, min_p=None, repetition_penalty=None, repetition_context_size: int = 64,
-                 seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
-                 do_sample: bool | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 logit_bias: dict | None = None, logprobs: bool | None = None, top_logprobs: int = 0):
+    def __init__(self, model, tokenizer, prompt_ids, params: SamplingParams | None = None, *,
+                 max_context: int | None = None, **kwargs):
+        """params: the request's options (mixqrt.params); keyword arguments build or change them."""
+        p = as_params(params, **kwargs)
         ids = encode_prompt(tokenizer, prompt_ids)
         if not ids:
             raise GenerationError("the prompt is empty: at least one token is needed")
         vocab = model.args.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise GenerationError(f"prompt token ids must be in [0, {vocab}), got [{min(ids)}, {max(ids)}]")
-        max_new_tokens = _int("max_new_tokens", max_new_tokens, lo=1)
-        ctx = model.args.max_position_embeddings if max_context is None else _int("max_context", max_context, lo=1)
+        ctx = model.args.max_position_embeddings if max_context is None else integer("max_context", max_context, lo=1)
         if len(ids) + 1 > ctx:
             raise GenerationError(f"the prompt has {len(ids)} tokens; with at least one new token that needs "
                                   f"{len(ids) + 1} positions but the context holds {ctx}")
+        self.params = p
         self.prompt = ids
-        self.budget = min(max_new_tokens, ctx - len(ids))      # reaching the context end finishes with "length"
-        s = resolve_sampling(model, temperature, top_k, top_p, min_p, repetition_penalty, do_sample)
-        self.sampler = make_sampler(s["temperature"], s["top_k"], s["top_p"], s["min_p"], seed)
-        self.procs = make_logits_processors(s["repetition_penalty"], repetition_context_size,
-                                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                            prompt_tokens=len(ids), logit_bias=logit_bias, vocab_size=vocab)
-        if logprobs not in (None, True, False):
-            raise GenerationError(f"logprobs must be True, False or None, got {logprobs!r}")
-        self.logprobs = bool(logprobs)
-        self.top_logprobs = _int("top_logprobs", top_logprobs)
-        if self.top_logprobs > 20:
-            raise GenerationError(f"top_logprobs must be <= 20, got {self.top_logprobs}")
+        room = ctx - len(ids)                 # reaching the context end finishes with "length"
+        self.budget = room if p.max_new_tokens == UNTIL_FULL else min(p.max_new_tokens, room)
+        eff = p.replace(**resolve_sampling(model, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty,
+                                           p.do_sample))
+        self.sampler = make_sampler(eff.temperature, eff.top_k, eff.top_p, eff.min_p, eff.seed)
+        self.procs = eff.logits_processors(len(ids), vocab)
+        self.logprobs = p.logprobs
+        self.top_logprobs = p.top_logprobs
         self.last_logprob: TokenLogprob | None = None
-        stops = check_stops(stop)
+        stops = p.stop or []
         if stops and tokenizer is None:
             raise GenerationError("stop strings need a tokenizer")
         self.stops = _StopMatcher(stops)
-        self.eos = _eos_ids(eos_token_ids, model, tokenizer)
+        self.eos = eos_ids(p.eos_token_ids, model, tokenizer)
         self.decoder = _stream_decoder(tokenizer) if tokenizer is not None else None
         # every token so far (prompt, then generated): the processors' context and the KV's contents
         self.history = np.empty(len(ids) + self.budget, dtype=np.int64)
@@ -328,25 +322,23 @@ class Sequence:
         return text, None
 
 
-def stream_generate(model, tokenizer, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
-                    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                    repetition_penalty: float | None = None, repetition_context_size: int = 64,
-                    seed: int | None = None, stop=None, eos_token_ids=None, max_context: int | None = None,
-                    prefill_chunk: int = 512, do_sample: bool | None = None) -> Iterator[GenerationResponse]:
+def stream_generate(model, tokenizer, prompt, params: SamplingParams | None = None, *,
+                    max_context: int | None = None, prefill_chunk: int = 512, kv_type: str | None = None,
+                    **kwargs) -> Iterator[GenerationResponse]:
     """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
 
     The low-level single-sequence path (no engine thread, no batching); Pipeline and the API go
     through mixqrt.engine.Engine, which drives the same Sequence logic.
     prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
-    Stop strings and eos tokens end generation and are not part of the text.
+    params: the request's options (mixqrt.params.SamplingParams); keyword arguments build or change
+    them (max_new_tokens, temperature, stop, ...). Stop strings and eos tokens end generation and
+    are not part of the text. kv_type: the KV cache's type (mixqrt.cache.KV_TYPES; default the
+    model's).
     """
     t0 = time.perf_counter()
-    seq = Sequence(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                   repetition_context_size=repetition_context_size, seed=seed, stop=stop,
-                   eos_token_ids=eos_token_ids, max_context=max_context, do_sample=do_sample)
+    seq = Sequence(model, tokenizer, prompt, params, max_context=max_context, **kwargs)
     n_prompt = len(seq.prompt)
-    cache = model.make_cache(n_prompt + seq.budget)
+    cache = _make_cache(model, n_prompt + seq.budget, kv_type)
     t_first, ttft, prompt_tps = 0.0, 0.0, 0.0
 
     def response(text, token, reason):

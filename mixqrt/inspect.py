@@ -20,10 +20,40 @@ def _role(name: str) -> str:
         return "other"
 
 
-def inspect_model(model, *, placement: bool = False, as_json: bool = False, recipe: str | None = None) -> str:
+def kv_cache_info(meta: dict, kv_type: str | None = None) -> dict:
+    """KV cache sizes of a model file's config: bytes per token of kv_type (default DEFAULT_KV_TYPE)
+    and of every type this build makes, and the bytes of the whole context."""
+    from mixqrt.cache import KV_TYPES, check_kv_type, kv_bytes_per_token
+    from mixqrt.errors import MixqrtError
+    from mixqrt.models import get_model_class
+    kv_type = check_kv_type(kv_type)
+    cls = get_model_class(meta.get("arch"))
+    a = cls.args_class.from_dict(meta.get("config"))
+    dims = (a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
+    per = {}
+    for t in KV_TYPES:
+        try:
+            per[t] = kv_bytes_per_token(t, *dims)
+        except MixqrtError:              # a type this build does not make
+            pass
+    bpt = kv_bytes_per_token(kv_type, *dims)
+    return {"kv_type": kv_type, "kv_bytes_per_token": bpt, "kv_bytes_per_token_by_type": per,
+            "context": a.max_position_embeddings, "kv_bytes_context": bpt * a.max_position_embeddings,
+            "bits_per_value": 8 * bpt / (2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim)}
+
+
+def format_kv_info(kv: dict) -> str:
+    return (f"KV cache {kv['kv_type']}: {kv['kv_bytes_per_token']:,.0f} bytes per token ({kv['bits_per_value']:.2f} "
+            f"bits per value; {kv['kv_bytes_per_token'] * 16384 / 2**20:,.1f} MiB at 16,384 tokens, "
+            f"{kv['kv_bytes_context'] / 2**20:,.1f} MiB for the whole context of {kv['context']:,d}); "
+            + ", ".join(f"{t} {b:,.0f}" for t, b in kv["kv_bytes_per_token_by_type"].items()) + " bytes per token")
+
+
+def inspect_model(model, *, placement: bool = False, as_json: bool = False, recipe: str | None = None,
+                  kv_type: str | None = None) -> str:
     p = Path(str(model))
     if p.suffix == ".mxq" and p.exists():
-        return _inspect_mxq(p, placement, as_json)
+        return _inspect_mxq(p, placement, as_json, kv_type)
     from mixqrt.quantize.convert import describe, dumps_report, quantize_model
     from mixqrt.pipeline import _source_for
     from mixqrt.resolve import resolve
@@ -32,7 +62,7 @@ def inspect_model(model, *, placement: bool = False, as_json: bool = False, reci
     return dumps_report(rep) if as_json else describe(rep) + "\n(plan only: nothing was quantized)"
 
 
-def _inspect_mxq(path: Path, placement: bool, as_json: bool) -> str:
+def _inspect_mxq(path: Path, placement: bool, as_json: bool, kv_type: str | None = None) -> str:
     from mixqrt.io.mxq import MxqFile
     with MxqFile(path) as f:
         rows = []
@@ -49,7 +79,7 @@ def _inspect_mxq(path: Path, placement: bool, as_json: bool) -> str:
         info = {"path": str(path), "file_bytes": path.stat().st_size, "header_bytes": getattr(f, "header_bytes", None),
                 "recipe": f.meta.get("recipe"), "arch": f.meta.get("arch"), "tensors": rows,
                 "total_bytes": total, "params": params, "bits_per_weight": round(8 * total / max(1, params), 4),
-                "spans": spans}
+                "spans": spans, "kv_cache": kv_cache_info(f.meta, kv_type)}
         plan_text = None
         if placement:
             from mixqrt.runtime.placement import format_placement, plan_placement
@@ -71,6 +101,7 @@ def _inspect_mxq(path: Path, placement: bool, as_json: bool) -> str:
     if spans:
         out.append(f"{len(spans)} page-aligned spans (layer: offset, bytes): " +
                    ", ".join(f"{k}: {v[0]}+{v[1]}" for k, v in list(spans.items())[:4]) + (" ..." if len(spans) > 4 else ""))
+    out.append(format_kv_info(info["kv_cache"]))
     if plan_text:
         out.append(plan_text)
     return "\n".join(out)

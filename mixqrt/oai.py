@@ -1,14 +1,15 @@
 """OpenAI's request and reply objects, in one place: mixqrt.api and mixqrt.serve both use this.
 
     req = parse("chat", body)                      # a dict (JSON body or api keyword arguments)
-    req.gen_kwargs(context)                        # -> Engine.submit / Pipeline.stream keyword arguments
+    req.params                                     # its SamplingParams -> Engine.submit / Pipeline.stream
     reply = Reply(req, model="qwen")               # renders every reply shape of that request
     reply.whole([Choice(text, "stop")], usage(...))
 
 Parsing checks every field's type, value and size and raises ``RequestError(field, message)``
-(HTTP 400 with OpenAI's ``param``). The fields other parts of mixqrt consume (response_format,
-tools, tool_choice, parallel_tool_calls, cache_salt, cache_prompt, user) are shape-checked,
-size-bounded and passed through as plain values. ``loads`` is the server's JSON decoder: a body
+(HTTP 400 with OpenAI's ``param``). The generation options (sampling, stop, n, logprobs,
+response_format, tools, cache_salt, ...) are mixqrt.params' (SamplingParams.from_openai: each
+option's OpenAI spellings, checks and bounds are defined there once); this module adds the input
+(messages, prompt) and the fields that shape the reply (stream, stream_options, echo, model). ``loads`` is the server's JSON decoder: a body
 that is not UTF-8, not JSON, too deep, holds a lone surrogate, a non-finite number or an integer
 of more than MAX_INT_DIGITS digits is a RequestError naming the field where it was found.
 
@@ -25,8 +26,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from mixqrt.errors import GenerationError, RequestError
-from mixqrt import sample_utils
+from mixqrt.errors import RequestError
+from mixqrt.params import MAX_ID_CHARS, MAX_NAME, PARAMS, UNTIL_FULL, SamplingParams
+from mixqrt.tools import MAX_TOOLS
+from mixqrt.validate import boolean, integer, show, string
 
 __all__ = ["RequestError", "Request", "Reply", "Choice", "Assembler", "parse", "loads", "usage", "usage_of",
            "finish_reason", "error_body", "model_card", "model_list", "check_messages", "MAX_JSON_DEPTH"]
@@ -34,25 +37,12 @@ __all__ = ["RequestError", "Request", "Reply", "Choice", "Assembler", "parse", "
 # ---------------------------------------------------------------------------- bounds
 MAX_JSON_DEPTH = 32                 # OpenAI bodies nest 5 deep (messages -> content parts); schemas more
 MAX_INT_DIGITS = 40                 # past int64 / uint64 (20 digits) with room; Python refuses 4300+
-MAX_STOP = 4                        # OpenAI's limits on stop strings
-MAX_STOP_BYTES = 256
-MAX_N = 8                           # choices per request
-MAX_TOP_LOGPROBS = 20               # OpenAI's bound
-MAX_LOGIT_BIAS = 300                # entries (OpenAI accepts 300)
-MAX_TOOLS = 128                     # OpenAI's bound on functions
-MAX_SPEC_BYTES = 128 << 10          # a response_format / one tool, serialized
-MAX_TOOLS_BYTES = 512 << 10         # all tools together
-MAX_ID_CHARS = 256                  # user, cache_salt
-MAX_NAME = 64                       # a function / schema name (OpenAI: ^[a-zA-Z0-9_-]{1,64}$)
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-SEED_RANGE = (-(1 << 63), 1 << 64)  # int64 or uint64 seeds; negative = random (llama.cpp's -1)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")   # the last two: mixqrt's
 FINISH_REASONS = ("stop", "length", "tool_calls", "content_filter")
 
 
-_show = sample_utils._show
+_show = show
 
 
 def _safe(s) -> str:
@@ -170,53 +160,12 @@ def model_list(cards: list) -> dict:
 
 
 # ============================================================================ field checks
-def _number(name, v, lo=None, hi=None, lo_open=False):
-    return None if v is None else sample_utils._number(name, v, lo, hi, lo_open)
-
-
-def _integer(name, v, lo=None, hi=None):
-    return None if v is None else sample_utils._int(name, v, lo=lo, hi=hi)
-
-
 def _bool(name, v, default=None):
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(name, f"{name} must be true or false, got {_show(v)}")
-    return v
+    return default if v is None else boolean(name, v)
 
 
 def _string(name, v, limit=MAX_ID_CHARS):
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise RequestError(name, f"{name} must be a string, got {_show(v)}")
-    if len(v) > limit:
-        raise RequestError(name, f"{name} is {len(v)} characters; at most {limit}")
-    return v
-
-
-def _size(name, v, limit) -> int:
-    n = len(json.dumps(v, ensure_ascii=False).encode("utf-8"))
-    if n > limit:
-        raise RequestError(name, f"{name} is {n} bytes of JSON; at most {limit}")
-    return n
-
-
-def check_stops(stop) -> list[str] | None:
-    """Stop strings (generate.check_stops: an empty one is refused), at most MAX_STOP of at most
-    MAX_STOP_BYTES bytes each (OpenAI's limits)."""
-    from mixqrt.generate import check_stops as generate_check
-
-    if isinstance(stop, (list, tuple)) and len(stop) > MAX_STOP:
-        raise RequestError("stop", f"at most {MAX_STOP} stop strings, got {len(stop)}")
-    try:
-        stops = generate_check(stop)
-    except GenerationError as e:
-        raise RequestError("stop", f"stop: {e}") from None
-    if any(len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES for s in stops):
-        raise RequestError("stop", f"a stop string is at most {MAX_STOP_BYTES} bytes")
-    return stops or None
+    return None if v is None else string(name, v, limit)
 
 
 def _content(i, m) -> str:
@@ -298,6 +247,12 @@ def check_prompt(prompt) -> str:
     raise RequestError("prompt", f"prompt is required: a non-empty string, got {what}")
 
 
+def _text_field(name, v) -> str:
+    if not isinstance(v, str):
+        raise RequestError(name, f"{name} must be a string, got {_show(v)}")
+    return v
+
+
 def _stream_options(v) -> bool:
     if v is None:
         return False
@@ -306,246 +261,89 @@ def _stream_options(v) -> bool:
     return v.get("include_usage", False)
 
 
-def _logit_bias(v) -> dict[int, float] | None:
-    """{token id (int or its decimal string): bias in [-100, 100]} -> {int: float}; ids are checked
-    against the vocabulary by the engine."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise RequestError("logit_bias", f"logit_bias must be an object {{token id: bias}}, got {_show(v)}")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise RequestError("logit_bias", f"logit_bias has {len(v)} entries; at most {MAX_LOGIT_BIAS}")
-    out = {}
-    for k, b in v.items():
-        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10:
-            t = int(k)
-        elif isinstance(k, int) and not isinstance(k, bool) and 0 <= k < 1 << 32:
-            t = int(k)
-        else:
-            raise RequestError("logit_bias", f"logit_bias keys must be token ids, got {_show(k)}")
-        out[t] = _number("logit_bias", b, lo=-100.0, hi=100.0)
-    return out or None
-
-
-def _function_name(field_, v):
-    if not isinstance(v, str) or not _NAME.fullmatch(v):
-        raise RequestError(field_, f"{field_}: a function name is 1-{MAX_NAME} of a-z, A-Z, 0-9, _ and -, "
-                                   f"got {_show(v)}")
-    return v
-
-
-def _response_format(v) -> dict | None:
-    """Shape and size only; the grammar layer compiles it. {"type": "text"} -> None."""
-    if v is None:
-        return None
-    name = "response_format"
-    if not isinstance(v, dict) or v.get("type") not in FORMAT_TYPES:
-        raise RequestError(name, f"response_format must be an object with 'type' one of "
-                                 f"{', '.join(FORMAT_TYPES)}, got {_show(v)}")
-    _size(name, v, MAX_SPEC_BYTES)
-    t = v["type"]
-    if t == "text":
-        return None
-    if t == "json_object" and v.get("schema") is not None and not isinstance(v.get("schema"), dict):
-        raise RequestError(name, "response_format.schema must be a JSON schema object")
-    if t == "json_schema":
-        js = v.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
-            raise RequestError(name, "response_format json_schema must be {'json_schema': {'name': ..., "
-                                     "'schema': {...}}}")
-        if js.get("name") is not None:
-            _function_name(name, js["name"])
-        _bool(name, js.get("strict"))
-    if t in ("regex", "grammar") and (not isinstance(v.get(t), str) or not v[t]):
-        raise RequestError(name, f"response_format of type {t!r} needs a non-empty string {t!r}")
-    return v
-
-
-def _tools(v) -> list | None:
-    if v is None:
-        return None
-    if not isinstance(v, list):
-        raise RequestError("tools", f"tools must be a list of {{'type': 'function', 'function': ...}}, got {_show(v)}")
-    if len(v) > MAX_TOOLS:
-        raise RequestError("tools", f"{len(v)} tools; at most {MAX_TOOLS}")
-    total = 0
-    for i, t in enumerate(v):
-        f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
-            raise RequestError("tools", f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
-        _function_name("tools", f.get("name"))
-        _string("tools", f.get("description"), MAX_SPEC_BYTES)
-        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
-            raise RequestError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
-        _bool("tools", f.get("strict"))
-        total += _size("tools", t, MAX_SPEC_BYTES)
-        if total > MAX_TOOLS_BYTES:
-            raise RequestError("tools", f"tools are over {MAX_TOOLS_BYTES} bytes of JSON")
-    return v or None
-
-
-def _tool_choice(v):
-    if v is None or v in ("none", "auto", "required"):
-        return v
-    f = v.get("function") if isinstance(v, dict) else None
-    if not isinstance(v, dict) or v.get("type") != "function" or not isinstance(f, dict):
-        raise RequestError("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
-                                          "{'type': 'function', 'function': {'name': ...}}")
-    _function_name("tool_choice", f.get("name"))
-    return v
-
-
 # ============================================================================ the request
 @dataclass
 class Request:
-    """One parsed request. Sampling fields left None come from the model's generation_config."""
+    """One parsed request: its input (messages or prompt), its generation options (``params``, a
+    mixqrt.params.SamplingParams: sampling fields left None come from the model's
+    generation_config) and the fields that shape the reply."""
     kind: str                               # "chat" | "completion"
+    params: SamplingParams
     messages: list | None = None            # chat: [{"role", "content"}] (checked, normalised)
     prompt: str | None = None               # completion
-    max_tokens: int | None = None           # None: until the context is full
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-    stop: list | None = None
-    seed: int | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
     model: str | None = None
-    # consumed by the grammar and prompt-cache layers
-    response_format: dict | None = None     # None for {"type": "text"}
-    tools: list | None = None
-    tool_choice: object = None
-    parallel_tool_calls: bool | None = None
-    cache_salt: str | None = None
-    cache_prompt: bool = True
     user: str | None = None
-
-    def gen_kwargs(self, context: int) -> dict:
-        """-> keyword arguments of Engine.submit / Pipeline.stream (None ones left out: model defaults)."""
-        mt = self.max_tokens if self.max_tokens is not None and self.max_tokens > 0 else int(context)
-        kw = {"max_new_tokens": mt, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-              "min_p": self.min_p, "repetition_penalty": self.repeat_penalty, "stop": self.stop, "seed": self.seed,
-              "presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
-              "logit_bias": self.logit_bias, "n": self.n if self.n != 1 else None,
-              "logprobs": True if self.logprobs else None, "top_logprobs": self.top_logprobs or None,
-              "response_format": self.response_format, "tools": self.tools,
-              "tool_choice": self.tool_choice if self.tools else None,
-              "parallel_tool_calls": self.parallel_tool_calls if self.tools else None}
-        return {k: v for k, v in kw.items() if v is not None}
+    suffix: str | None = None               # completion: the text after the insertion (fill-in-the-middle)
 
 
-_COMMON = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty",
-           "frequency_penalty", "logit_bias", "stop", "seed", "n", "logprobs", "stream", "stream_options",
-           "model", "user", "cache_salt", "cache_prompt"}
-FIELDS = {"chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                             "tool_choice", "parallel_tool_calls", "functions", "function_call"},
-          "completion": _COMMON | {"prompt", "suffix", "echo", "best_of"}}
+# the fields of a body that are not generation options (SamplingParams.openai_fields adds those)
+_REPLY = {"stream", "stream_options", "model", "user"}
+_OWN = {"chat": _REPLY | {"messages", "functions", "function_call"},
+        "completion": _REPLY | {"prompt", "suffix", "echo", "best_of"}}
 IGNORED = {"metadata", "store", "service_tier"}     # accepted, change nothing (one model, no accounts)
+
+
+def fields(kind: str) -> set[str]:
+    """Every field an OpenAI body of this kind may hold (an unknown one is refused)."""
+    return _OWN[kind] | SamplingParams.openai_fields(kind)
 
 
 def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth: int = MAX_JSON_DEPTH) -> Request:
     """Check a request dict -> Request; RequestError naming the field otherwise.
 
     None values count as absent. Unknown fields are refused (a misspelt argument is not silently
-    dropped); max_tokens_cap (a server's --max-tokens) bounds max_tokens.
+    dropped); max_tokens_cap (a server's --max-tokens) bounds max_tokens, and "until the context
+    is full" (no max_tokens in a chat body) stops there too.
     """
-    if kind not in FIELDS:
+    if kind not in _OWN:
         raise RequestError(None, f"unknown request kind {kind!r}")
     if not isinstance(body, dict):
         raise RequestError(None, "request body must be a JSON object")
     check_values(body, max_depth)
-    allowed = FIELDS[kind]
+    allowed = fields(kind)
     for k in body:
         if k not in allowed and k not in IGNORED:
             raise RequestError(_safe(k), f"unrecognized request argument: {_safe(k)}")
     b = {k: v for k, v in body.items() if v is not None}
     key = "messages" if kind == "chat" else "prompt"
-    r = Request(kind)
     if kind == "chat":                        # absent: the same error as a wrong type
-        r.messages = check_messages(b.get(key))
+        messages, prompt = check_messages(b.get(key)), None
+    elif b.get("suffix") not in (None, "") and b.get(key) in ("", [""]):
+        messages, prompt = None, ""           # fill-in-the-middle at the start of a file
     else:
-        r.prompt = check_prompt(b.get(key))
-
-    for name in ("max_tokens", "max_completion_tokens"):
-        mt = _integer(name, b.get(name))
-        if mt is not None and max_tokens_cap is not None and mt > max_tokens_cap:
-            raise RequestError(name, f"{name}={mt} is over this server's limit of {max_tokens_cap}")
-        if mt is not None:
-            r.max_tokens = mt                 # max_completion_tokens (OpenAI's newer name) wins
-    if kind == "completion" and "max_tokens" not in b:
-        r.max_tokens = 16                     # OpenAI's and llama-cpp-python's default for completions
-    if max_tokens_cap is not None and (r.max_tokens is None or r.max_tokens <= 0 or r.max_tokens > max_tokens_cap):
-        r.max_tokens = max_tokens_cap         # "until the context is full" stops at the server's cap too
-    r.temperature = _number("temperature", b.get("temperature"), lo=0.0)
-    r.top_p = _number("top_p", b.get("top_p"), lo=0.0, hi=1.0, lo_open=True)
-    r.top_k = _integer("top_k", b.get("top_k"))
-    if r.top_k is not None and r.top_k < 0:
-        r.top_k = 0                           # llama.cpp: top_k <= 0 means the whole vocabulary
-    r.min_p = _number("min_p", b.get("min_p"), lo=0.0, hi=1.0)
-    r.repeat_penalty = _number("repeat_penalty", b.get("repeat_penalty"), lo=0.0, lo_open=True)
-    r.presence_penalty = _number("presence_penalty", b.get("presence_penalty"), lo=-2.0, hi=2.0) or 0.0
-    r.frequency_penalty = _number("frequency_penalty", b.get("frequency_penalty"), lo=-2.0, hi=2.0) or 0.0
-    r.logit_bias = _logit_bias(b.get("logit_bias"))
-    r.stop = check_stops(b.get("stop"))
-    r.seed = _integer("seed", b.get("seed"), lo=SEED_RANGE[0], hi=SEED_RANGE[1] - 1)
-    if r.seed is not None and r.seed < 0:
-        r.seed = None                         # llama.cpp: seed -1 means random
-    r.n = _integer("n", b.get("n"), lo=1, hi=MAX_N) or 1
-    r.stream = _bool("stream", b.get("stream"), False)
-    r.include_usage = _stream_options(b.get("stream_options"))
+        messages, prompt = None, check_prompt(b.get(key))
+    if max_tokens_cap is not None:
+        for name in PARAMS["max_new_tokens"].spellings(kind):
+            if name in b and integer(name, b[name], lo=None) > max_tokens_cap:
+                raise RequestError(name, f"{name}={b[name]} is over this server's limit of {max_tokens_cap}")
+    params = SamplingParams.from_openai(kind, b)
+    if max_tokens_cap is not None and (params.max_new_tokens == UNTIL_FULL or params.max_new_tokens > max_tokens_cap):
+        params = params.replace(max_new_tokens=max_tokens_cap)   # "until the context is full" stops at the cap too
     if b.get("model") is not None and not isinstance(b["model"], str):
         raise RequestError("model", f"model must be a string, got {_show(b['model'])}")
-    r.model = b.get("model")
-    r.user = _string("user", b.get("user"))
-    r.cache_salt = _string("cache_salt", b.get("cache_salt"))
-    r.cache_prompt = _bool("cache_prompt", b.get("cache_prompt"), True)
-
+    r = Request(kind, params, messages, prompt, stream=_bool("stream", b.get("stream"), False),
+                include_usage=_stream_options(b.get("stream_options")), model=b.get("model"),
+                user=_string("user", b.get("user")))
     if kind == "chat":
-        r.logprobs = _bool("logprobs", b.get("logprobs"), False)
-        r.top_logprobs = _integer("top_logprobs", b.get("top_logprobs"), lo=0, hi=MAX_TOP_LOGPROBS) or 0
-        if r.top_logprobs and not r.logprobs:
-            raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
-        r.response_format = _response_format(b.get("response_format"))
-        r.tools = _tools(b.get("tools"))
         if b.get("functions") not in (None, []):
             raise RequestError("functions", "functions (the old function calling) is not supported: use tools")
         if b.get("function_call") not in (None, "none", "auto"):
             raise RequestError("function_call", "function_call is not supported: use tool_choice")
-        r.tool_choice = _tool_choice(b.get("tool_choice"))
-        r.parallel_tool_calls = _bool("parallel_tool_calls", b.get("parallel_tool_calls"))
     else:
-        lp = _integer("logprobs", b.get("logprobs"), lo=0, hi=MAX_TOP_LOGPROBS)
-        r.logprobs, r.top_logprobs = lp is not None, lp or 0
-        if b.get("suffix") not in (None, ""):
-            raise RequestError("suffix", "suffix (fill-in-the-middle) is not supported")
+        if b.get("suffix") not in (None, ""):     # fill-in-the-middle (mixqrt.fim): the prompt is the prefix
+            r.suffix = _text_field("suffix", b["suffix"])
+            if b.get("echo"):
+                raise RequestError("echo", "echo with suffix (fill-in-the-middle) is not supported")
         r.echo = _bool("echo", b.get("echo"), False)
-        if r.echo and r.logprobs:
+        if r.echo and params.logprobs:
             raise RequestError("logprobs", "logprobs with echo (the prompt's logprobs) is not supported")
-        best_of = _integer("best_of", b.get("best_of"), lo=1)
-        if best_of not in (None, r.n):
+        best_of = None if b.get("best_of") is None else integer("best_of", b["best_of"], lo=1)
+        if best_of not in (None, params.n):
             raise RequestError("best_of", "best_of must equal n (no server-side ranking)")
-    _not_yet(r)
     return r
-
-
-def _not_yet(r: Request) -> None:
-    """response_format and tools beyond their shape (mixqrt.grammar / mixqrt.tools): the kind of
-    format, the tool names tool_choice refers to. The grammar itself compiles in the engine, off
-    the request's path; one that cannot is a 400 from there."""
-    from mixqrt.grammar import grammar_from_response_format
-    from mixqrt.tools import check_tool_choice, check_tools
-
-    grammar_from_response_format(r.response_format)
-    check_tool_choice(r.tool_choice, check_tools(r.tools))
 
 
 # ============================================================================ replies
@@ -666,9 +464,9 @@ class Assembler:
     (async) drive one each: the same pieces give the same objects."""
 
     def __init__(self, req: Request, reply: Reply, tokenizer=None):
-        self.reply, self.kind, self.n = reply, req.kind, req.n
-        self.want_lp = req.logprobs
-        self.text_of = token_text(tokenizer) if req.logprobs else None
+        self.reply, self.kind, self.n = reply, req.kind, req.params.n
+        self.want_lp = req.params.logprobs
+        self.text_of = token_text(tokenizer) if req.params.logprobs else None
         self.texts = [[] for _ in range(self.n)]
         self.lasts = [None] * self.n
         self.lps = [[] for _ in range(self.n)]              # chat entries, or (text, lp, top) for completions
@@ -752,11 +550,61 @@ class Assembler:
 
 def _tool_replies(req: Request, tokenizer) -> list | None:
     """One mixqrt.tools.ChatReply per choice when a chat request has tools in play, else None."""
-    if req.kind != "chat" or not req.tools:
+    if req.kind != "chat" or not req.params.tools:
         return None
     from mixqrt.tools import ChatReply, check_tool_choice, check_tools, tool_format
-    tools = check_tools(req.tools)
-    choice = check_tool_choice(req.tool_choice, tools)
+    tools = check_tools(req.params.tools)
+    choice = check_tool_choice(req.params.tool_choice, tools)
     if choice == "none":
         return None
-    return [ChatReply(tools, choice, tool_format(tokenizer)) for _ in range(req.n)]
+    return [ChatReply(tools, choice, tool_format(tokenizer)) for _ in range(req.params.n)]
+
+
+# ============================================================================ embeddings
+EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
+
+
+@dataclass
+class EmbeddingRequest:
+    input: object
+    model: str | None = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+def parse_embeddings(body: dict, max_depth: int = MAX_JSON_DEPTH) -> EmbeddingRequest:
+    """Check an OpenAI embeddings body -> EmbeddingRequest (input's contents are checked when it is
+    encoded: mixqrt.embed.encode_inputs); RequestError naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise RequestError(None, "request body must be a JSON object")
+    check_values(body, max_depth)
+    for k in body:
+        if k not in EMBEDDING_FIELDS and k not in IGNORED:
+            raise RequestError(_safe(k), f"unrecognized request argument: {_safe(k)}")
+    if body.get("input") is None:
+        raise RequestError("input", "input is required: a string, a list of strings or token ids")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise RequestError("encoding_format", f"encoding_format must be 'float' or 'base64', got {_show(fmt)}")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RequestError("model", f"model must be a string, got {_show(body['model'])}")
+    dims = body.get("dimensions")
+    return EmbeddingRequest(body["input"], body.get("model"), fmt, None if dims is None else integer("dimensions", dims, lo=1),
+                            _string("user", body.get("user")))
+
+
+def embeddings_reply(vectors, model: str, prompt_tokens: int, encoding_format: str = "float") -> dict:
+    """OpenAI's embeddings list: float lists, or base64 of little-endian float32 (what the openai
+    client asks for by default and decodes with numpy)."""
+    import base64
+
+    import numpy as np
+    data = []
+    for i, v in enumerate(vectors):
+        v = np.asarray(v, dtype="<f4")
+        emb = base64.b64encode(v.tobytes()).decode("ascii") if encoding_format == "base64" else \
+            [float(x) for x in v]
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": int(prompt_tokens), "total_tokens": int(prompt_tokens)}}

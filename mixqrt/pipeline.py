@@ -20,14 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
-from mixqrt.limits import DEFAULT_MAX_CONTEXT
+from mixqrt.params import UNTIL_FULL, SamplingParams, as_params
 from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
 
 
 class LoadedModel:
     """A model ready to run: graph + tokenizer + the .mxq it is mapped from."""
 
-    def __init__(self, path, *, threads: int | None = None, hugepages: bool = True, willneed: bool = True):
+    def __init__(self, path, *, threads: int | None = None, hugepages: bool = True, willneed: bool = True,
+                 weights_in_memory: bool = False):
         from mixqrt.io.mxq import MxqFile
         from mixqrt.models import get_model_class
 
@@ -36,7 +37,9 @@ class LoadedModel:
         # MADV_HUGEPAGE + MADV_WILLNEED on the mapping: measured 1.08x median over plain mmap in
         # docs/lab/scheduler.md (the prefetch thread and core-slicing lost there and stay options)
         # a mixture of experts gets no whole-file read-ahead: the experts no token picks stay on disk
-        self.file = MxqFile(path, hugepages=hugepages, willneed=False)
+        # weights_in_memory: a private copy of the file instead of a mapping of it (mixqrt serve: the
+        # file may change under a long-running server; io.arena.Arena copy=True)
+        self.file = MxqFile(path, hugepages=hugepages, willneed=False, copy=weights_in_memory)
         meta = self.file.meta
         from mixqrt.models.spec import MOE_ARCHS
         if willneed and meta.get("arch") not in MOE_ARCHS:
@@ -47,7 +50,10 @@ class LoadedModel:
         self.recipe = meta.get("recipe", {}).get("name")
         self._tokenizer = None          # built on first use: ~0.1-0.3 s and ~100 MiB for a 151k vocabulary
         self._tokenizer_lock = threading.Lock()
-        self.generation_config = dict(meta.get("generation_config") or {})
+        from mixqrt.limits import check_generation_config, check_values
+        self.generation_config = check_generation_config(dict(meta.get("generation_config") or {}),
+                                                         f"{path}: generation_config")
+        check_values(dict(meta.get("config") or {}), f"{path}: config")
         cls = get_model_class(meta.get("arch"))
         tensors = dict(self.file.tensors)
         levels = meta.get("q3p_levels")
@@ -95,6 +101,25 @@ class LoadedModel:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
 
+    def logit_pieces(self, token_ids, first: int, rows: int = 512):
+        """Logits of positions first .. len-2 of token_ids run from position 0, `rows` positions
+        at a time (float32 [<= rows, vocab] each): the prefix before `first` only fills the KV
+        cache, so a long window never holds all its logits (mixqrt ppl's long windows)."""
+        m = self.model
+        ids = m.check_tokens(token_ids)
+        cache = m.make_cache(ids.size)
+        if first > 0:
+            m(ids[:first], cache, 0, last_only=True)
+        for s in range(first, ids.size - 1, rows):
+            yield m(ids[s:min(ids.size - 1, s + rows)], cache, s)
+
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """A mixqrt.embed.Embedder with the file's embedding settings (pooling, normalization,
+        attention, dense projections), each overridable."""
+        from mixqrt.embed import Embedder
+        return Embedder(self.model, self.meta.get("embedding"), tensors=self.file.tensors, pooling=pooling,
+                        normalize=normalize, **kw)
+
     def close(self) -> None:
         from mixqrt import ops
         ops.prefetch_wait()          # a gap prefetch may still hold a view of this file's mapping
@@ -137,32 +162,35 @@ def load(path_or_name, recipe: str | None = None, *, threads=None, offline=None,
     return LoadedModel(prepare(path_or_name, recipe, offline=offline, progress=progress), threads=threads)
 
 
-_GEN_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-             "do_sample", "return_full_text", "stop_strings", "max_tokens", "n", "logprobs", "top_logprobs",
-             "presence_penalty", "frequency_penalty", "logit_bias", "draft_k", "prediction",
-             "response_format", "tools", "tool_choice", "parallel_tool_calls"}
-
-
 class Pipeline:
     """Text generation, shaped like transformers' pipeline("text-generation")."""
 
     def __init__(self, model=None, recipe: str | None = None, threads: int | None = None, *,
                  offline: bool | None = None, progress: bool = True, max_context: int | None = None,
                  draft=None, draft_recipe: str | None = None, draft_k: int = 4, lookup: int | None = None,
-                 response_format=None):
+                 response_format=None, weights_in_memory: bool = False, kv_type: str | None = None):
         """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
         loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
         draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
-        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md)."""
+        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md).
+        weights_in_memory: read the .mxq into private memory instead of mapping it (what `mixqrt
+        serve` does: a file replaced or truncated under the server cannot change or fault it).
+        max_context: the context (default: the model's own, e.g. 32768 for Qwen2.5); the KV cache's
+        pages become resident as a sequence grows, bounded by the engine's kv_cache_bytes.
+        kv_type: the KV cache's type, one of mixqrt.cache.KV_TYPES (default DEFAULT_KV_TYPE)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
         # every generation's default response_format (mixqrt.grammar); a call's own argument wins
         self.response_format = response_format
         if response_format is not None:
             from mixqrt.grammar import grammar_from_response_format
             grammar_from_response_format(response_format)      # its shape is checked now
-        self.loaded = LoadedModel(self.path, threads=threads)
+        self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
-        self.max_context = int(max_context) if max_context else min(self.model.context_length, DEFAULT_MAX_CONTEXT)
+        self.max_context = int(max_context) if max_context else self.model.context_length
+        from mixqrt.cache import check_kv_type
+        self.kv_type = check_kv_type(kv_type)
+        self.model.kv_bytes_per_token(self.kv_type)      # a type this build cannot make fails here
+        self.model.kv_type = self.kv_type                # every cache of this model (generate, logits)
         self.drafter = None
         if draft is not None or lookup is not None:
             from mixqrt.speculative import make_drafter
@@ -185,7 +213,7 @@ class Pipeline:
 
     def configure_engine(self, **kw):
         """Replace the engine with one built with these Engine keyword arguments (max_slots,
-        prefill_chunk, kv_cache_bytes, max_queue, stall_timeout, threads); returns it."""
+        prefill_chunk, kv_cache_bytes, kv_type, max_queue, stall_timeout, threads); returns it."""
         with self._engine_lock:
             if self._engine is not None:
                 self._finalizer()
@@ -228,48 +256,95 @@ class Pipeline:
         raise GenerationError("input must be a prompt string or a non-empty list of chat messages "
                               f"({{'role': ..., 'content': ...}}), got {type(text_or_messages).__name__}")
 
-    def _gen_kwargs(self, kw: dict) -> dict:
-        unknown = set(kw) - _GEN_KEYS
-        if unknown:
-            raise GenerationError(f"unknown generation argument(s): {', '.join(sorted(unknown))}")
-        kw = dict(kw)
-        kw.pop("return_full_text", None)
-        if "max_tokens" in kw:
-            kw.setdefault("max_new_tokens", kw.pop("max_tokens"))
-        if "stop_strings" in kw:
-            kw.setdefault("stop", kw.pop("stop_strings"))
-        return kw          # do_sample and the greedy default: generate.resolve_sampling
-
-    def stream(self, text_or_messages, **kw):
+    def stream(self, text_or_messages, params: SamplingParams | None = None, **kw):
         """Yield GenerationResponse pieces (text, token, finish_reason, tokens/s, TTFT, cached
-        tokens...), generated by the engine. Leaving the loop early cancels the request."""
+        tokens...), generated by the engine. params: the request's options (mixqrt.params:
+        max_new_tokens, temperature, stop, n, response_format, tools, ...); keyword arguments
+        (transformers' spellings and the others of SamplingParams) build or change them. Leaving
+        the loop early cancels the request."""
         from mixqrt.generate import encode_prompt
-
         from mixqrt.tools import check_tool_choice, check_tools
-        kw = self._gen_kwargs(kw)
-        tools = kw["tools"] = check_tools(kw.get("tools"))
-        rendered = tools if check_tool_choice(kw.get("tool_choice"), tools) != "none" else None
+
+        p = as_params(params, **kw)
+        if p.response_format is None and self.response_format is not None:
+            p = p.replace(response_format=self.response_format)
+        tools = check_tools(p.tools)
+        rendered = tools if check_tool_choice(p.tool_choice, tools) != "none" else None
         if isinstance(text_or_messages, str) and tools:
             raise GenerationError("tools need chat messages (the chat template renders them), not a prompt string")
-        kw.setdefault("response_format", self.response_format)
         prompt, _ = self._prompt(text_or_messages, rendered)
         ids = encode_prompt(self.tokenizer, prompt)
-        return self._run(ids, kw)
+        return self._run(ids, p)
 
-    def _run(self, ids, kw):
-        req = self.engine.submit(ids, **kw)    # on the first next(): errors surface there, as before
+    def _run(self, ids, params):
+        req = self.engine.submit(ids, params)  # on the first next(): errors surface there, as before
         try:
             yield from req
         finally:
             req.cancel()
 
-    def __call__(self, text_or_messages, **kw):
+    def __call__(self, text_or_messages, params: SamplingParams | None = None, **kw):
+        """[{"generated_text": ...}] per choice (transformers' shape); return_full_text=False
+        leaves the prompt out."""
         full = kw.pop("return_full_text", True)
-        pieces = list(self.stream(text_or_messages, **kw))
-        texts = ["".join(p.text for p in pieces if p.index == i) for i in range(int(kw.get("n", 1)))]
+        p = as_params(params, **kw)
+        pieces = list(self.stream(text_or_messages, p))
+        texts = ["".join(x.text for x in pieces if x.index == i) for i in range(p.n)]
         if isinstance(text_or_messages, str):
             return [{"generated_text": (text_or_messages + t) if full else t} for t in texts]
         return [{"generated_text": list(text_or_messages) + [{"role": "assistant", "content": t}]} for t in texts]
+
+    # ------------------------------------------------------------------ fill-in-the-middle
+    def infill_ids(self, prefix: str, suffix: str, extra=None, *, prompt: str = "", spm: bool = False,
+                   max_new_tokens: int | None = None, n_batch: int | None = None) -> list[int]:
+        """The token ids of a fill-in-the-middle prompt (mixqrt.fim.build_infill: the model's FIM
+        tokens, llama.cpp's repo-level order and trimming; FimError when the model has none)."""
+        from mixqrt.fim import DEFAULT_N_BATCH, build_infill
+        return build_infill(self.tokenizer, prefix, suffix, extra, prompt, n_ctx=self.max_context,
+                            n_predict=-1 if max_new_tokens is None else int(max_new_tokens),
+                            n_batch=n_batch or DEFAULT_N_BATCH, spm=spm)
+
+    def stream_infill(self, prefix: str, suffix: str, extra=None, params: SamplingParams | None = None, *,
+                      prompt: str = "", spm: bool = False, n_batch: int | None = None, **kw):
+        """GenerationResponse pieces of the middle between prefix and suffix. extra: other files of
+        the repository, [{"filename": ..., "text": ...}] (llama.cpp's input_extra); prompt: text
+        typed after the prefix. Generation stops at end-of-text or any FIM token; neither is in the
+        text. params / kw: the generation options, as for stream()."""
+        from mixqrt.fim import stop_ids
+        given = params is not None or "max_new_tokens" in kw or "max_tokens" in kw
+        p = as_params(params, **kw)
+        if p.tools or p.response_format is not None:
+            raise GenerationError("infill takes neither tools nor response_format")
+        mnt = p.max_new_tokens if given and p.max_new_tokens != UNTIL_FULL else None
+        ids = self.infill_ids(prefix, suffix, extra, prompt=prompt, spm=spm, max_new_tokens=mnt, n_batch=n_batch)
+        return self._run(ids, p.replace(eos_token_ids=list(stop_ids(self.tokenizer, self.model))))
+
+    def infill(self, prefix: str, suffix: str, extra=None, **kw) -> str:
+        """The middle text between prefix and suffix (see stream_infill)."""
+        return "".join(p.text for p in self.stream_infill(prefix, suffix, extra, **kw) if p.index == 0)
+
+    # ------------------------------------------------------------------ embeddings
+    def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
+        """mixqrt.embed.Embedder with this model's settings (LoadedModel.embedder)."""
+        return self.loaded.embedder(pooling, normalize, **kw)
+
+    def embed(self, texts, *, pooling: str | None = None, normalize: bool | None = None,
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings of a string, a list of strings or a list of token-id lists -> float32 [N, D]
+        (pooling "none": a list of [n_i, D] arrays). Pooling and L2 normalization come from the model
+        (mixqrt.embed), each overridable; dimensions truncates (Matryoshka) where the model allows.
+        The forwards run on the engine's thread between decode steps (Engine.embed)."""
+        from mixqrt.embed import check_dimensions, truncate
+        seqs = self.embed_ids(texts)
+        emb = self.embedder(pooling, normalize)
+        dims = check_dimensions(emb, dimensions)
+        out = self.engine.embed(seqs, emb).result()
+        return truncate(out, dims, emb.normalize) if dims is not None else out
+
+    def embed_ids(self, texts) -> list[list[int]]:
+        """Token ids of embedding inputs (text is user text: control-token strings stay text)."""
+        from mixqrt.embed import encode_inputs
+        return encode_inputs(self.tokenizer, texts, max_tokens=self.max_context)
 
     # ------------------------------------------------------------------ files
     def save(self, path) -> Path:

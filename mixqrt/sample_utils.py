@@ -1,42 +1,11 @@
 """Samplers and logits processors (mlx-lm's shape: plain callables built by make_*)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
-from mixqrt.errors import GenerationError, RequestError
-
-
-def _show(v, limit: int = 60) -> str:
-    """A value for an error message: repr, ASCII only (no surrogate or control character reaches a
-    reply or a log), cut to `limit` characters."""
-    r = ascii(v)
-    return r if len(r) <= limit else r[:limit] + "..."
-
-
-# The one numeric argument checker of the Python API and the HTTP API (mixqrt.oai wraps these):
-# a RequestError (a GenerationError) that names the argument.
-def _number(name, v, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not math.isfinite(v):
-        raise RequestError(name, f"{name} must be a finite number, got {_show(v)}")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise RequestError(name, f"{name} must be {'>' if lo_open else '>='} {lo}, got {_show(v)}")
-    if hi is not None and (v >= hi if hi_open else v > hi):
-        raise RequestError(name, f"{name} must be {'<' if hi_open else '<='} {hi}, got {_show(v)}")
-    return float(v)
-
-
-def _int(name, v, lo=0, hi=None) -> int:
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)          # JSON clients sometimes send 64.0
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise RequestError(name, f"{name} must be an integer, got {_show(v)}")
-    if lo is not None and v < lo:
-        raise RequestError(name, f"{name} must be >= {lo}, got {_show(v)}")
-    if hi is not None and v > hi:
-        raise RequestError(name, f"{name} must be <= {hi}, got {_show(v)}")
-    return int(v)
+from mixqrt.errors import RequestError
+from mixqrt.validate import integer, number, show
 
 
 GREEDY_BELOW = 1e-5
@@ -53,12 +22,12 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     run in transformers' order on logits / temperature: top_k (0 = off), top_p (nucleus, 1 = off),
     min_p (keep p >= min_p * p_max, 0 = off); then one draw from a numpy Generator seeded by seed.
     """
-    temperature = _number("temperature", temperature, lo=0.0)
-    top_k = _int("top_k", top_k)
-    top_p = _number("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
-    min_p = _number("min_p", min_p, lo=0.0, hi=1.0)
+    temperature = number("temperature", temperature, lo=0.0)
+    top_k = integer("top_k", top_k)
+    top_p = number("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+    min_p = number("min_p", min_p, lo=0.0, hi=1.0)
     if seed is not None:
-        seed = _int("seed", seed)
+        seed = integer("seed", seed)
     if temperature < GREEDY_BELOW:
         def greedy(logits: np.ndarray) -> int:
             return int(np.argmax(logits))
@@ -112,8 +81,8 @@ def _top_p(p: np.ndarray, ids, top_p: float):
 
 def make_repetition_penalty(penalty: float, context_size: int = 64):
     """HF semantics on the last context_size tokens: positive logits / penalty, negative * penalty."""
-    penalty = _number("repetition_penalty", penalty, lo=0.0, lo_open=True)
-    context_size = _int("repetition_context_size", context_size, lo=1)
+    penalty = number("repetition_penalty", penalty, lo=0.0, lo_open=True)
+    context_size = integer("repetition_context_size", context_size, lo=1)
 
     def processor(tokens: np.ndarray, logits: np.ndarray) -> np.ndarray:
         if len(tokens) == 0:
@@ -129,9 +98,9 @@ def make_repetition_penalty(penalty: float, context_size: int = 64):
 def make_presence_frequency_penalty(presence: float = 0.0, frequency: float = 0.0, start: int = 0):
     """OpenAI's additive penalties over the generated tokens (tokens[start:], the prompt excluded,
     as OpenAI and vLLM do): logit[j] -= frequency * count[j] + presence * (count[j] > 0)."""
-    presence = _number("presence_penalty", presence, lo=-2.0, hi=2.0)
-    frequency = _number("frequency_penalty", frequency, lo=-2.0, hi=2.0)
-    start = _int("start", start)
+    presence = number("presence_penalty", presence, lo=-2.0, hi=2.0)
+    frequency = number("frequency_penalty", frequency, lo=-2.0, hi=2.0)
+    start = integer("start", start)
 
     def processor(tokens: np.ndarray, logits: np.ndarray) -> np.ndarray:
         out = np.asarray(tokens[start:], dtype=np.int64)
@@ -144,56 +113,43 @@ def make_presence_frequency_penalty(presence: float = 0.0, frequency: float = 0.
     return processor
 
 
-def make_logit_bias(bias: dict, vocab_size: int):
-    """OpenAI's logit_bias: {token id: value in [-100, 100]} added to the logits (before the
-    temperature); -100 bans a token, +100 all but forces it."""
-    from mixqrt.errors import RequestError
+MAX_LOGIT_BIAS = 300                # entries (OpenAI accepts 300)
 
-    if not isinstance(bias, dict):
-        raise RequestError("logit_bias", f"logit_bias must be a dict {{token id: bias}}, got {type(bias).__name__}")
-    ids = np.empty(len(bias), dtype=np.int64)
-    vals = np.empty(len(bias), dtype=np.float64)
-    for i, (t, b) in enumerate(bias.items()):
-        if isinstance(t, str) and t.isascii() and t.isdigit():
-            t = int(t)
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+
+def check_logit_bias(name, v) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {token id (int or its decimal string): bias in [-100, 100]} -> {int: float},
+    at most MAX_LOGIT_BIAS entries; the ids are checked against the vocabulary by make_logit_bias."""
+    if not isinstance(v, dict):
+        raise RequestError(name, f"{name} must be an object {{token id: bias}}, got {show(v)}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise RequestError(name, f"{name} has {len(v)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for k, b in v.items():
+        if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10:
+            t = int(k)
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < 1 << 32:
+            t = int(k)
+        else:
+            raise RequestError(name, f"{name} keys must be token ids, got {show(k)}")
+        out[t] = number(name, b, lo=-100.0, hi=100.0)
+    return out or None
+
+
+def make_logit_bias(bias: dict, vocab_size: int):
+    """OpenAI's logit_bias (check_logit_bias): {token id: value in [-100, 100]} added to the logits
+    (before the temperature); -100 bans a token, +100 all but forces it."""
+    bias = check_logit_bias("logit_bias", bias) or {}
+    for t in bias:
+        if not t < vocab_size:
             raise RequestError("logit_bias", f"logit_bias: token id {t!r} is not in [0, {vocab_size})")
-        try:
-            vals[i] = _number("logit_bias", b, lo=-100.0, hi=100.0)
-        except GenerationError as e:
-            raise RequestError("logit_bias", str(e)) from None
-        ids[i] = int(t)
+    ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    vals = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
 
     def processor(tokens: np.ndarray, logits: np.ndarray) -> np.ndarray:
         np.add.at(logits, ids, vals.astype(logits.dtype))
         return logits
 
     return processor
-
-
-def make_logits_processors(repetition_penalty: float | None = None, repetition_context_size: int = 64, *,
-                           presence_penalty: float = 0.0, frequency_penalty: float = 0.0, prompt_tokens: int = 0,
-                           logit_bias: dict | None = None, vocab_size: int | None = None) -> list:
-    """-> list of processor(tokens_so_far, logits [vocab]) -> logits (may edit logits in place).
-
-    In this order: the multiplicative repetition penalty (over the last repetition_context_size
-    tokens, prompt included, as transformers), OpenAI's presence/frequency penalties (over the
-    generated tokens: those after prompt_tokens), logit_bias."""
-    procs = []
-    if repetition_penalty is not None:
-        p = make_repetition_penalty(repetition_penalty, repetition_context_size)
-        if float(repetition_penalty) != 1.0:
-            procs.append(p)
-    else:
-        _int("repetition_context_size", repetition_context_size, lo=1)
-    p = make_presence_frequency_penalty(presence_penalty or 0.0, frequency_penalty or 0.0, prompt_tokens)
-    if presence_penalty or frequency_penalty:
-        procs.append(p)
-    if logit_bias:
-        if vocab_size is None:
-            raise GenerationError("logit_bias needs the vocabulary size")
-        procs.append(make_logit_bias(logit_bias, vocab_size))
-    return procs
 
 
 LOGPROB_FLOOR = -9999.0     # OpenAI's value for "impossible": a masked (-inf) logit reports this

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
-from mixqrt.sample_utils import _int
+from mixqrt.validate import integer
 
 MAX_DRAFT = 16            # a request or a setting asking for more drafts per step is capped here
 
@@ -49,10 +49,10 @@ class NgramDrafter:
     kind = "lookup"
 
     def __init__(self, k: int = 8, *, max_ngram: int = 3, min_ngram: int = 1, window: int = 8192):
-        self.k = min(_int("lookup", k, lo=1), MAX_DRAFT)
-        self.max_ngram = _int("max_ngram", max_ngram, lo=1)
-        self.min_ngram = min(_int("min_ngram", min_ngram, lo=1), self.max_ngram)
-        self.window = _int("window", window, lo=2)
+        self.k = min(integer("lookup", k, lo=1), MAX_DRAFT)
+        self.max_ngram = integer("max_ngram", max_ngram, lo=1)
+        self.min_ngram = min(integer("min_ngram", min_ngram, lo=1), self.max_ngram)
+        self.window = integer("window", window, lo=2)
 
     def new_state(self, max_len: int):
         return None
@@ -119,8 +119,8 @@ class CopyDrafter(NgramDrafter):
     def __init__(self, k: int = 8, *, long_k: int = LONG_DRAFT, max_match: int = 16, near: int = 64,
                  window: int = 8192):
         super().__init__(k, max_ngram=max_match, min_ngram=1, window=window)
-        self.long_k = max(self.k, min(_int("long_k", long_k, lo=1), LONG_DRAFT))
-        self.near = _int("near", near, lo=0)
+        self.long_k = max(self.k, min(integer("long_k", long_k, lo=1), LONG_DRAFT))
+        self.near = integer("near", near, lo=0)
 
     def new_state(self, max_len: int, source=None) -> _CopyState:
         return _CopyState(source)
@@ -295,7 +295,7 @@ class ModelDrafter:
 
     def __init__(self, model, k: int = 4, *, tokenizer=None, target=None, target_tokenizer=None):
         self.model = model
-        self.k = min(_int("draft_k", k, lo=1), MAX_DRAFT)
+        self.k = min(integer("draft_k", k, lo=1), MAX_DRAFT)
         if target is not None:
             check_compatible(model, tokenizer, target, target_tokenizer)
 
@@ -343,8 +343,8 @@ class ModelDrafter:
     def rollback(self, state: _DraftState, valid: int) -> None:
         drop = len(state.fed) - valid
         if drop > 0:
-            state.cache.trim(drop)
-            del state.fed[valid:]
+            dropped = state.cache.trim(drop)     # a packed cache may drop more, down to a block start
+            del state.fed[len(state.fed) - dropped:]
 
 
 MAX_PREDICTION_CHARS = 4 * MAX_SOURCE     # the longest prediction text a request may send
@@ -484,7 +484,7 @@ class Speculation:
     def __init__(self, drafter, max_len: int, k: int | None = None, source=None):
         self.drafter = drafter
         self.state = drafter.new_state(max_len) if source is None else drafter.new_state(max_len, source=source)
-        self.k_max = min(drafter.k if k is None else _int("k", k, lo=0), MAX_DRAFT)
+        self.k_max = min(drafter.k if k is None else integer("k", k, lo=0), MAX_DRAFT)
         # a copy drafter may run past k_max while its copy runs long (length() decides how far)
         self.k_long = max(self.k_max, getattr(drafter, "long_k", 0)) if hasattr(drafter, "long_k") else 0
         self.alpha = 0.6               # per-draft acceptance probability, exponential average

@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
+import logging
 import re
 import threading
 from pathlib import Path
@@ -25,7 +26,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
-from mixqrt.errors import FormatError, ModelError
+from mixqrt.errors import FormatError, GenerationError, ModelError
+from mixqrt.limits import check_values
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), keyed by tokenizer.ggml.pre
 _QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -94,6 +96,35 @@ def _no_panic(what: str, err=ModelError):
         raise
 
 
+def vocab_id(name: str, v, n: int, strict: bool = True):
+    """A token id from a config: None, or an int in [0, n); else ModelError naming the field
+    (strict) or None and a warning (an unusable pad id is not worth refusing a model for)."""
+    if v is None:
+        return None
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and 0 <= v < n:
+        return int(v)
+    msg = f"{name} {str(v)[:40]!r} is not a token id of this vocabulary (0..{n - 1})"
+    if strict:
+        raise ModelError(msg)
+    log.warning("%s; ignored", msg)
+    return None
+
+
+def _probe_templates(template, tok) -> None:
+    """A warning at load when the model's chat template fails on a small conversation (it would
+    fail, as a 400, on every chat request)."""
+    from mixqrt.chat_template import probe
+    templates = template.items() if isinstance(template, dict) else [("", template)]
+    for name, source in templates:
+        if not isinstance(source, str):
+            continue
+        ctx = {"bos_token": "", "eos_token": ""}
+        err = probe(source, **ctx)
+        if err is not None:
+            log.warning("the model's chat template%s fails on a probe conversation: %s", f" {name!r}" if name else "",
+                        str(err)[:300])
+
+
 def _scalar(meta, key, default=None):
     v = meta.get(key, default)
     return v.item() if hasattr(v, "item") else v
@@ -116,7 +147,10 @@ def _gguf_tokens(meta, where):
         raise FormatError(f"{where}: tokenizer.ggml.tokens must be an array of strings")
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None:
-        arr = np.asarray(types) if isinstance(types, (list, np.ndarray)) else None
+        try:
+            arr = np.asarray(types) if isinstance(types, (list, np.ndarray)) else None
+        except (ValueError, TypeError, OverflowError):             # ragged or mixed: not an array of ints
+            arr = None
         if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise FormatError(f"{where}: tokenizer.ggml.token_type must be an array of integers")
         types = arr.astype(np.int64)
@@ -136,17 +170,32 @@ def eos_ids_from_gguf(meta: dict, where: str = "GGUF") -> set[int]:
     return ids
 
 
+log = logging.getLogger("mixqrt")
+
+
 class Tokenizer:
     """Encode/decode, special ids, chat template and streaming for one model."""
 
     def __init__(self, backend: _HFTokenizer, *, bos_token_id=None, eos_token_ids=(), pad_token_id=None,
-                 chat_template=None, add_bos_token=False):
+                 chat_template=None, add_bos_token=False, fim_ids=None):
         self.backend = backend
-        self.bos_token_id = bos_token_id
-        self.eos_token_ids = set(int(i) for i in eos_token_ids)
-        self.pad_token_id = pad_token_id
+        n = backend.get_vocab_size(with_added_tokens=True)
+        # every id a config names must be a token of this vocabulary (bos_token_id -1 was an
+        # OverflowError deep in encoding; issue 39): checked here, where all loaders meet
+        self.bos_token_id = vocab_id("bos_token_id", bos_token_id, n)
+        if isinstance(eos_token_ids, (int, np.integer)):
+            eos_token_ids = (eos_token_ids,)
+        if not isinstance(eos_token_ids, (list, tuple, set, frozenset)):
+            raise ModelError(f"eos_token_ids must be a list of token ids, got {type(eos_token_ids).__name__}")
+        self.eos_token_ids = {vocab_id("eos_token_id", i, n) for i in eos_token_ids} - {None}
+        self.pad_token_id = vocab_id("pad_token_id", pad_token_id, n, strict=False)
+        # FIM token ids a GGUF names (tokenizer.ggml.fim_*_token_id; mixqrt.fim finds the rest by text)
+        fim = {str(k): vocab_id(f"fim {k} token id", v, n, strict=False) for k, v in dict(fim_ids or {}).items()}
+        self.fim_ids = {k: v for k, v in fim.items() if v is not None}
+        self._fim = None
         self.chat_template = chat_template          # str, or {name: str} when a model ships several
         self.add_bos_token = bool(add_bos_token)
+        _probe_templates(chat_template, self)
         self._added = backend.get_added_tokens_decoder()
         self.special_ids = {i for i, t in self._added.items() if t.special}
         self._encode_lock = threading.Lock()        # encode_special_tokens is a setting of the shared backend
@@ -257,8 +306,10 @@ class Tokenizer:
                 except Exception as e:
                     raise FormatError(f"{where}: bos token {name[:40]!r} cannot start a template: "
                                       f"{str(e)[:200]}") from None
+        from mixqrt.fim import fim_from_gguf
         return cls(tk, bos_token_id=bos, eos_token_ids=eos_ids_from_gguf(meta, where),
-                   pad_token_id=pad, chat_template=template, add_bos_token=add_bos)
+                   pad_token_id=pad, chat_template=template, add_bos_token=add_bos,
+                   fim_ids=fim_from_gguf(meta, len(tokens), where))
 
     @classmethod
     def from_folder(cls, folder, *, extra_eos_ids=()) -> "Tokenizer":
@@ -284,6 +335,7 @@ class Tokenizer:
                 raise FormatError(f"{cfg_path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
             if not isinstance(cfg, dict):
                 raise FormatError(f"{cfg_path}: expected a JSON object")
+            check_values(cfg, str(cfg_path))
 
         def tok_id(entry):
             text = entry.get("content") if isinstance(entry, dict) else entry
@@ -315,7 +367,8 @@ class Tokenizer:
         """JSON-able entries that rebuild this tokenizer with from_meta() (no GGUF/folder needed)."""
         return {"tokenizer": self.backend.to_str(), "chat_template": self.chat_template,
                 "tokenizer_info": {"bos_token_id": self.bos_token_id, "eos_token_ids": sorted(self.eos_token_ids),
-                                   "pad_token_id": self.pad_token_id, "add_bos_token": self.add_bos_token}}
+                                   "pad_token_id": self.pad_token_id, "add_bos_token": self.add_bos_token,
+                                   **({"fim": dict(self.fim_ids)} if self.fim_ids else {})}}
 
     @classmethod
     def from_meta(cls, meta) -> "Tokenizer":
@@ -330,7 +383,8 @@ class Tokenizer:
         info = dict(meta.get("tokenizer_info") or {})
         return cls(backend, bos_token_id=info.get("bos_token_id"), eos_token_ids=info.get("eos_token_ids") or (),
                    pad_token_id=info.get("pad_token_id"), chat_template=meta.get("chat_template"),
-                   add_bos_token=info.get("add_bos_token", False))
+                   add_bos_token=info.get("add_bos_token", False),
+                   fim_ids=info.get("fim") if isinstance(info.get("fim"), dict) else None)
 
     # -- encode / decode -------------------------------------------------------------------
     @property
@@ -347,6 +401,8 @@ class Tokenizer:
             tk.encode_special_tokens = not parse_special
             try:
                 return tk.encode(text, add_special_tokens=add_special_tokens).ids
+            except TypeError:                   # the backend's answer to a lone surrogate
+                raise GenerationError("the text to encode is not valid Unicode (a lone surrogate)") from None
             finally:
                 tk.encode_special_tokens = False
 

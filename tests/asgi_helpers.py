@@ -10,8 +10,9 @@ async def acall(app, method: str, path: str, body: bytes = b"", headers=None, ch
     (a truncated upload: the client then disconnects)."""
     pieces = list(chunks) if chunks is not None else [body]
     hdrs = [(b"host", b"127.0.0.1")]
-    hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {"content-type":
-                                                                                      "application/json"}).items()]
+    headers = headers or {"content-type": "application/json"}        # a dict, or [(name, value)] pairs
+    hdrs += [(k.lower().encode("latin-1"), v.encode("latin-1"))
+             for k, v in (headers.items() if isinstance(headers, dict) else headers)]
     scope = {"type": "http", "asgi": {"version": "3.0"}, "method": method, "path": path,
              "raw_path": path.encode("latin-1", "replace"), "query_string": b"", "root_path": "", "scheme": "http",
              "http_version": "1.1", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80), "headers": hdrs}

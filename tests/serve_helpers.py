@@ -62,3 +62,112 @@ def running(pipe, limits: Limits | None = None, engine_kwargs=None, **kw):
         yield r
     finally:
         r.stop()
+
+
+# ============================================================================ a server in another process
+_SERVE_SCRIPT = r"""
+import json, os, sys
+sys.path[:0] = sys.argv[1:3]
+from mixqrt.pipeline import Pipeline
+from mixqrt.serve.guard import Limits
+from serve_helpers import running
+from tinymodel import make_tiny_hf_model
+tmp, model, opts = sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+os.environ["MIXQRT_CACHE"] = os.path.join(tmp, "cache")
+if not model:
+    model = str(make_tiny_hf_model(os.path.join(tmp, "hf")))
+pipe = Pipeline(model, recipe=None if model.endswith(".mxq") else "f32", progress=False, offline=True,
+                max_context=opts.pop("max_context", 256), **opts.pop("pipeline", {}))
+with running(pipe, Limits(**opts.pop("limits", {})), engine_kwargs=opts.pop("engine_kwargs", None)) as s:
+    print("PORT", s.port, flush=True)
+    sys.stdin.read()                                    # until the test closes our stdin
+"""
+
+
+class Subprocess:
+    """`mixqrt serve`'s app over the tiny model (or `model`, an .mxq) in a child process, so that a
+    crash of the server is seen as one (returncode) instead of taking the tests down."""
+
+    def __init__(self, tmp, model: str = "", **opts):
+        import json
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        import mixqrt
+        tests = Path(__file__).resolve().parent
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(Path(mixqrt.__file__).parent.parent),
+                                      str(tests), str(tmp), str(model), json.dumps(opts)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(Path(tmp) / "server.log", "w"),
+                                     text=True)
+        self.log = Path(tmp) / "server.log"
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            self.proc.kill()
+            raise RuntimeError(f"the server did not start: {line!r} {self.log.read_text()[-3000:]}")
+        self.port = int(line.split()[1])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """Close the server; its returncode (None if it had to be killed)."""
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def subprocess_server(tmp, model: str = "", **opts):
+    s = Subprocess(tmp, model, **opts)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def post(port: int, path: str, body, timeout: float = 60, headers=None, source: str = "127.0.0.1"):
+    """(status, parsed JSON or raw bytes) of one POST over a fresh connection."""
+    import http.client
+    import json
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        c.request("POST", path, body=json.dumps(body) if not isinstance(body, bytes) else body,
+                  headers={"Content-Type": "application/json", **(headers or {})})
+        r = c.getresponse()
+        data = r.read()
+        try:
+            return r.status, json.loads(data)
+        except ValueError:
+            return r.status, data
+    finally:
+        c.close()
+
+
+def stream_events(port: int, body: dict, timeout: float = 60) -> list:
+    """The `data:` payloads of one streamed completion, "[DONE]" included, as they came."""
+    import http.client
+    import json
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            return [("status", r.status, r.read())]
+        out = []
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: "):
+                d = line[6:].decode()
+                out.append(d if d == "[DONE]" else json.loads(d))
+        return out
+    finally:
+        c.close()

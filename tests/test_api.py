@@ -9,6 +9,7 @@ import pytest
 
 from mixqrt.api import RequestError, check_messages, create_chat_completion, create_completion
 from mixqrt.errors import GenerationError
+from mixqrt.params import UNTIL_FULL, SamplingParams
 
 
 @dataclass
@@ -53,7 +54,7 @@ class FakePipe:
         self.max_context = max_context
         self.path = "/models/fake-0.5b-2356.mxq"
         self.n_tokens, self.delay, self.gate = n_tokens, delay, gate
-        self.calls = []           # (prompt, kwargs)
+        self.calls = []           # (prompt, SamplingParams)
         self.started = threading.Event()
         self.yielded = 0
         self.closed = threading.Event()
@@ -61,11 +62,11 @@ class FakePipe:
         self.max_active = 0
         self._lock = threading.Lock()
 
-    def stream(self, text_or_messages, **kw):
+    def stream(self, text_or_messages, params):
         prompt = text_or_messages if isinstance(text_or_messages, str) else \
             self.tokenizer.apply_chat_template(text_or_messages)
-        self.calls.append((text_or_messages, kw))
-        return self._gen(prompt, kw)
+        self.calls.append((text_or_messages, params))
+        return self._gen(prompt, params)
 
     def _gen(self, prompt, kw):
         with self._lock:
@@ -80,7 +81,7 @@ class FakePipe:
             if self.gate is not None:
                 self.gate.wait(10)
             pieces = self.PIECES if self.n_tokens is None else ["tok"] * self.n_tokens
-            budget = min(kw.get("max_new_tokens", 256), self.max_context - n_prompt)
+            budget = min(kw.max_new_tokens or self.max_context, self.max_context - n_prompt)
             for i, p in enumerate(pieces[:budget]):
                 if self.delay:
                     time.sleep(self.delay)
@@ -113,15 +114,20 @@ def test_completion_maps_arguments_and_leaves_defaults_to_the_model():
     pipe = FakePipe()
     create_completion(pipe, "x", max_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
                       repeat_penalty=1.1, stop=["\n"], seed=7, frequency_penalty=0.0, presence_penalty=0)
-    assert pipe.calls[-1] == ("x", {"max_new_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-                                    "min_p": 0.05, "repetition_penalty": 1.1, "stop": ["\n"], "seed": 7})
+    assert pipe.calls[-1] == ("x", SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                                                  repetition_penalty=1.1, stop=["\n"], seed=7))
     create_completion(pipe, "x", max_tokens=None, top_k=-1, seed=-1, stop=[])
-    assert pipe.calls[-1][1] == {"max_new_tokens": 64, "top_k": 0}      # until the context is full
+    assert pipe.calls[-1][1] == SamplingParams(max_tokens=UNTIL_FULL, top_k=0)   # until the context is full
+    create_completion(pipe, "x", SamplingParams(temperature=0.5), echo=True)       # the options as one object
+    assert pipe.calls[-1][1] == SamplingParams(temperature=0.5)
+    with pytest.raises(RequestError) as e:
+        create_completion(pipe, "x", SamplingParams(temperature=0.5), top_k=3)
+    assert e.value.param == "top_k"
 
 
 @pytest.mark.parametrize("stop", ["", ["\n", ""]])
 def test_empty_stop_string_is_refused_like_generate(stop):
-    # one rule for both entry points (generate.check_stops): an empty stop string is an error naming
+    # one rule for both entry points (mixqrt.params.check_stops): an empty stop string is an error naming
     # "stop", never silently dropped
     with pytest.raises(RequestError, match="non-empty") as e:
         create_completion(FakePipe(), "x", stop=stop)
@@ -156,7 +162,7 @@ def test_chat_shape():
     assert out["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello, world!"},
                                "logprobs": None, "finish_reason": "stop"}]
     assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 6
-    assert pipe.calls[-1][0] == MSGS and pipe.calls[-1][1] == {"max_new_tokens": 64}
+    assert pipe.calls[-1][0] == MSGS and pipe.calls[-1][1] == SamplingParams(max_tokens=UNTIL_FULL)
 
 
 def test_chat_stream_chunks():

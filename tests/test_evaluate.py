@@ -60,3 +60,23 @@ def test_kl_against_saved_base(tmp_path):
     with pytest.raises(FormatError):
         perplexity(_fake_model(), toks, ctx=16, kl_base=str(bad), progress=False)
     assert not list(tmp_path.glob("*.part")) and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_ppl_encodes_the_text_as_text_unless_asked(tmp_path, monkeypatch, capsys):
+    """`mixqrt ppl` reads special-token text in the evaluation file as text, as llama-perplexity
+    does (WikiText's "<unk>" is five characters, not Gemma's unknown token); --parse-special reads
+    it as the tokens (issue 39, item 7)."""
+    import json
+
+    from mixqrt.cli import main
+    from mixqrt.testing.tiny import make_tiny_hf_model
+    monkeypatch.setenv("MIXQRT_CACHE", str(tmp_path / "cache"))
+    hf = make_tiny_hf_model(tmp_path / "hf")
+    text = tmp_path / "t.txt"
+    text.write_text("<|endoftext|>" * 64)
+    out = {}
+    for flag in ([], ["--parse-special"]):
+        main(["ppl", str(hf), "--recipe", "f32", "--text", str(text), "--ctx", "16", "--json", "-q", "--offline", *flag])
+        out[bool(flag)] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out[True]["chunks"] == 4                      # 64 special tokens: 4 chunks of 16
+    assert out[False]["chunks"] > 4 * 4                  # the text: several tokens per "<|endoftext|>"

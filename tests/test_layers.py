@@ -25,7 +25,8 @@ LAYERS = [
     ("models", ["mixqrt.models", "mixqrt.cache"]),      # spec, base, the graphs; the KV cache
     ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template"]),
     ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler
-    ("generate", ["mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
+    ("generate", ["mixqrt.validate", "mixqrt.params",    # request values' checks; the one request object
+                  "mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
                   "mixqrt.grammar", "mixqrt.tools",     # constrained decoding, tool calls
                   "mixqrt.engine", "mixqrt.engine_cache", "mixqrt.speculative"]),
     ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model

@@ -13,6 +13,7 @@ from test_serve import pipe  # noqa: F401 - the module-scoped tiny Pipeline fixt
 
 from mixqrt import api, oai
 from mixqrt.errors import MixqrtError, RequestError
+from mixqrt.params import UNTIL_FULL, SamplingParams
 
 pytest.importorskip("starlette")
 
@@ -40,17 +41,20 @@ def test_parse_plain_values_and_defaults():
     r = oai.parse("chat", {"messages": MSGS, "max_completion_tokens": 9, "temperature": 0.5, "seed": -1,
                            "cache_salt": "s1", "user": "u", "parallel_tool_calls": False, "tool_choice": "none",
                            "response_format": {"type": "text"}, "metadata": {"a": "b"}})
-    assert r.kind == "chat" and r.max_tokens == 9 and r.temperature == 0.5 and r.seed is None
-    assert r.cache_salt == "s1" and r.cache_prompt is True and r.user == "u" and r.parallel_tool_calls is False
-    assert r.response_format is None and r.n == 1 and not r.logprobs
-    assert r.gen_kwargs(100) == {"max_new_tokens": 9, "temperature": 0.5}
+    p = r.params
+    assert r.kind == "chat" and p.max_new_tokens == 9 and p.temperature == 0.5 and p.seed is None
+    assert p.cache_salt == "s1" and p.cache_prompt is True and r.user == "u" and p.parallel_tool_calls is False
+    assert p.response_format is None and p.n == 1 and not p.logprobs
+    assert p == SamplingParams(max_new_tokens=9, temperature=0.5, cache_salt="s1", parallel_tool_calls=False,
+                               tool_choice="none")
     c = oai.parse("completion", {"prompt": "x"})
-    assert c.max_tokens == 16 and c.gen_kwargs(100) == {"max_new_tokens": 16}
-    assert oai.parse("completion", {"prompt": "x", "max_tokens": 0}).gen_kwargs(100)["max_new_tokens"] == 100
+    assert c.params.max_new_tokens == 16 and c.params == SamplingParams(max_new_tokens=16)
+    assert oai.parse("completion", {"prompt": "x", "max_tokens": 0}).params.max_new_tokens == UNTIL_FULL
+    assert oai.parse("chat", {"messages": MSGS}).params.max_new_tokens == UNTIL_FULL
     # a server's --max-tokens-cap also bounds "until the context is full" and the completions default
-    assert oai.parse("chat", {"messages": MSGS}, max_tokens_cap=5).max_tokens == 5
-    assert oai.parse("completion", {"prompt": "x", "max_tokens": -1}, max_tokens_cap=5).max_tokens == 5
-    assert oai.parse("completion", {"prompt": "x"}, max_tokens_cap=8).max_tokens == 8
+    assert oai.parse("chat", {"messages": MSGS}, max_tokens_cap=5).params.max_new_tokens == 5
+    assert oai.parse("completion", {"prompt": "x", "max_tokens": -1}, max_tokens_cap=5).params.max_new_tokens == 5
+    assert oai.parse("completion", {"prompt": "x"}, max_tokens_cap=8).params.max_new_tokens == 8
 
 
 @pytest.mark.parametrize("body, field", [
@@ -87,9 +91,9 @@ def test_structured_fields_are_parsed_and_checked_beyond_their_shape():
         "name": "x", "schema": {"type": "object"}, "strict": True}},
         "tools": [{"type": "function", "function": {"name": "get_w", "parameters": {"type": "object"}}}],
         "tool_choice": {"type": "function", "function": {"name": "get_w"}}, "parallel_tool_calls": False})
-    kw = r.gen_kwargs(100)
-    assert kw["response_format"]["type"] == "json_schema" and kw["tools"][0]["function"]["name"] == "get_w"
-    assert kw["tool_choice"]["function"]["name"] == "get_w" and kw["parallel_tool_calls"] is False
+    p = r.params
+    assert p.response_format["type"] == "json_schema" and p.tools[0]["function"]["name"] == "get_w"
+    assert p.tool_choice["function"]["name"] == "get_w" and p.parallel_tool_calls is False
     bad = {"tool_choice": ({"type": "function", "function": {"name": "other"}}, "tool_choice"),
            "response_format": ({"type": "grammar", "grammar": "x", "syntax": "peg"}, "response_format")}
     for k, (v, field) in bad.items():

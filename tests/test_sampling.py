@@ -1,9 +1,14 @@
-"""make_sampler / make_logits_processors: greedy, truncation filters, determinism, validation."""
+"""make_sampler / SamplingParams.logits_processors: greedy, truncation filters, determinism, validation."""
 import numpy as np
 import pytest
 
 from mixqrt.errors import GenerationError
-from mixqrt.sample_utils import make_logits_processors, make_sampler
+from mixqrt.params import SamplingParams
+from mixqrt.sample_utils import make_sampler
+
+
+def make_logits_processors(**kw):
+    return SamplingParams(**kw).logits_processors(0, None)
 
 
 def draws(sampler, logits, n=400):
@@ -73,7 +78,7 @@ def test_repetition_penalty_hf_semantics():
     np.testing.assert_array_equal(out, [4.0, -8.0, 4.0, -8.0, 1.0])
     out = proc(np.array([0, 2]), logits.copy())
     np.testing.assert_array_equal(out, [2.0, -4.0, 2.0, -4.0, 1.0])
-    assert make_logits_processors() == [] and make_logits_processors(1.0) == []
+    assert make_logits_processors() == [] and make_logits_processors(repetition_penalty=1.0) == []
 
 
 @pytest.mark.parametrize("kw,msg", [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),

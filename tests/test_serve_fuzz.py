@@ -34,7 +34,7 @@ scalar = (st.none() | st.booleans() | st.integers(-(10 ** 30), 10 ** 30) | st.fl
                              "user", "system", "assistant", "tool", float("nan"), float("inf"), "\0BIG"]))
 value = st.recursive(scalar, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(text, kids, max_size=4),
                      max_leaves=12)
-FIELDS = sorted(oai.FIELDS["chat"] | oai.FIELDS["completion"] | oai.IGNORED)
+FIELDS = sorted(oai.fields("chat") | oai.fields("completion") | oai.IGNORED)
 good_msg = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer", "tool"]),
                                   "content": text | value})
 field_value = {

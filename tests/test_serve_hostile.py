@@ -14,6 +14,7 @@ from serve_helpers import running
 from test_serve import MSGS, pipe  # noqa: F401 - the module-scoped tiny Pipeline fixture
 
 from mixqrt.serve.guard import Limits, escape
+from mixqrt.testing.flood import raw_status
 
 pytest.importorskip("starlette")
 openai = pytest.importorskip("openai")
@@ -155,17 +156,6 @@ def test_logs_escape_control_characters(srv, caplog):
     assert not any("\n" in m or "\x1b" in m for m in lines)
 
 
-def raw_status(port, data: bytes, timeout=30, source="127.0.0.1") -> int:
-    """Send raw bytes on a fresh connection -> the reply's status code."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0)) as c:
-        c.sendall(data)
-        head = b""
-        while b"\r\n" not in head:
-            got = c.recv(4096)
-            if not got:
-                break
-            head += got
-    return int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
 
 
 def test_host_header_is_parsed_strictly(pipe):  # noqa: F811

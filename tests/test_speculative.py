@@ -250,6 +250,38 @@ def test_server_reports_drafts_in_usage_and_metrics(models):
         assert "mixqrt_draft_tokens" in m and "mixqrt_accepted_draft_tokens" in m
 
 
+def test_server_takes_openais_prediction_field(models):
+    """A chat request with OpenAI's `prediction` on a server without a drafter: the copy drafter
+    drafts from it (usage's predicted-output counts), the reply is the plain one; a malformed
+    prediction is a 400 naming the field."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from mixqrt.serve.app import create_app
+
+    lm = models["target"]
+
+    class Pipe:
+        model, tokenizer, max_context, path = lm.model, lm.tokenizer, 256, lm.path
+        drafter = None
+
+        def configure_engine(self, **kw):
+            self.engine = Engine(lm, **kw)
+            return self.engine
+    msgs = [{"role": "user", "content": REPEAT}]
+    with TestClient(create_app(Pipe(), model="tiny")) as c:
+        body = {"messages": msgs, "max_tokens": 24, "temperature": 0}
+        plain = c.post("/v1/chat/completions", json=body).json()
+        text = plain["choices"][0]["message"]["content"]
+        for pred in ({"type": "content", "content": text}, {"type": "content", "content": [{"type": "text", "text": text}]}):
+            r = c.post("/v1/chat/completions", json={**body, "prediction": pred})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == text
+            assert r.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+        r = c.post("/v1/chat/completions", json={**body, "prediction": {"type": "image", "content": "x"}})
+        assert r.status_code == 400 and "prediction" in r.text
+
+
 def test_adaptive_k_follows_acceptance():
     from mixqrt.speculative import Speculation, expected_tokens
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
@@ -488,3 +520,22 @@ def test_prediction_on_a_draft_model_engine_copies(models):
     want, _, _ = _run(lm, REPEAT, n=30, temperature=0)
     got, last, _ = _run(lm, REPEAT, ModelDrafter(models["other"].model, 3), n=30, temperature=0, prediction=want)
     assert got == want and last.accepted_draft_tokens >= 20
+
+
+def test_api_and_pipeline_take_prediction(models):
+    """mixqrt.api (OpenAI's spelling) and Pipeline (a keyword) pass a prediction to the engine."""
+    from mixqrt import api
+    from mixqrt.pipeline import Pipeline
+    lm = models["target"]
+    pipe = Pipeline(str(lm.path), progress=False)
+    try:
+        msgs = [{"role": "user", "content": REPEAT}]
+        plain = pipe(msgs, max_new_tokens=20, temperature=0)[0]["generated_text"][-1]["content"]
+        got = pipe(msgs, max_new_tokens=20, temperature=0, prediction=plain)[0]["generated_text"][-1]["content"]
+        assert got == plain
+        r = api.create_chat_completion(pipe, msgs, max_tokens=20, temperature=0,
+                                       prediction={"type": "content", "content": plain})
+        assert r["choices"][0]["message"]["content"] == plain
+        assert r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    finally:
+        pipe.close()

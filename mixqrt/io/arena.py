@@ -30,6 +30,13 @@ def is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
+def file_identity(st) -> tuple:
+    """What tells a file's content changed, from an os.stat_result: the inode, its size, mtime and
+    ctime. ctime matters: restoring an old mtime after rewriting a file (touch -r, utime) sets the
+    ctime to now, and nothing but the kernel sets ctime."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def drop_cached(fd: int) -> bool:
     """Drop a just-written file's pages from the page cache (POSIX_FADV_DONTNEED; call after fsync:
     dirty pages are not dropped). What write() leaves in the page cache is held in small folios,
@@ -54,17 +61,28 @@ class Arena:
         hint and never an error.
     willneed: madvise(MADV_WILLNEED) on the whole file: starts read-ahead into the page cache without
         faulting pages into this process (RSS grows only when a page is touched).
+    copy: read the whole file into private anonymous memory instead of mapping it (what `mixqrt
+        serve` does, docs/server.md "The served file"): nothing done to the file afterwards (a `cp`
+        over it, a truncation) can change or fault the weights being served. Costs the file's size
+        in RSS at once and one read of it; the copy is checked against the file's identity
+        (inode, size, mtime, ctime) before and after the read, so a file changing while it is read
+        is a FormatError, not a torn copy.
     """
 
-    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False):
+    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, copy: bool = False):
         self.path = os.fspath(path)
         self._mm = None
+        self.copied = bool(copy)
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            self.size = st.st_size
             if self.size == 0:
                 raise FormatError(f"{self.path}: empty file")
-            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            if copy:
+                self._mm = self._read_copy(st, hugepages)
+            else:
+                self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             if len(self._mm) != self.size:              # file changed under us between fstat and mmap
                 raise FormatError(f"{self.path}: file size changed while mapping")
         except BaseException:
@@ -74,6 +92,27 @@ class Arena:
             self.advise("hugepage")
         if willneed:
             self.advise("willneed")
+
+    def _read_copy(self, st, hugepages: bool):
+        mm = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hugepages and _MADV["hugepage"] is not None and hasattr(mm, "madvise"):
+            try:
+                mm.madvise(_MADV["hugepage"])       # anonymous memory does get 2 MiB pages (THP)
+            except OSError:
+                pass
+        view, off, chunk = memoryview(mm), 0, 64 << 20
+        try:
+            while off < self.size:
+                n = os.preadv(self._fd, [view[off:off + chunk]], off)
+                if n <= 0:
+                    raise FormatError(f"{self.path}: file truncated while being read ({off} of {self.size} bytes)")
+                off += n
+        finally:
+            view.release()
+        if file_identity(os.fstat(self._fd)) != file_identity(st):
+            mm.close()
+            raise FormatError(f"{self.path}: the file changed while being read into memory; load it again")
+        return mm
 
     # ------------------------------------------------------------------ access
     def stat(self) -> os.stat_result:
@@ -93,7 +132,9 @@ class Arena:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """Zero-copy 1-D uint8 view of [offset, offset + nbytes); read-only."""
         self._check(offset, nbytes)
-        return np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
+        v = np.frombuffer(self._mm, dtype=np.uint8, count=nbytes, offset=offset)
+        v.flags.writeable = False                   # (a copy's memory is writable; its views are not)
+        return v
 
     def read(self, offset: int, nbytes: int) -> bytes:
         """A copy of [offset, offset + nbytes), by pread() so that the pages never enter this process's
@@ -155,7 +196,7 @@ class Arena:
         the cached pages that no other process maps (POSIX_FADV_DONTNEED), then advise huge pages
         and read-ahead. Costs one read of the file from storage; pages another process maps stay as
         they are. Returns False where a step is not available (nothing is then changed for the worse)."""
-        if self.closed or not self.advise("dontneed"):
+        if self.closed or self.copied or not self.advise("dontneed"):
             return False
         if not drop_cached(self._fd):
             return False

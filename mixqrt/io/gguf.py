@@ -20,9 +20,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from mixqrt.embed import GGUF_POOLING, dense_name
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.io.source import SUPPORTED_ARCHS, Source, check_config, check_layout
-from mixqrt.limits import check_config_limits
+from mixqrt.limits import check_config_limits, check_values
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -65,7 +66,11 @@ _ARCH_LAYER_NAMES["qwen3_moe"] = {**_LAYER_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES
 # routed experts: one GGUF tensor [experts, out, in] per kind, seen as one HF tensor per expert
 _EXPS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 # GGUF architecture names that differ from the HF model_type
-_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+               # EmbeddingGemma: Gemma 3's graph with bidirectional attention (mixqrt.embed)
+               "gemma-embedding": "gemma3"}
+# sentence-transformers dense projections after pooling (llama.cpp LLM_TENSOR_DENSE_2_OUT / _3_OUT)
+EMBED_DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
 # architectures whose GGUF norm weights are HF's plus one (llama.cpp multiplies by the stored weight)
 _NORM_PLUS_ONE = ("gemma3",)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
@@ -358,12 +363,14 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
         # llama.cpp's Gemma 3: every 6th layer global, local RoPE base 10000 unless the file says
         # (rope.freq_base_swa); attention scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27B
-        cfg["sliding_window"] = meta_int(meta, f"{arch}.attention.sliding_window", path, 4096)
+        cfg["sliding_window"] = meta_int(meta, f"{garch}.attention.sliding_window", path, 4096)
         cfg["sliding_window_pattern"] = 6
-        cfg["rope_local_base_freq"] = meta_float(meta, f"{arch}.rope.freq_base_swa", path, 10000.0)
+        cfg["rope_local_base_freq"] = meta_float(meta, f"{garch}.rope.freq_base_swa", path, 10000.0)
         cfg["query_pre_attn_scalar"] = hidden // n_head if (hidden, n_head) == (5376, 32) else k_len
+        if garch == "gemma-embedding":
+            cfg["use_bidirectional_attention"] = True
         for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            v = meta_float(meta, f"{arch}.{key}", path, required=False)
+            v = meta_float(meta, f"{garch}.{key}", path, required=False)
             if v:
                 cfg[key] = v
     scaling = meta_str(meta, f"{garch}.rope.scaling.type", path)
@@ -379,6 +386,28 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
             cfg["pad_token_id" if tok == "padding" else f"{tok}_token_id"] = v
     check_config_limits(cfg, str(path), names)
     return cfg
+
+
+def embedding_from_metadata(meta: dict, tensors: dict, path) -> dict | None:
+    """mixqrt.embed's settings from GGUF metadata, as llama.cpp reads them: ``<arch>.pooling_type``
+    (llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last), ``<arch>.attention.causal`` and the dense
+    projections ``dense_2`` / ``dense_3``. None for a file that names none of them (a plain LM)."""
+    garch = meta.get("general.architecture")
+    pt = meta_int(meta, f"{garch}.pooling_type", path, required=False)
+    causal = meta.get(f"{garch}.attention.causal")
+    if causal is not None and not isinstance(causal, (bool, np.bool_)):
+        raise ModelError(f"{path}: GGUF metadata key {garch}.attention.causal must be a bool")
+    dense = [n for n in EMBED_DENSE_TENSORS if n in tensors]
+    if pt is None and causal is None and not dense and garch != "gemma-embedding":
+        return None
+    if pt is not None and pt != -1 and pt not in GGUF_POOLING:
+        raise ModelError(f"{path}: GGUF metadata {garch}.pooling_type={pt} is not supported "
+                         f"(0 none, 1 mean, 2 cls, 3 last)")
+    pooling = GGUF_POOLING.get(pt)
+    causal = bool(causal) if causal is not None else garch != "gemma-embedding"
+    return {"pooling": pooling, "normalize": True, "causal": causal,
+            "dense": [[dense_name(i), None, None] for i in range(len(dense))],
+            "matryoshka": garch == "gemma-embedding" or (garch == "qwen3" and pooling == "last")}
 
 
 def generation_config_from_metadata(meta: dict, eos_ids, path="GGUF") -> dict:
@@ -413,6 +442,9 @@ class GGUFSource(Source):
             raise FormatError(f"{self.path}: empty file, not a GGUF model") from None
         try:
             self.metadata, self._gguf = read_gguf_header(self._map, self.path)
+            # every value, before any reaches a str/int/float (the vocabulary keeps raw bytes as
+            # surrogate escapes on purpose: the Tokenizer reads those)
+            check_values(self.metadata, str(self.path), skip=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
             self.config = config_from_metadata(self.metadata, self._gguf, self.path)
             self.arch = self.config["model_type"]
             self._rope_factors()
@@ -441,6 +473,7 @@ class GGUFSource(Source):
                                      qtype.name)
             check_layout(self)
             from mixqrt.tokenizer import eos_ids_from_gguf
+            self.embedding = embedding_from_metadata(self.metadata, self._gguf, self.path)
             self.generation_config = generation_config_from_metadata(
                 self.metadata, eos_ids_from_gguf(self.metadata, str(self.path)), self.path)
         except BaseException:
@@ -470,6 +503,21 @@ class GGUFSource(Source):
     def _load_tokenizer(self):
         from mixqrt.tokenizer import Tokenizer
         return Tokenizer.from_gguf_metadata(self.metadata, where=str(self.path))
+
+    def extra_tensor(self, name: str) -> np.ndarray:
+        """An embedding model's dense projection (mixqrt.embed.dense_name(i): GGUF dense_2, dense_3)
+        as float32 [out, in]."""
+        present = [n for n in EMBED_DENSE_TENSORS if n in self._gguf]
+        gname = dict((dense_name(i), n) for i, n in enumerate(present)).get(name)
+        if gname is None:
+            raise ModelError(f"{self.path}: no embedding tensor named {name!r}")
+        dims, qtype, start, nbytes = self._gguf[gname]
+        shape = tuple(int(d) for d in reversed(dims))
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
+        w = self._decode(gname, raw, qtype, shape)
+        if not np.isfinite(w).all():
+            raise FormatError(f"{self.path}: tensor {gname!r} holds NaN/Inf values")
+        return w
 
     def _span(self, name: str):
         """(GGUF name, ggml type, start, nbytes, HF shape) of an HF tensor: one expert's slice of a

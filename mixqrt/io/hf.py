@@ -9,6 +9,7 @@ half of a float32) and keeps one error class with messages that name the file an
 from __future__ import annotations
 
 import json
+import re
 import mmap
 import os
 import struct
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
+from mixqrt.limits import check_generation_config, check_values
 from mixqrt.platform.files import folder_file, read_text
 from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
                               refuse_pickle)
@@ -161,7 +163,7 @@ def _read_json(folder: Path, name: str, what: str, *, required: bool = True) -> 
         raise FormatError(f"{path}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(data, dict):
         raise FormatError(f"{path}: expected a JSON object")
-    return data
+    return check_values(data, str(path))
 
 
 class HFSource(Source):
@@ -183,7 +185,10 @@ class HFSource(Source):
             check_config(self.config, str(self.path / "config.json"))
             self._open_weights()
             check_layout(self)
-            self.generation_config = _read_json(self.path, "generation_config.json", "", required=False) or {}
+            self.generation_config = check_generation_config(
+                _read_json(self.path, "generation_config.json", "", required=False) or {},
+                str(self.path / "generation_config.json"))
+            self.embedding, self._dense = sentence_transformers_info(self.path, self.config)
         except BaseException:
             self.close()
             raise
@@ -275,18 +280,98 @@ class HFSource(Source):
     def _read(self, name: str) -> np.ndarray:
         return self._where[name].read(self._stored.get(name, name))
 
+    def extra_tensor(self, name: str) -> np.ndarray:
+        where = self._dense.get(name)
+        if where is None:
+            return super().extra_tensor(name)
+        sf = SafetensorsFile(where[0])
+        try:
+            arr = np.asarray(sf.read(where[1]), dtype=np.float32)
+        finally:
+            sf.close()
+        if not np.isfinite(arr).all():
+            raise FormatError(f"{where[0]}: tensor {where[1]!r} holds NaN/Inf values")
+        return arr
+
     def _load_tokenizer(self):
-        from mixqrt.tokenizer import Tokenizer
+        from mixqrt.tokenizer import Tokenizer, vocab_id
         eos = []
         for d in (self.generation_config, self.config):
             v = d.get("eos_token_id")
             eos += [i for i in (v if isinstance(v, list) else [v]) if isinstance(i, int) and not isinstance(i, bool)]
         tk = Tokenizer.from_folder(self.path, extra_eos_ids=eos)
-        if tk.bos_token_id is None and isinstance(self.config.get("bos_token_id"), int):
-            tk.bos_token_id = self.config["bos_token_id"]
+        if tk.bos_token_id is None and self.config.get("bos_token_id") is not None:
+            tk.bos_token_id = vocab_id("config.json: bos_token_id", self.config["bos_token_id"], tk.vocab_size)
         return tk
 
     def close(self) -> None:
         for sf in self._files.values():
             sf.close()
         self._files.clear()
+
+
+_MODULE_DIR = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_ST = "sentence_transformers.models."
+_POOL_KEYS = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+              ("pooling_mode_cls_token", "cls"))
+MAX_MODULES = 16
+
+
+def _module_folder(folder: Path, sub) -> Path:
+    """A sentence-transformers module's folder: a plain name directly inside the model folder."""
+    if not isinstance(sub, str) or not _MODULE_DIR.fullmatch(sub) or ".." in sub:
+        raise FormatError(f"{folder / 'modules.json'}: module path {str(sub)[:80]!r} is not a plain folder name")
+    d = folder / sub
+    if d.is_symlink() or not d.is_dir():
+        raise FormatError(f"{folder / 'modules.json'}: module folder {sub!r} is missing or not a folder")
+    return d
+
+
+def sentence_transformers_info(folder: Path, config: dict) -> tuple[dict | None, dict]:
+    """mixqrt.embed's settings from a sentence-transformers folder (modules.json: Pooling from
+    1_Pooling/config.json, Dense projections, Normalize) -> (embedding dict or None, {mxq dense
+    name: (safetensors file, tensor name)}). None for a folder without modules.json."""
+    from mixqrt.embed import dense_name
+    mods = folder_file(folder, "modules.json", what="sentence-transformers modules")
+    if mods is None:
+        return None, {}
+    try:
+        data = json.loads(read_text(mods, MAX_JSON))
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise FormatError(f"{mods}: not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if not isinstance(data, list) or len(data) > MAX_MODULES or not all(isinstance(m, dict) for m in data):
+        raise FormatError(f"{mods}: expected a list of at most {MAX_MODULES} module objects")
+    info = {"pooling": None, "normalize": False, "causal": not config.get("use_bidirectional_attention", False),
+            "dense": [], "matryoshka": False}
+    dense = {}
+    for m in data:
+        kind = m.get("type")
+        if kind == _ST + "Pooling":
+            cfg = _read_json(_module_folder(folder, m.get("path")), "config.json", "pooling config")
+            modes = [name for key, name in _POOL_KEYS if cfg.get(key) is True]
+            others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v is True
+                      and k not in dict(_POOL_KEYS)]
+            if len(modes) != 1 or others:
+                raise ModelError(f"{mods}: pooling {', '.join(modes + others) or 'none'} is not supported "
+                                 "(one of last token, mean, CLS)")
+            info["pooling"] = modes[0]
+        elif kind == _ST + "Dense":
+            sub = _module_folder(folder, m.get("path"))
+            cfg = _read_json(sub, "config.json", "dense config")
+            wfile = folder_file(sub, "model.safetensors", what="dense weights")
+            if wfile is None:
+                raise ModelError(f"{sub}: no model.safetensors (the dense layer's weights)")
+            i = len(info["dense"])
+            act = cfg.get("activation_function")
+            bias = bool(cfg.get("bias", False))
+            dense[dense_name(i)] = (wfile, "linear.weight")
+            if bias:
+                dense[dense_name(i, "bias")] = (wfile, "linear.bias")
+            info["dense"].append([dense_name(i), dense_name(i, "bias") if bias else None,
+                                  "identity" if act in (None, "torch.nn.modules.linear.Identity") else str(act)[:80]])
+        elif kind == _ST + "Normalize":
+            info["normalize"] = True
+        elif kind != _ST + "Transformer":
+            raise ModelError(f"{mods}: module type {str(kind)[:80]!r} is not supported")
+    info["matryoshka"] = bool(info["dense"]) or info["pooling"] == "last"
+    return info, dense

@@ -317,10 +317,11 @@ class MxqFile:
     arena:         the mixqrt.io.arena.Arena (arena.prefetch(*spans[i]) reads a layer ahead)
     """
 
-    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, _old_layouts: bool = False):
+    def __init__(self, path, *, hugepages: bool = False, willneed: bool = False, copy: bool = False,
+                 _old_layouts: bool = False):
         from mixqrt.formats.qtensor import QTensor
         self.path = os.fspath(path)
-        self.arena = Arena(self.path, hugepages=hugepages, willneed=willneed)
+        self.arena = Arena(self.path, hugepages=hugepages, willneed=willneed, copy=copy)
         try:
             self.meta, self.info, self.spans, self.header_bytes = parse_header(self.arena, old_layouts=_old_layouts)
             self.tensors = {}

@@ -71,6 +71,14 @@ class Source:
             raise FormatError(f"{self.path}: tensor {name!r} holds {bad} NaN/Inf value(s)")
         return arr
 
+    # an embedding model's settings (mixqrt.embed.EmbeddingInfo.to_meta's shape), None for a plain LM
+    embedding: dict | None = None
+
+    def extra_tensor(self, name: str) -> np.ndarray:
+        """A tensor outside the graph's contract that the .mxq carries as float32 (an embedding
+        model's dense projections, named in ``embedding["dense"]``)."""
+        raise ModelError(f"{self.path}: no tensor named {name!r}")
+
     # True where the format's own tie flag is authoritative (HF config.json's tie_word_embeddings:
     # the reader drops lm_head when tied), so a source holding both matrices is untied without
     # comparing them; GGUF has no such flag, and recipes.tie_source compares rows there.

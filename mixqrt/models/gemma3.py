@@ -99,6 +99,9 @@ class Model(qwen2.Model):
         a = self.args
         return a.sliding_window if a.sliding[li] else None
 
+    def kv_windows(self):
+        return [self._window(li) for li in range(self.args.num_hidden_layers)]
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         x = ops.embed(self.embed_tokens, ids)
         x *= np.float32(math.sqrt(self.args.hidden_size))
@@ -152,10 +155,13 @@ class Model(qwen2.Model):
         y = ops.matmul(L.down, ops.gelu_tanh_mul(gate, up), then=self._next_weight(li))
         x += _norm(y, L.post_ff_norm, self.args.rms_norm_eps)
 
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        return _norm(x, self.norm, self.args.rms_norm_eps)
+
     def head(self, x: np.ndarray) -> np.ndarray:
         a = self.args
         first = self.layers[0].qkv[0] if self.layers and self.layers[0] is not None else None
-        logits = ops.matmul(self.lm_head, _norm(x, self.norm, a.rms_norm_eps), then=first)
+        logits = ops.matmul(self.lm_head, self.final_norm(x), then=first)
         if a.final_logit_softcapping is not None:
             cap = np.float32(a.final_logit_softcapping)
             logits = np.tanh(logits / cap) * cap

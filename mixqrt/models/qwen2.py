@@ -15,7 +15,7 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.platform import tuning
-from mixqrt.cache import KVCache
+from mixqrt.cache import DEFAULT_KV_TYPE, KVCache, kv_type_of_dtype, make_kv_cache
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
@@ -217,7 +217,7 @@ class Model:
     layer_class = Layer                    # a subclass with more fields sets these three together
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
-    kv_dtype = np.float32          # set to np.float16 to halve the KV cache (ops.attention reads both)
+    kv_type = DEFAULT_KV_TYPE      # the KV cache's type (mixqrt.cache.KV_TYPES); an instance may set its own
     # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
     # another model_type (another graph) decodes op by op through layer_forward, never through it
     native_decode_types = ("qwen2", "llama")
@@ -360,12 +360,25 @@ class Model:
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
-    def make_cache(self, max_len: int | None = None, dtype=None) -> KVCache:
-        """A cache for max_len positions (default: the whole context); dtype float32 or float16
-        (default: self.kv_dtype)."""
+    def make_cache(self, max_len: int | None = None, kv_type: str | None = None, *, dtype=None):
+        """A cache for max_len positions (default: the whole context; its pages become resident as
+        positions are written) of kv_type (default: self.kv_type; mixqrt.cache.KV_TYPES). dtype:
+        the older spelling of the float types (np.float32 / np.float16)."""
         a = self.args
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
-                       int(max_len or a.max_position_embeddings), dtype or self.kv_dtype)
+        if dtype is not None:
+            kv_type = kv_type_of_dtype(dtype)
+        return make_kv_cache(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                             int(max_len or a.max_position_embeddings), windows=self.kv_windows())
+
+    def kv_windows(self):
+        """Per-layer sliding window of the attention (None: every layer sees the whole context)."""
+        return None
+
+    def kv_bytes_per_token(self, kv_type: str | None = None) -> float:
+        """Steady-state KV bytes per cached token of kv_type (default self.kv_type), K and V, all layers."""
+        from mixqrt.cache import kv_bytes_per_token
+        a = self.args
+        return kv_bytes_per_token(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, cache: KVCache | None = None, pos0: int | None = None, *,
@@ -632,10 +645,15 @@ class Model:
         gu = _proj(self.layers[li].gate_up, self.ffn_in(li, x), self.layers[li].down)   # [T, 2I]
         self.ffn_out(li, x, gu)
 
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """The final norm of hidden states x [T, D] (a new array): what the head multiplies, and
+        what embeddings pool (mixqrt.embed)."""
+        return ops.rmsnorm(x, self.norm, self.args.rms_norm_eps)
+
     def head(self, x: np.ndarray) -> np.ndarray:
         """Final norm and lm_head: logits [T, V]."""
         first = self.layers[0].qkv[0] if self.layers and self.layers[0] is not None else None
-        return ops.matmul(self.lm_head, ops.rmsnorm(x, self.norm, self.args.rms_norm_eps), then=first)
+        return ops.matmul(self.lm_head, self.final_norm(x), then=first)
 
     def logits(self, token_ids) -> np.ndarray:
         """Logits [T, vocab] float32 of every position, from position 0 with a fresh cache."""

@@ -130,12 +130,12 @@ def generate_samples(model, tokenizer, tokens: int, ctx: int, *, seed: int = 0, 
     (kept in the sample) or ctx tokens."""
     from tqdm.auto import tqdm
 
-    from mixqrt.generate import _eos_ids, generate_step
+    from mixqrt.generate import eos_ids, generate_step
     from mixqrt.sample_utils import make_sampler
 
     if tokens < 2 or ctx < 2:
         raise QuantError(f"generated calibration needs tokens >= 2 and ctx >= 2, got {tokens}, {ctx}")
-    eos = _eos_ids(None, model, tokenizer)
+    eos = eos_ids(None, model, tokenizer)
     out, total, i = [], 0, 0
     with tqdm(total=tokens, desc="calibration text (self)", unit="tok", disable=not progress) as bar:
         while total < tokens:

@@ -223,6 +223,12 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
                         w.add(p, to_storage(q), layer=layer)
         if pending:
             raise ModelError(f"incomplete fused group: {sorted(pending)}")
+        for name in _embedding_tensors(meta):      # an embedding model's dense projections: float32
+            arr = source.extra_tensor(name)
+            _check_finite(name, arr)
+            qt = quantize(np.ascontiguousarray(arr, dtype=np.float32), "f32")
+            report.tensors.append(TensorReport(name, "embedding", "f32", tuple(arr.shape), qt.nbytes))
+            w.add(name, to_storage(qt))
     report.seconds = time.perf_counter() - t0
     report.peak_rss_bytes = peak_rss_bytes()
     return report
@@ -241,7 +247,17 @@ def build_meta(source, recipe: Recipe) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     meta.update(source.tokenizer.to_meta())   # tokenizer.json, chat_template, tokenizer_info
+    emb = getattr(source, "embedding", None)
+    if emb is not None:                       # pooling, normalization, attention, dense layers (mixqrt.embed)
+        meta["embedding"] = dict(emb)
     return meta
+
+
+def _embedding_tensors(meta: dict) -> list[str]:
+    names = []
+    for w, b, _ in (meta.get("embedding") or {}).get("dense") or []:
+        names += [w] + ([b] if b else [])
+    return names
 
 
 def _q3p_levels():

@@ -27,6 +27,8 @@ from starlette.routing import Route
 
 from mixqrt import api, oai
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
+from mixqrt.fim import build_infill
+from mixqrt.fim import stop_ids as fim_stop_ids
 from mixqrt.generate import encode_prompt
 from mixqrt.tools import chat_ids
 from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
@@ -48,7 +50,10 @@ class SafeJSONResponse(JSONResponse):
 def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
     """The engine's cache salt for a request: with API keys configured, a hash of the request's
     key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
-    never share cached prompts; without keys, the request's salt (None: the shared cache)."""
+    never share cached prompts; without keys, the request's salt. One rule either way: an empty
+    salt is no salt (the key's, or everyone's, shared cache). The Guard refuses a request with two
+    Authorization headers, so the key hashed here is the key it checked."""
+    salt = salt or None
     if not api_keys(limits):
         return salt
     token = (authorization or "").partition(" ")[2].strip()
@@ -81,12 +86,16 @@ class Server:
 
     # ------------------------------------------------------------------ request -> engine
     def prepare(self, kind: str, body: dict):
-        """Check a request body -> (prompt ids, engine kwargs, oai.Request); HTTPError for bad ones."""
+        """Check a request body -> (prompt ids, oai.Request); HTTPError for bad ones."""
         try:
             req = oai.parse(kind, body, max_tokens_cap=self.limits.max_tokens, max_depth=self.limits.max_json_depth)
-            gen = req.gen_kwargs(self.context)
             if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
-                ids = chat_ids(self.tokenizer, req.messages, req.tools, req.tool_choice)
+                ids = chat_ids(self.tokenizer, req.messages, req.params.tools, req.params.tool_choice)
+            elif req.suffix is not None:            # fill-in-the-middle: the prompt is the prefix (mixqrt.fim)
+                mnt = req.params.max_new_tokens
+                ids = build_infill(self.tokenizer, req.prompt, req.suffix, n_ctx=self.context,
+                                   n_predict=mnt if mnt > 0 else -1)
+                req.params = req.params.replace(eos_token_ids=list(fim_stop_ids(self.tokenizer, self.pipe.model)))
             else:
                 ids = encode_prompt(self.tokenizer, req.prompt)
         except RequestError as e:
@@ -100,20 +109,18 @@ class Server:
             raise HTTPError(400, f"the prompt has {len(ids)} tokens; with at least one new token that needs "
                                  f"{len(ids) + 1} positions but the context holds {self.context}",
                             param=key, code="context_length_exceeded")
-        gen["max_new_tokens"] = min(gen["max_new_tokens"], self.context - len(ids))
         # no temperature: the engine's generate.resolve_sampling applies the greedy default
-        return ids, gen, req
+        return ids, req
 
     async def generate(self, request, kind: str):
         route = request.url.path
         try:
             self.check_file()
             body = await read_json(request, self.limits)
-            ids, gen, parsed = await run_in_threadpool(self.prepare, kind, body)
-            salt = cache_salt(parsed.cache_salt, request.headers.get("authorization"), self.limits)
-            use_cache = parsed.cache_prompt
+            ids, parsed = await run_in_threadpool(self.prepare, kind, body)
+            salt = cache_salt(parsed.params.cache_salt, request.headers.get("authorization"), self.limits)
             try:
-                req = self.engine.submit(ids, **gen, cache_salt=salt, cache_prompt=use_cache)
+                req = self.engine.submit(ids, parsed.params.replace(cache_salt=salt))
             except EngineBusy as e:
                 raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
                                 headers={"Retry-After": "1"}) from None
@@ -147,6 +154,12 @@ class Server:
                                                   f"{self.model!r})", param="model", code="model_not_found"))
         return JSONResponse(self.card())
 
+    def stopped_why(self) -> str:
+        """Why the engine stopped a request that nobody cancelled."""
+        why = self.watch.check() if self.watch is not None else None
+        return (f"the model file changed while being served ({why}); this stream cannot continue" if why else
+                "the server stopped this stream (the engine closed); retry")
+
     def check_file(self) -> None:
         """503 once the served .mxq changed under us (serve.watch)."""
         why = self.watch.check() if self.watch is not None else None
@@ -179,10 +192,13 @@ class _Run(Response):
         self.background = None
         self.first, self.last, self.t0 = True, None, time.perf_counter()
 
+    client_gone = False
+
     async def __call__(self, scope, receive, send):
         async def watch():
             while (await receive())["type"] != "http.disconnect":
                 pass
+            self.client_gone = True
             self.req.cancel()
 
         self.scope = scope
@@ -246,6 +262,9 @@ class _Run(Response):
                 async for r in it:
                     self._seen(r)
                     await out(self.out.feed(r))
+            if getattr(self.req, "finish_reason", None) == "cancelled" and not self.client_gone:
+                # the engine closed under the stream (the served file changed, a shutdown): say so
+                raise GenerationError(self.srv.stopped_why())
             await out(self.out.finish())
             await asyncio.wait_for(send({"type": "http.response.body", "body": b"data: [DONE]\n\n"}), timeout)
         except (asyncio.TimeoutError, OSError):
@@ -270,6 +289,22 @@ async def _internal(request, exc):
     return error_response(HTTPError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
 
+def infill_route(srv):
+    from mixqrt.serve.infill import handle
+
+    async def infill(request):
+        return await handle(srv, request)
+    return infill
+
+
+def embeddings_route(srv):
+    from mixqrt.serve.embeddings import handle
+
+    async def embeddings(request):
+        return await handle(srv, request)
+    return embeddings
+
+
 def create_app(pipe, *, engine=None, model: str | None = None, limits: Limits | None = None,
                replica: str | None = None, engine_kwargs: dict | None = None) -> Starlette:
     """The ASGI app serving `pipe` (a Pipeline) through `engine` (default: Engine(pipe, **engine_kwargs))."""
@@ -281,6 +316,8 @@ def create_app(pipe, *, engine=None, model: str | None = None, limits: Limits | 
     srv.watch = watch_pipeline(pipe, on_change=lambda why: threading.Thread(target=engine.close, daemon=True).start())
     routes = [Route("/v1/chat/completions", srv.chat, methods=["POST"]),
               Route("/v1/completions", srv.completion, methods=["POST"]),
+              Route("/infill", infill_route(srv), methods=["POST"]),
+              Route("/v1/embeddings", embeddings_route(srv), methods=["POST"]),
               Route("/v1/models", srv.models, methods=["GET"]),
               Route("/v1/models/{name:path}", srv.model_card, methods=["GET"]),
               Route("/health", srv.health, methods=["GET"]),

@@ -7,7 +7,7 @@ import sys
 
 from mixqrt.errors import MixqrtError
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
-from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS
+from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS, MAX_CONNECTIONS
 from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
 
 DEFAULT_SLOTS = 8
@@ -19,8 +19,9 @@ def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_qu
                    limits=None, **kw):
     """A uvicorn.Config whose limits keep every client answered: the listen backlog holds a burst
     of connections (no resets), and limit_concurrency (which counts open connections) sits above
-    what the engine admits (running + queued), so the engine's 503 + Retry-After answers first;
-    uvicorn's own 503 is the last guard. The HTTP protocol is guard.protocol_class's: a header
+    what the engine admits (running + queued) and above the Guard's connection budget, so the
+    engine's 503 + Retry-After and the Guard's shedding answer first; uvicorn's own 503 is the last
+    guard. The HTTP protocol is guard.protocol_class's: a header
     deadline and a per-peer connection limit (`limits`, default the app's own), so that stalled
     or hoarded connections cannot fill limit_concurrency; the body deadline is the app's Guard."""
     import uvicorn
@@ -28,8 +29,11 @@ def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_qu
     from mixqrt.serve.guard import Limits, protocol_class
     if limits is None:
         limits = getattr(getattr(getattr(app, "state", None), "server", None), "limits", None) or Limits()
+    # uvicorn's limit counts every connection and every request task: above the Guard's budget, which
+    # sheds half-open connections first (guard.protocol_class), and above what the engine admits
+    budget = max(limits.max_connections, limits.max_client_connections + 1)
     return uvicorn.Config(app, host=host, port=port, backlog=2048, http=protocol_class(limits),
-                          limit_concurrency=max_slots + max_queue + 64, timeout_keep_alive=5,
+                          limit_concurrency=max(budget, max_slots + max_queue) + 64, timeout_keep_alive=5,
                           access_log=False, log_level=kw.pop("log_level", "warning"),
                           h11_max_incomplete_event_size=64 * 1024, **kw)
 
@@ -78,7 +82,8 @@ def limits_from_args(a):
                   allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
                   allowed_origins=tuple(a.allowed_origins or ()), max_body_bytes=a.max_body_bytes,
                   max_tokens=a.max_tokens_cap, write_timeout=a.stall_timeout, header_timeout=a.header_timeout,
-                  body_timeout=a.body_timeout, max_client_connections=a.max_client_connections)
+                  body_timeout=a.body_timeout, max_client_connections=a.max_client_connections,
+                  max_connections=a.max_connections)
 
 
 MAX_KEY_FILE_BYTES = 1 << 20
@@ -113,7 +118,7 @@ def engine_kwargs(a) -> dict:
     gc = a.gemm_cache_bytes or 0
     return {"max_slots": a.max_slots, "max_queue": a.max_queue, "prefill_chunk": a.prefill_chunk,
             "kv_cache_bytes": a.kv_cache_bytes, "stall_timeout": a.stall_timeout, "threads": a.threads,
-            "gemm_cache_bytes": gc}
+            "gemm_cache_bytes": gc, "kv_type": a.kv_type}
 
 
 def cmd_serve(a):
@@ -139,7 +144,9 @@ def cmd_serve(a):
     from mixqrt.pipeline import Pipeline
     from mixqrt.serve.app import create_app
     pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
-                    offline=True if a.offline else None, max_context=a.ctx, **speculative_kwargs(a))
+                    offline=True if a.offline else None, max_context=a.ctx, weights_in_memory=not a.mmap_weights,
+                    kv_type=a.kv_type,
+                    **speculative_kwargs(a))
     if not a.quiet:
         logging.basicConfig(level=logging.INFO, format="mixqrt serve: %(message)s")
     app = create_app(pipe, model=a.model_alias or _model_id(a.model), limits=limits_from_args(a),
@@ -177,17 +184,7 @@ def _non_negative(v: str) -> int:
     return n
 
 
-_UNITS = {"": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000 ** 2, "mb": 1000 ** 2, "mib": 1 << 20,
-          "g": 1000 ** 3, "gb": 1000 ** 3, "gib": 1 << 30}
-
-
-def _bytes(v: str) -> int:
-    """A byte count: 1048576, 50MiB, 1.5GB (0 allowed)."""
-    import re
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", v)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"must be a byte count like 1073741824, 512MiB or 1GB, got {v!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from mixqrt.limits import parse_bytes as _bytes  # noqa: E402  (the byte counts of --kv-cache-bytes, also `mixqrt generate`'s)
 
 
 def _positive_float(v: str) -> float:
@@ -207,7 +204,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a .mxq, a .gguf, a Hugging Face folder, a hub id or alias (default: the demo model)")
     s.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")
     s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
-    s.add_argument("--ctx", type=int, default=None, help="context length (default: the model's, capped at 4096)")
+    s.add_argument("--ctx", type=int, default=None,
+                   help="context length (default: the model's own, e.g. 32768 for Qwen2.5)")
+    from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
+    s.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
+                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {DEFAULT_KV_TYPE}; docs/long-context.md)")
     add_speculative_arguments(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
@@ -226,8 +227,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests waiting for a slot; more get 503 + Retry-After")
     s.add_argument("--prefill-chunk", type=_positive, default=256, help="prompt tokens per scheduler step")
     s.add_argument("--kv-cache-bytes", type=_bytes, default=None,
-                   help="memory bound of the KV caches, prompt cache included (LRU; 50MiB, 2GiB...; "
-                        "0: no prompt cache; default 1GiB)")
+                   help="memory bound of the KV caches, prompt cache included (LRU; 50MiB, 2GiB...; a prompt "
+                        "that cannot fit gets a 400; 0: no prompt cache and no bound; default: a quarter of "
+                        "the memory available at start)")
     s.add_argument("--gemm-cache-bytes", type=_non_negative, default=None,
                    help="bytes of unpacked weight tiles that batched steps of more than 8 rows read "
                         "instead of unpacking (default 0: off; docs/engine.md)")
@@ -245,6 +247,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--max-client-connections", type=_non_negative, default=MAX_CLIENT_CONNECTIONS,
                    help=f"open connections accepted from one client address; more get 503 and are closed "
                         f"(default {MAX_CLIENT_CONNECTIONS}; 0: no limit, e.g. behind a reverse proxy)")
+    s.add_argument("--mmap-weights", action="store_true",
+                   help="map the .mxq instead of reading it into private memory (less memory at start, "
+                        "but a file replaced or truncated under the server stops it: docs/server.md)")
+    s.add_argument("--max-connections", type=_non_negative, default=MAX_CONNECTIONS,
+                   help=f"open connections in all (default {MAX_CONNECTIONS}, above --max-client-connections); at "
+                        f"it the oldest connection without a request in progress is shed (0: no budget)")
     s.add_argument("--model-alias", default=None, help="model id reported by /v1/models (default: MODEL)")
     r = s.add_argument_group("Ray Serve (pip install 'mixqrt[ray]'; docs/server.md)")
     r.add_argument("--ray", action="store_true", help="serve engine replicas on Ray Serve")

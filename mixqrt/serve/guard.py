@@ -22,7 +22,8 @@ MAX_BODY_BYTES = 1 << 20            # a 32k-token chat is ~150 KB of JSON
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 HEADER_TIMEOUT = 10.0               # seconds for a request's headers (slowloris)
 BODY_TIMEOUT = 30.0                 # seconds for its whole body after the headers (1 MiB at ~35 KB/s)
-MAX_CLIENT_CONNECTIONS = 64         # below uvicorn's limit (slots + queue + 64): one peer cannot take all
+MAX_CLIENT_CONNECTIONS = 64         # per peer address: one peer cannot take all
+MAX_CONNECTIONS = 512               # server-wide budget, above the per-address cap (uvicorn's limit sits above it)
 
 
 class HTTPError(Exception):
@@ -50,6 +51,7 @@ class Limits:
     header_timeout: float = HEADER_TIMEOUT  # a connection's request headers must arrive within this
     body_timeout: float = BODY_TIMEOUT      # ... and the whole body within this of the headers
     max_client_connections: int = MAX_CLIENT_CONNECTIONS   # open connections per peer address (0: no limit)
+    max_connections: int = MAX_CONNECTIONS  # open connections in all; at it, the oldest half-open one is shed
     stats: dict = field(default_factory=dict)
 
 
@@ -160,6 +162,10 @@ def key_ok(token: str, keys: tuple) -> bool:
     return sum(hmac.compare_digest(t, k.encode("utf-8", "surrogatepass")) for k in keys) > 0
 
 
+# routes outside /v1/ that need the API key too (llama.cpp's /infill; /health stays open)
+KEYED_PATHS = ("/metrics", "/infill")
+
+
 class Guard:
     """ASGI middleware: Host allow-list, foreign Origin refused, API key on /v1/*, replica header,
     request log, and the body deadline. Runs before any body is read."""
@@ -191,13 +197,17 @@ class Guard:
             log_request(scope, status[0], t0)
 
     def check(self, scope) -> HTTPError | None:
-        headers, hosts = {}, 0
+        headers, hosts, auths = {}, 0, 0
         for k, v in scope.get("headers", []):
             k = k.decode("latin-1").lower()
             hosts += k == "host"
+            auths += k == "authorization"
             headers[k] = v.decode("latin-1")
         if hosts > 1:                                   # RFC 9112 3.2: a server must answer 400
             return HTTPError(400, f"{hosts} Host headers; a request carries exactly one", code="bad_host")
+        if auths > 1:       # which one was checked and which one picks the prompt cache must not differ
+            return HTTPError(400, f"{auths} Authorization headers; a request carries at most one",
+                             code="bad_authorization")
         host = headers.get("host", "")
         if host and host_name(host) is None:
             return HTTPError(400, f"Host {escape(host)!r} is not a host name with an optional :port",
@@ -211,7 +221,7 @@ class Guard:
                              code="origin_not_allowed")
         path = scope.get("path", "")
         keys = api_keys(self.limits)
-        if keys and (path.startswith("/v1/") or path == "/metrics") and scope.get("method") != "OPTIONS":
+        if keys and (path.startswith("/v1/") or path in KEYED_PATHS) and scope.get("method") != "OPTIONS":
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not key_ok(token.strip(), keys):
                 return HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>' with one of the "
@@ -275,19 +285,59 @@ def protocol_class(limits: Limits):
     request) and a limit on the connections open from one peer address. A connection over the
     limit gets a 503 and is closed before anything is read from it; one whose headers are late
     gets a 408 and is closed. Either way it stops counting against uvicorn's limit_concurrency,
-    which counts every open connection. The body's deadline is _body_deadline's (the ASGI side)."""
+    which counts every open connection. The body's deadline is _body_deadline's (the ASGI side).
+
+    And a server-wide budget (limits.max_connections, above the per-address cap): at it, a new
+    connection sheds the oldest connection that has no request in progress (none yet, a body still
+    arriving, or idle between requests) with a 503, so that a few addresses reopening half-sent
+    requests cannot keep a new client out; only when every open connection is serving a request is
+    the new one refused. uvicorn's limit_concurrency sits above the budget (serve.cli)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     header_timeout, per_client = float(limits.header_timeout), int(limits.max_client_connections)
+    budget = int(limits.max_connections)
+    if budget and per_client and budget <= per_client:
+        budget = per_client + 1                 # the budget sits above the per-address cap, always
     busy = _canned(503, "Service Unavailable", f"too many connections from this address (at most {per_client})",
                    "too_many_connections")
+    full = _canned(503, "Service Unavailable", f"the server is at its connection budget ({budget}) and every "
+                   "connection is serving a request", "too_many_connections")
+    shed = _canned(503, "Service Unavailable", f"connection shed: the server is at its connection budget "
+                   f"({budget}) and this was its oldest connection without a request in progress",
+                   "connection_shed")
     late = _canned(408, "Request Timeout", f"request headers not received within {header_timeout:g} s",
                    "header_timeout")
     open_from: dict[str, int] = {}              # peer address -> open connections (one event loop: no lock)
+    open_all: dict = {}                         # every counted connection, oldest first (insertion order)
     refused = {"at": -1e9, "quiet": 0}          # the refusal log: one line a second at most
 
+    def log_refusal(msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - refused["at"] >= 1.0:
+            more = f" (and {refused['quiet']} more in the last second)" if refused["quiet"] else ""
+            log.warning(msg + "%s", *args, more)
+            refused["at"], refused["quiet"] = now, 0
+        else:
+            refused["quiet"] += 1
+
+    def half_open(p) -> bool:
+        """No request in progress: none yet, its body still arriving, or an idle kept-alive one."""
+        c = p.cycle
+        return c is None or getattr(c, "more_body", False) or getattr(c, "response_complete", False)
+
+    def shed_oldest() -> bool:
+        for p in open_all:
+            if half_open(p) and not p.transport.is_closing():
+                log_refusal("%s: oldest half-open connection shed, %d open (connection budget %d, "
+                            "--max-connections)", escape(p._peer), len(open_all), budget)
+                p.transport.write(shed)
+                p.transport.close()
+                p._uncount()
+                return True
+        return False
+
     class GuardedHTTPProtocol(AutoHTTPProtocol):
-        _peer = None            # counted in open_from while set
+        _peer = None            # counted in open_from / open_all while set
         _refused = False
         _timer = None           # the header deadline, while armed
         _waiting = None         # the request cycle in place when it was armed
@@ -296,22 +346,32 @@ def protocol_class(limits: Limits):
             super().connection_made(transport)
             peer = str((self.client or ("unknown",))[0])
             n = open_from.get(peer, 0)
-            if per_client and n >= per_client:
+            over = per_client and n >= per_client
+            if over or (budget and len(open_all) >= budget and not shed_oldest()):
                 self._refused = True
-                now = self.loop.time()
-                if now - refused["at"] >= 1.0:
-                    more = f" (and {refused['quiet']} more refusals in the last second)" if refused["quiet"] else ""
-                    log.warning("%s: connection refused, %d already open from this address "
-                                "(--max-client-connections)%s", escape(peer), n, more)
-                    refused["at"], refused["quiet"] = now, 0
+                if over:
+                    log_refusal("%s: connection refused, %d already open from this address "
+                                "(--max-client-connections)", escape(peer), n)
                 else:
-                    refused["quiet"] += 1
-                transport.write(busy)
+                    log_refusal("%s: connection refused, %d open and all serving requests (--max-connections)",
+                                escape(peer), len(open_all))
+                transport.write(busy if over else full)
                 transport.close()
                 return
             open_from[peer] = n + 1
+            open_all[self] = None
             self._peer = peer
             self._arm()
+
+        def _uncount(self):
+            if self._peer is not None:
+                left = open_from.get(self._peer, 1) - 1
+                if left > 0:
+                    open_from[self._peer] = left
+                else:
+                    open_from.pop(self._peer, None)
+                open_all.pop(self, None)
+                self._peer = None
 
         def _arm(self):
             self._waiting = self.cycle
@@ -339,14 +399,9 @@ def protocol_class(limits: Limits):
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            if self._peer is not None:
-                left = open_from.get(self._peer, 1) - 1
-                if left > 0:
-                    open_from[self._peer] = left
-                else:
-                    open_from.pop(self._peer, None)
-                self._peer = None
+            self._uncount()
             super().connection_lost(exc)
 
     GuardedHTTPProtocol.open_from = open_from
+    GuardedHTTPProtocol.open_all = open_all
     return GuardedHTTPProtocol

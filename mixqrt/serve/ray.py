@@ -61,7 +61,8 @@ class ReplicaBase:
         threads = kw.get("threads") or len(self.cpus)
         kw["threads"] = threads
         self.replica = f"{socket.gethostname()}-{rank}"
-        self.pipe = Pipeline(model_path, threads=threads, progress=False, offline=True, max_context=max_context)
+        self.pipe = Pipeline(model_path, threads=threads, progress=False, offline=True, max_context=max_context,
+                             weights_in_memory=True)       # as `mixqrt serve`: the file may change under it
         self.model_name, self.limits, self.engine_kwargs = model_name, limits, kw
 
     def __serve_build_asgi_app__(self):

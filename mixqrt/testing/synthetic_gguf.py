@@ -69,12 +69,27 @@ SPECS: dict[str, dict] = {
                "qk_norm": True, "tied": True, "embed_scale": 8.0},
 }
 
+# embedding models (mixqrt.embed; tests/test_embed_oracle.py, benchmarks/oracle_embeddings.py): one per
+# pooling type, in llama.cpp's GGUF keys ({arch}.pooling_type: 0 none, 1 mean, 2 cls, 3 last)
+EMBED_SPECS: dict[str, dict] = {
+    "qwen3-last": {**SPECS["qwen3"], "seed": 21, "pooling": 3},              # Qwen3-Embedding
+    "qwen2-mean": {**SPECS["qwen2"], "seed": 22, "pooling": 1},
+    "llama-cls": {**SPECS["llama"], "seed": 23, "pooling": 2},
+    "qwen2-none": {**SPECS["qwen2"], "seed": 24, "pooling": 0},
+    # EmbeddingGemma: gemma-embedding (bidirectional, symmetric sliding window), mean pooling, and the
+    # sentence-transformers dense projections dense_2 (64 -> 96) and dense_3 (96 -> 64)
+    "gemma-embed": {**SPECS["gemma3"], "arch": "gemma-embedding", "seed": 25, "pooling": 1,
+                    "dense": (96, 64)},
+}
+GEMMA_ARCHS = ("gemma3", "gemma-embedding")
+
 
 def spec(name: str) -> dict:
     """A copy of the configuration `name` (ModelError naming the known ones otherwise)."""
-    if name not in SPECS:
-        raise ModelError(f"no synthetic configuration {name!r}; known: {', '.join(SPECS)}")
-    return copy.deepcopy(SPECS[name])
+    table = SPECS if name in SPECS else EMBED_SPECS
+    if name not in table:
+        raise ModelError(f"no synthetic configuration {name!r}; known: {', '.join([*SPECS, *EMBED_SPECS])}")
+    return copy.deepcopy(table[name])
 
 
 def token_ids(name: str, n: int = N_TOKENS, seed: int | None = None) -> np.ndarray:
@@ -148,7 +163,7 @@ def synthetic_tensors(cfg: dict) -> dict[str, np.ndarray]:
         if cfg["qk_norm"]:
             t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
         t[p + "attn_output.weight"] = mat(h, nh * hd)
-        if cfg["arch"] == "gemma3":
+        if cfg["arch"] in GEMMA_ARCHS:
             t[p + "post_attention_norm.weight"] = norm(h)
         t[p + "ffn_norm.weight"] = norm(h)
         if cfg.get("n_expert"):
@@ -167,11 +182,15 @@ def synthetic_tensors(cfg: dict) -> dict[str, np.ndarray]:
             t[p + "ffn_gate.weight"] = mat(ff, h)
             t[p + "ffn_up.weight"] = mat(ff, h)
             t[p + "ffn_down.weight"] = mat(h, ff)
-        if cfg["arch"] == "gemma3":
+        if cfg["arch"] in GEMMA_ARCHS:
             t[p + "post_ffw_norm.weight"] = norm(h)
     t["output_norm.weight"] = norm(h)
     if not cfg["tied"]:
         t["output.weight"] = mat(v, h)
+    if cfg.get("dense"):
+        mid, out = cfg["dense"]
+        t["dense_2.weight"] = mat(mid, h)
+        t["dense_3.weight"] = mat(out, mid)
     return t
 
 
@@ -185,7 +204,7 @@ def _add_metadata(w, cfg: dict) -> None:
     w.add_feed_forward_length(cfg["ff"])
     w.add_head_count(nh)
     w.add_head_count_kv(cfg["n_head_kv"])
-    if cfg["head_dim"] != h // nh or arch in ("qwen3", "qwen3moe", "gemma3"):
+    if cfg["head_dim"] != h // nh or arch in ("qwen3", "qwen3moe", *GEMMA_ARCHS):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if arch == "llama":
@@ -201,6 +220,13 @@ def _add_metadata(w, cfg: dict) -> None:
             w.add_expert_shared_feed_forward_length(cfg["shared_ff"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("pooling") is not None:
+        w.add_uint32(f"{arch}.pooling_type", cfg["pooling"])
+    if cfg.get("dense"):
+        mid, out = cfg["dense"]
+        for k, v in (("dense_2_feat_in", h), ("dense_2_feat_out", mid), ("dense_3_feat_in", mid),
+                     ("dense_3_feat_out", out)):
+            w.add_uint32(f"{arch}.{k}", v)
     tokens, types, merges = _vocabulary(cfg["vocab"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
