@@ -183,6 +183,8 @@ def main():
     ap.add_argument("--per-kind", type=int, default=8)
     ap.add_argument("--part", default="1/1", help="I/N: run the I-th of N slices of the prompt set")
     ap.add_argument("--lookup", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=0, help="cap the new tokens of every run (0: 1.5x the "
+                    "function's tokens + 64, the whole function back); the speed-up then covers the reply's start")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-lines", type=int, default=200)
     ap.add_argument("--max-chars", type=int, default=3000, help="longest function source in the set")
@@ -231,6 +233,8 @@ def main():
     for it in items:
         n_src = len(tok.encode(it["source"]))
         max_tokens = int(n_src * 1.5) + 64
+        if a.max_new:
+            max_tokens = min(max_tokens, a.max_new)
         base = run(plain, it, max_tokens)
         r = {"kind": it["kind"], "name": it["name"], "lines": it["lines"], "source_tokens": n_src,
              "prompt_ids": tok.encode_chat(it["messages"], add_generation_prompt=True),
