@@ -6,8 +6,8 @@
 Each sequence first gets a 64-token prompt; then `steps` decode steps are timed for each B of
 --batches (B = 1: the single-sequence path), per setting, alternated --rounds times in one process:
 the GEMM threshold of the row formats (T >= threshold takes the tile-unpacking GEMM; below it every
-row is the T = 1 row) and the few-row products of the interleaved formats (`_ops.set_few_t`: 1 = 2-8
-rows through the decode unpack, 0 = through the GEMM). Prints ms per step, the cost of a step
+row is the T = 1 row; the interleaved formats' 2-8 rows always take the few-row products since
+MIXQRT_FEW_T was retired, docs/kernels.md). Prints ms per step, the cost of a step
 against a single step t(B) / t(1) and the throughput gain B * t(1) / t(B). docs/lab/serve-load.md
 uses it to explain the engine's scaling from 1 to 8 clients.
 """
@@ -39,24 +39,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--gemm-min-t", default="18")
-    ap.add_argument("--few-t", default="1,0", help="few-row products on/off to compare (1, 0 or both)")
     ap.add_argument("--batches", default="1,4,8", help="batch sizes B to time (1 is the reference)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     import mixqrt
     from mixqrt._kernels import _ops
     model = mixqrt.load(args.model, threads=args.threads, progress=False).model
-    settings = [(g, f) for g in [int(v) for v in args.gemm_min_t.split(",")]
-                for f in [v.strip() == "1" for v in args.few_t.split(",")]]
+    settings = [int(v) for v in args.gemm_min_t.split(",")]
     batches = sorted({1} | {int(v) for v in args.batches.split(",")})
-    for g, f in settings * args.rounds:
-        old_g, old_f = _ops.set_gemm_min_t(g), _ops.set_few_t(f)
+    for g in settings * args.rounds:
+        old_g = _ops.set_gemm_min_t(g)
         r = {b: step_time(model, b, args.steps) for b in batches}
-        print(f"gemm_min_t={g} few_t={int(f)}: " + ", ".join(
+        print(f"gemm_min_t={g}: " + ", ".join(
             f"B={b} {r[b] * 1e3:.1f} ms" + ("" if b == 1 else f" ({r[b] / r[1]:.2f}x a step, {b * r[1] / r[b]:.2f}x tok/s)")
             for b in batches), flush=True)
         _ops.set_gemm_min_t(old_g)
-        _ops.set_few_t(old_f)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     load1 = os.getloadavg()
     cos = (vm * vl).sum(-1)
     out = {k: statistics.median(v) for k, v in res.items()}
-    print(f"median: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in out.items()))
+    print("median: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in out.items()))
     print(f"mixqrt / llama.cpp embed {out['mixqrt_embed'] / out['llamacpp_embed']:.2f}x; mixqrt embed / its 2048-token "
           f"prefill {out['mixqrt_embed'] / out['mixqrt_prefill_2048']:.2f}; cosine mixqrt (q4a) vs llama.cpp "
           f"(Q4_K_M): median {np.median(cos):.4f}, min {cos.min():.4f}; load {load0[0]:.2f} -> {load1[0]:.2f}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -95,7 +94,7 @@ def cmd_kl(a) -> None:
     lock = Lock(a.lock)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    mxq = a.mxq or default_mxq()
+    mxq = a.mxq or (None if a.skip_mixqrt else default_mxq())
     for ctx in (int(c) for c in a.ctx.split(",")):
         common = ["--text", a.text, "--ctx", str(ctx), "--chunks", str(a.chunks), "-t", str(a.threads), "--json", "-q"]
         base = work / f"mixqrt-f32-c{ctx}-n{a.chunks}.logp"

@@ -92,18 +92,21 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 # ----------------------------------------------------------------------------------- measurements
-def mixqrt_file(kv: str, depth: int) -> Path:
-    return DATA / f"mixqrt-{kv}-d{depth}.json"
+def mixqrt_file(kv: str, depth: int, pp: int | None = None) -> Path:
+    return DATA / (f"mixqrt-{kv}-d{depth}.json" if pp is None else f"mixqrt-{kv}-pp{pp}.json")
 
 
-def lcpp_file(t: str, fa: int, cache: str, depth: int) -> Path:
-    return DATA / f"llamacpp-{t}-fa{fa}-{cache}-d{depth}.jsonl"
+def lcpp_file(t: str, fa: int, cache: str, depth: int, pp: int | None = None) -> Path:
+    return DATA / (f"llamacpp-{t}-fa{fa}-{cache}-d{depth}.jsonl" if pp is None else
+                   f"llamacpp-{t}-fa{fa}-{cache}-pp{pp}.jsonl")
 
 
-def run_mixqrt(mxq: str, kv: str, depth: int, a, lock) -> None:
-    out = mixqrt_file(kv, depth)
+def run_mixqrt(mxq: str, kv: str, depth: int, a, lock, pp: int | None = None) -> None:
+    """One `mixqrt bench` child: at `depth`, or (pp) one long prompt of pp tokens at depth 0."""
+    out = mixqrt_file(kv, depth, pp)
     cmd = [sys.executable, "-m", "mixqrt", "bench", mxq, "-t", str(a.threads), "--depth", str(depth),
-           "--kv-type", kv, "-p", str(a.n_prompt), "-n", str(a.n_gen), "-r", str(a.repetitions), "--json", "-q"]
+           "--kv-type", kv, "-p", str(pp or a.n_prompt), "-n", str(4 if pp else a.n_gen), "-r", str(a.repetitions),
+           "--json", "-q"]
     with lock:
         before, t = loadavg(), time.time()
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -119,11 +122,11 @@ def run_mixqrt(mxq: str, kv: str, depth: int, a, lock) -> None:
     print(f"{out.name}: {'ok' if r.returncode == 0 else 'FAILED'} (load {before} -> {after})", file=sys.stderr)
 
 
-def run_lcpp(gguf: Path, t: str, fa: int, cache: str, depth: int, a, lock) -> None:
-    out = lcpp_file(t, fa, cache, depth)
+def run_lcpp(gguf: Path, t: str, fa: int, cache: str, depth: int, a, lock, pp: int | None = None) -> None:
+    out = lcpp_file(t, fa, cache, depth, pp)
     cmd = [str(llama_cpp_bin("llama-bench")), "-m", str(gguf), "-t", str(a.threads), "-fa", str(fa), "-ctk", cache,
-           "-ctv", cache, "-d", str(depth), "-p", str(a.n_prompt), "-n", str(a.n_gen), "-r", str(a.repetitions),
-           "-o", "jsonl"]
+           "-ctv", cache, "-d", str(depth), "-p", str(pp or a.n_prompt), "-n", str(0 if pp else a.n_gen),
+           "-r", str(a.repetitions), "-o", "jsonl"]
     with lock:
         before = loadavg()
         r = subprocess.run(cmd, capture_output=True, text=True)
@@ -141,18 +144,57 @@ def read_mixqrt() -> dict:
     res = {}
     for p in sorted(DATA.glob("mixqrt-*-d*.json")):
         rec = json.loads(p.read_text())
-        if "result" in rec:
+        if "result" in rec and rec["result"].get("n_prompt") == _N_PROMPT.get("n", rec["result"].get("n_prompt")):
             row = dict(rec["result"])
             row["load"] = f"{rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]}"
             res[(row["kv_type"], int(row["depth"]))] = row
     return res
 
 
+_N_PROMPT: dict = {}      # the depth table's prompt length (set by main): long-prompt runs stay out of it
+
+
+def read_long_prompts() -> tuple[dict, dict]:
+    """The --pp-long runs: mixqrt (kv_type, tokens) -> bench row; llama.cpp (type, fa, cache, tokens) -> tok/s."""
+    mx, lc = {}, {}
+    for p in sorted(DATA.glob("mixqrt-*-pp*.json")):
+        rec = json.loads(p.read_text())
+        if "result" in rec:
+            r = dict(rec["result"])
+            r["load"] = f"{rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]}"
+            mx[(r["kv_type"], int(r["n_prompt"]))] = r
+    for p in sorted(DATA.glob("llamacpp-*-pp*.jsonl")):
+        t, fa, cache = p.stem.split("-")[1], int(p.stem.split("-")[2][2:]), p.stem.split("-")[3]
+        for line in p.read_text().splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                if r.get("n_gen", 0) == 0:
+                    lc[(t, fa, cache, int(r["n_prompt"]))] = {"pp": float(r["avg_ts"]), "load": _lcpp_load(p)}
+    return mx, lc
+
+
+def report_long_prompts(a) -> str:
+    mx, lc = read_long_prompts()
+    if not mx and not lc:
+        return "(not measured yet: --pp-long N)"
+    rows = ["| prompt tokens | mixqrt KV | mixqrt pp tok/s | llama.cpp best pp tok/s | ratio | peak RSS MiB | "
+            "file + KV + 200 MiB | RSS / that | load |", "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for (kv, n), r in sorted(mx.items(), key=lambda x: (x[0][1], x[0][0])):
+        best = max(((v["pp"], f"{k[0]} fa{k[1]} {k[2]}") for k, v in lc.items() if k[3] == n), default=None)
+        bound = (r.get("file_bytes") or r["model_bytes"]) + n * r["kv_bytes_per_token"] + (200 << 20)
+        rows.append(f"| {n:,d} | {kv} | {r['pp_tok_s']:.1f} | " + (f"{best[0]:.1f} ({best[1]}) | {r['pp_tok_s'] / best[0]:.2f}x"
+                    if best else "- | -") + f" | {r['peak_rss_bytes'] / 2**20:,.0f} | {bound / 2**20:,.0f} | "
+                    f"{r['peak_rss_bytes'] / bound:.2f} | {r['load']} |")
+    for k, v in sorted(lc.items()):
+        rows.append(f"| {k[3]:,d} | llama.cpp {k[0]} fa{k[1]} {k[2]} | - | {v['pp']:.1f} | - | - | - | - | {v['load']} |")
+    return "\n".join(rows)
+
+
 def read_lcpp() -> dict:
     """(type, fa, cache, depth) -> {"pp": tok/s, "tg": tok/s}, from every llama-bench jsonl kept
     (one file may hold several depths), with the load averages its .err file recorded."""
     res: dict = {}
-    for p in sorted(DATA.glob("llamacpp-*.jsonl")):
+    for p in sorted(DATA.glob("llamacpp-*-d*.jsonl")):
         t = p.stem.split("-")[1]
         load = _lcpp_load(p)
         for line in p.read_text().splitlines():
@@ -251,7 +293,8 @@ def report(a) -> None:
         rows.append(f"\n![pp and tg tok/s against depth]({Path(a.plot).name})")
     update_doc(DOC, {"long-context-speed": prov + "\n" + "\n".join(rows),
                      "long-context-mixqrt": "\n".join(mxd),
-                     "long-context-lcpp": "\n".join(detail)}, "Long context")
+                     "long-context-lcpp": "\n".join(detail),
+                     "long-context-prefill": report_long_prompts(a)}, "Long context")
 
 
 def plot(mx, lc, depths, kvs, path: Path) -> bool:
@@ -299,6 +342,9 @@ def main() -> None:
     p.add_argument("-r", "--repetitions", type=int, default=1)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--lock", default=None, metavar="FILE", help="hold flock(FILE) during each measurement")
+    p.add_argument("--pp-long", default="", metavar="N[,N]",
+                   help="also time one prompt of N tokens at depth 0 (mixqrt bench -p N, llama-bench -p N -n 0): "
+                        "prefill speed and mixqrt's peak RSS against file + KV + 200 MiB")
     p.add_argument("--skip-mixqrt", action="store_true")
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--fresh", action="store_true", help="measure again what has a raw file already")
@@ -306,6 +352,8 @@ def main() -> None:
     p.add_argument("--plot", default=str(PLOT), help="'' for no plot")
     a = p.parse_args()
     depths = [int(x) for x in a.depths.split(",") if x.strip()]
+    longs = [int(x) for x in a.pp_long.split(",") if x.strip()]
+    _N_PROMPT["n"] = a.n_prompt
     if not a.report_only:
         lock = Lock(a.lock)
         if not a.skip_llamacpp:
@@ -320,19 +368,29 @@ def main() -> None:
                                 continue           # a quantized V cache needs flash attention in llama.cpp
                             if a.fresh or (t, fa, cache, d) not in have:
                                 run_lcpp(ggufs[t], t, fa, cache, d, a, lock)
+            for n in longs:
+                for t in a.lcpp_types.split(","):
+                    for fa in (int(x) for x in a.fa.split(",")):
+                        for cache in a.lcpp_caches.split(","):
+                            if (fa or cache == "f16") and (a.fresh or not lcpp_file(t, fa, cache, 0, n).exists()):
+                                run_lcpp(ggufs[t], t, fa, cache, 0, a, lock, n)
         if not a.skip_mixqrt:
             mxq = a.mxq or default_mxq()
             for d in depths:
                 for kv in a.kv_types.split(","):
                     if a.fresh or not mixqrt_file(kv, d).exists():
                         run_mixqrt(mxq, kv, d, a, lock)
+            for n in longs:
+                for kv in a.kv_types.split(","):
+                    if a.fresh or not mixqrt_file(kv, 0, n).exists():
+                        run_mixqrt(mxq, kv, 0, a, lock, n)
     report(a)
 
 
 def default_mxq() -> str:
+    """The demo model's default-recipe file (what `mixqrt generate -p hi` makes and caches)."""
     from mixqrt.pipeline import prepare
-    from mixqrt.testing import model_path
-    return str(prepare(str(model_path("qwen")), None, progress=False))
+    return str(prepare(None, None, progress=False))
 
 
 if __name__ == "__main__":

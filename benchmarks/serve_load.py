@@ -12,6 +12,15 @@ server, `-np --np -cb`, --ctx tokens per slot; benchmarks/llamacpp_build.sh buil
 $MIXQRT_LLAMA_CPP_BIN finds it) and `llamacpp` (llama-cpp-python's server, one request at a time).
 With --gguf omitted the llama.cpp Q3_K_M is made from --source (the test Q4_K_M GGUF) by
 benchmarks/compare_llamacpp.py's helper (llama_model_quantize, requantizing the dequantized weights).
+--workload shared-system (issue 41): every request carries the same ~4,000-token system prompt
+(--system-tokens) and its own question, one turn; mixqrt serve with --kv-type, against llama-server
+with its f16 cache (`llama-server`) and q8_0 cache (`llama-server-q8`, -fa on); the table goes into
+docs/long-context.md (mixqrt:long-context-serve) and the raw results to
+docs/data/long_context/serve_shared_system.json:
+
+    flock LOCKFILE python benchmarks/serve_load.py --workload shared-system --mxq M.mxq --gguf Q4_0.gguf \
+        --systems mixqrt,llama-server,llama-server-q8 --clients 8 --kv-type f16
+
 Reports per system and client count: aggregate output tok/s (tokens received inside the window /
 window), p50/p99 time to first token and inter-token latency, errors, and the prompt-cache hit rate
 (usage.prompt_tokens_details.cached_tokens / prompt tokens, where the server reports it). Writes the
@@ -50,7 +59,39 @@ QUESTIONS = ["Write a function that reverses a singly linked list.",
 FOLLOW_UP = "Now add a pytest test for it."
 
 
-SYSTEMS = ("mixqrt", "mixqrt-lookup", "mixqrt-tiles", "llama-server", "llamacpp")
+SYSTEMS = ("mixqrt", "mixqrt-lookup", "mixqrt-tiles", "llama-server", "llama-server-q8", "llamacpp")
+MORE_QUESTIONS = ["Write a function that removes duplicates from a list while keeping the order.",
+                  "Write a context manager that times a block of code.",
+                  "Write a function that validates an IPv4 address string.",
+                  "Write a function that chunks an iterable into lists of n items.",
+                  "Write a function that computes the Levenshtein distance of two strings.",
+                  "Write a decorator that retries a function three times on an exception.",
+                  "Write a function that reads a CSV file into a list of dicts.",
+                  "Write a function that returns the n most common words of a text."]
+CONVS: list | None = None      # the workload's conversations (None: conversations())
+
+
+def long_system_prompt(tokenizer, n_tokens: int) -> str:
+    """A deterministic project handbook of about n_tokens tokens (numbered rules, no repetition of a
+    whole sentence), cut at a token boundary."""
+    topics = ["naming", "errors", "logging", "tests", "types", "imports", "docstrings", "performance",
+              "security", "concurrency", "I/O", "configuration", "packaging", "review", "APIs", "data"]
+    verbs = ["prefer", "avoid", "document", "check", "measure", "isolate", "name", "bound"]
+    parts, i = ["Project handbook. Follow every rule below when you answer.\n"], 0
+    while True:
+        t, v = topics[i % len(topics)], verbs[(i // len(topics)) % len(verbs)]
+        parts.append(f"Rule {i + 1} ({t}): {v} the {t} choices in module {i % 37} of package p{i % 11}; "
+                     f"a change to them needs test case {1000 + 7 * i} and reviewer number {i % 5 + 1}.\n")
+        i += 1
+        if i % 16 == 0:
+            ids = tokenizer.encode("".join(parts), add_special_tokens=False)
+            if len(ids) >= n_tokens:
+                return tokenizer.decode(ids[:n_tokens])
+
+
+def shared_system_conversations(system: str) -> list[list[dict]]:
+    return [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in QUESTIONS + MORE_QUESTIONS]
 TILES_BYTES = 1 << 30   # mixqrt-tiles: the GEMM tile cache on (serve's default is off)
 
 
@@ -100,7 +141,7 @@ def load_window(url: str, clients: int, seconds: float, max_tokens: int, rec: di
     adds what they saw (and the engine's step counters) to `rec`."""
     from openai import OpenAI
 
-    convs = conversations()
+    convs = CONVS or conversations()
     t_start = time.perf_counter() + 0.5
     t_end = t_start + seconds
     lock = threading.Lock()
@@ -206,6 +247,40 @@ def _f(v, spec):
     return "–" if v is None else spec.format(v)
 
 
+def write_shared_system_report(res: dict, a, info: dict, cmd: str) -> None:
+    """--workload shared-system: the table into docs/long-context.md, raw results beside the page's data."""
+    docs = ROOT / "docs"
+    write_json(docs / "data" / "long_context" / "serve_shared_system.json",
+               {"results": res, "machine": info, "command": cmd, "system_tokens": a.system_tokens})
+    labels = {"mixqrt": f"mixqrt serve --kv-type {a.kv_type or 'default'} ({a.max_slots} slots)",
+              "llama-server": f"llama-server -np {a.np} -cb, f16 cache ({Path(a.gguf).name})",
+              "llama-server-q8": f"llama-server -np {a.np} -cb -fa on, q8_0 cache ({Path(a.gguf).name})"}
+    run = [f"- command: `{cmd}`", f"- machine: {info.get('cpu_model')}, {info.get('usable_cpus')} usable CPUs, "
+           f"ISA {info.get('isa')}; {info.get('date_utc')}, commit {info.get('git_commit')}; load average at start "
+           f"{', '.join(f'{x:.1f}' for x in info.get('loadavg', ()))}",
+           f"- a {a.system_tokens}-token system prompt shared by every request, 16 different questions, one turn, "
+           f"max_tokens {a.max_tokens}, greedy, {a.seconds:g} s per point in {a.rounds} window(s), {a.threads} threads", ""]
+    T = ["| server | clients | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | requests | errors | cache hit |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in ("mixqrt", "llama-server", "llama-server-q8"):
+        for n in a.clients:
+            r = res.get(name, {}).get(str(n))
+            if r is not None:
+                T.append(f"| {labels[name]} | {n} | {r['tok_s']:.1f} | {_f(r['ttft_p50'], '{:.2f}')} | "
+                         f"{_f(r['ttft_p99'], '{:.2f}')} | {_f(r['itl_p50'] and r['itl_p50'] * 1e3, '{:.0f}')} | "
+                         f"{r['requests']} | {r['errors']} | "
+                         f"{_f(r['cache_hit_rate'] and 100 * r['cache_hit_rate'], '{:.0f} %')} |")
+    hi = str(max(a.clients))
+    m = res.get("mixqrt", {}).get(hi)
+    best = max((res.get(x, {}).get(hi) for x in ("llama-server", "llama-server-q8") if res.get(x, {}).get(hi)),
+               key=lambda r: r["tok_s"], default=None)
+    if m and best and best["tok_s"]:
+        x = m["tok_s"] / best["tok_s"]
+        T.append(f"\n{hi} clients, mixqrt vs llama-server's best cache type: {m['tok_s']:.1f} / {best['tok_s']:.1f} "
+                 f"tok/s = {x:.2f}x (issue 41's goal: >= 1.5x): {'PASS' if x >= 1.5 else 'FAIL'}")
+    update_doc(docs / "long-context.md", {"long-context-serve": "\n".join(run + T)}, "Long context")
+
+
 def write_report(res: dict, a, info: dict, cmd: str) -> None:
     docs = ROOT / "docs"
     write_json(docs / "data" / "serving.json", {"results": res, "machine": info, "command": cmd})
@@ -213,6 +288,7 @@ def write_report(res: dict, a, info: dict, cmd: str) -> None:
               "mixqrt-lookup": f"mixqrt serve --lookup {a.lookup} ({a.max_slots} slots)",
               "mixqrt-tiles": f"mixqrt serve, --gemm-cache-bytes {TILES_BYTES} ({a.max_slots} slots)",
               "llama-server": f"llama-server -np {a.np} -cb ({Path(a.gguf).name})",
+              "llama-server-q8": f"llama-server -np {a.np} -cb -fa on, q8_0 cache ({Path(a.gguf).name})",
               "llamacpp": f"llama-cpp-python server ({Path(a.gguf).name})"}
     run = [f"Run {info.get('date_utc')} (commit {info.get('git_commit')}): {info.get('cpu_model')}, "
            f"{info.get('usable_cpus')} usable CPUs, ISA {info.get('isa')}, load average at start "
@@ -300,15 +376,30 @@ def main(argv=None) -> int:
     p.add_argument("--gemm-cache-bytes", type=int, default=None,
                    help="mixqrt serve --gemm-cache-bytes for the 'mixqrt' system (default: serve's own default)")
     p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context per slot (default 2048; shared-system: the system prompt + 608)")
+    p.add_argument("--workload", choices=("mix", "shared-system"), default="mix",
+                   help="mix: the chat mix with a short shared system prompt (docs/lab/serve-load.md); "
+                        "shared-system: a --system-tokens system prompt shared by all, different questions "
+                        "(docs/long-context.md)")
+    p.add_argument("--system-tokens", type=int, default=4000)
+    p.add_argument("--kv-type", default=None, help="mixqrt serve --kv-type (default: serve's)")
     p.add_argument("--np", type=int, default=8, help="llama-server's parallel slots (-np)")
     p.add_argument("--lookup", type=int, default=8, help="mixqrt-lookup: tokens drafted by prompt lookup")
     p.add_argument("--systems", default="mixqrt,llama-server",
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (mixqrt-tiles: the GEMM tile cache on, 1 GiB)")
     p.add_argument("--log-dir", default="/tmp/serve_load")
     a = p.parse_args(argv)
+    global CONVS
+    if a.workload == "shared-system":
+        from mixqrt.pipeline import LoadedModel
+        lm = LoadedModel(a.mxq)
+        CONVS = shared_system_conversations(long_system_prompt(lm.tokenizer, a.system_tokens))
+        lm.close()
+    if a.ctx is None:
+        a.ctx = 2048 if a.workload == "mix" else a.system_tokens + 608
     systems = a.systems.split(",")
-    if {"llamacpp", "llama-server"} & set(systems) and a.gguf is None:
+    if {"llamacpp", "llama-server", "llama-server-q8"} & set(systems) and a.gguf is None:
         if a.source is None:
             from mixqrt.testing import model_path
             a.source = str(model_path("qwen"))
@@ -329,12 +420,14 @@ def main(argv=None) -> int:
             port = free_port()
             servers[name] = ServerProc(name, [sys.executable, "-m", "mixqrt", "serve", a.mxq, "--port",
                                               str(port), "-t", str(a.threads), "--ctx", str(a.ctx), "-q",
-                                              "--max-slots", str(a.max_slots)] + extra,
+                                              "--max-slots", str(a.max_slots)] + extra
+                                       + (["--kv-type", a.kv_type] if a.kv_type else []),
                                        port, logs / f"{name}.log")
-        if "llama-server" in systems:
-            port = free_port()
-            servers["llama-server"] = ServerProc("llama-server", llama_server_cmd(a.gguf, port, a.threads, a.ctx,
-                                                                                  a.np), port, logs / "llama-server.log")
+        for name, extra in (("llama-server", None), ("llama-server-q8", ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"])):
+            if name in systems:
+                port = free_port()
+                servers[name] = ServerProc(name, llama_server_cmd(a.gguf, port, a.threads, a.ctx, a.np, extra), port,
+                                           logs / f"{name}.log")
         if "llamacpp" in systems:
             port = free_port()
             servers["llamacpp"] = ServerProc("llamacpp", [sys.executable, "-m", "llama_cpp.server", "--model", a.gguf,
@@ -365,7 +458,10 @@ def main(argv=None) -> int:
     finally:
         for s in servers.values():
             s.stop()
-    write_report(res, a, info, cmd)
+    if a.workload == "shared-system":
+        write_shared_system_report(res, a, info, cmd)
+    else:
+        write_report(res, a, info, cmd)
     return 0
 
 

@@ -152,6 +152,9 @@ def create_embedding(pipe, input, *, model: str | None = None, encoding_format: 
     model's (mixqrt.embed); dimensions truncates where the model allows."""
     req = oai.parse_embeddings({"input": input, "model": model, "encoding_format": encoding_format,
                                 "dimensions": dimensions, "user": user})
+    if pipe.embedder().pooling == "none":
+        raise RequestError(None, "this model's pooling is 'none' (one vector per token), which is not OpenAI's "
+                                 "embeddings shape: use Pipeline.embed")
     seqs = pipe.embed_ids(req.input)
     vecs = pipe.embed(seqs, dimensions=req.dimensions)
     return oai.embeddings_reply(vecs, model if model is not None else model_name(pipe), sum(map(len, seqs)),

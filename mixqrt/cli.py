@@ -181,7 +181,7 @@ def cmd_generate(a):
         pieces = pipe.stream_infill(prompt, a.suffix, **kw)
     else:
         pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **kw)
-    for r in pieces:
+    for r in _prefill_progress(pipe, pieces, a.quiet):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         last = r
@@ -194,6 +194,48 @@ def cmd_generate(a):
               f"TTFT {last.ttft_s:.3f} s | {last.finish_reason}"
               + (f" | drafts {last.accepted_draft_tokens}/{last.draft_tokens} accepted" if last.draft_tokens else "")
               + "]", file=sys.stderr)
+
+
+PROGRESS_PROMPT = 2048          # prompts at least this long show a prefill progress bar (on stderr)
+
+
+def _prefill_progress(pipe, pieces, quiet: bool):
+    """Yield the pieces; until the first one comes, a long prompt's prefill shows a tqdm bar of the
+    engine's prefilled tokens (its chunks, polled from Engine.stats) on stderr."""
+    if quiet:
+        yield from pieces
+        return
+    import threading
+
+    eng = pipe.engine
+    s0 = eng.stats()
+    first = threading.Event()
+
+    def watch():
+        from tqdm.auto import tqdm
+        bar = None
+        while not first.wait(0.25):
+            st = eng.stats()
+            total = st["prompt_tokens"] - s0["prompt_tokens"]
+            if total < PROGRESS_PROMPT:
+                continue
+            if bar is None:
+                bar = tqdm(total=total, desc="prompt", unit="tok", leave=False, file=sys.stderr)
+            bar.n = min(total, st["prefill_tokens"] - s0["prefill_tokens"])
+            bar.refresh()
+        if bar is not None:
+            bar.close()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        for r in pieces:
+            if not first.is_set():
+                first.set()
+                t.join()
+            yield r
+    finally:
+        first.set()
 
 
 def cmd_chat(a):
@@ -234,7 +276,7 @@ def cmd_ppl(a):
         if not a.json and not a.quiet:
             print(f"[{i + 1}]{v:.4f}", end=" ", flush=True, file=sys.stderr)
 
-    # long windows: only the scored half's logits, 512 rows at a time (LONG_WINDOW; 16384 x vocab is 10 GB)
+    # long windows: only the scored half's logits, 256 rows at a time (LONG_WINDOW; 16384 x vocab is 10 GB)
     pieces = m.logit_pieces if a.ctx > LONG_WINDOW else None
     r = perplexity(lambda ids: m.logits(ids), toks, ctx=a.ctx, chunks=a.chunks, bos_id=bos,
                    save_logits=a.save_logits, kl_base=a.kl_base, progress=False, on_chunk=show, pieces_fn=pieces)
@@ -242,7 +284,9 @@ def cmd_ppl(a):
         d = r.to_dict()
         mm = m.model
         bpt = mm.kv_bytes_per_token()
+        from mixqrt.platform.perf import peak_rss_bytes
         d.update(model=str(a.model), recipe=m.recipe, text=a.text, kv_type=mm.kv_type, kv_bytes_per_token=bpt,
+                 peak_rss_bytes=peak_rss_bytes(),
                  kv_bits_per_value=8 * bpt / (2 * mm.args.num_hidden_layers * mm.args.num_key_value_heads
                                               * mm.args.head_dim))
         print(json.dumps(d))

@@ -277,10 +277,8 @@ def encode_inputs(tokenizer, texts, field: str = "input", max_tokens: int | None
                 raise RequestError(field, f"{field}[{i}] is empty")
             if tokenizer is None:
                 raise RequestError(field, "text input needs the model's tokenizer; pass token ids")
-            ids = [int(x) for x in tokenizer.encode(t, parse_special=False)]
-            bos = getattr(tokenizer, "bos_token_id", None)
-            if getattr(tokenizer, "add_bos_token", False) and bos is not None:
-                ids = [int(bos)] + ids
+            from mixqrt.tokenizer import with_bos
+            ids = with_bos(tokenizer, tokenizer.encode(t, parse_special=False))
         elif isinstance(t, (list, tuple)) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t):
             if len(t) > MAX_INPUT_TOKENS:
                 raise RequestError(field, f"{field}[{i}] has {len(t)} tokens; at most {MAX_INPUT_TOKENS}")

@@ -39,6 +39,7 @@ from mixqrt.engine_cache import PromptCache
 from mixqrt.errors import GenerationError, RequestError
 from mixqrt.generate import GenerationResponse, Sequence
 from mixqrt.grammar import compile_async, grammar_from_response_format
+from mixqrt.limits import context_window
 from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.params import MAX_N, SamplingParams, as_params
 from mixqrt.speculative import MAX_DRAFT, CopyDrafter, Speculation, exact_rows, prediction_ids
@@ -274,7 +275,7 @@ class Engine:
         cap = default_kv_cache_bytes() if kv_cache_bytes is None else integer("kv_cache_bytes", kv_cache_bytes, lo=0)
         if max_context is not None:
             ctx = integer("max_context", max_context, lo=2)
-        self.max_context = min(int(ctx or model.args.max_position_embeddings), model.args.max_position_embeddings)
+        self.max_context = context_window(model.args.max_position_embeddings, ctx)
         if kv_type is None:
             kv_type = getattr(model_or_pipeline, "kv_type", None)
         if threads is not None:
@@ -608,7 +609,10 @@ class Engine:
         checked that it fits)."""
         if len(self._slots) + req.n > self.max_slots:
             return False
-        return not self._slots or self._cache.room_for(req.prompt_tokens, req.n)
+        if not self._slots:
+            return True
+        self._cache.touch(req.seq.prompt, req.cache_salt, req.cache_prompt)   # its own prefix is evicted last
+        return self._cache.room_for(req.prompt_tokens, req.n)
 
     def _cut_longest(self, decode: list[_Slot]) -> None:
         """Under the lock: end the decoding slot holding the most rows with "length" (its next
@@ -840,6 +844,10 @@ class Engine:
         for f in followers:
             with self._cond:
                 f.entry = self._cache.fork(lead.entry, lead.pos)
+            kv = f.entry.kv
+            if kv.offset < lead.pos:            # a packed cache copies whole blocks: write the rest again
+                self.model(np.asarray(lead.seq.prompt[kv.offset:lead.pos], dtype=np.int64), kv, kv.offset,
+                           last_only=True)
             f.pos, f.leader = lead.pos, None
             if self._emit(f, f.seq.sample(logits.copy()), time.perf_counter()):
                 done.append((f, f.seq.finish_reason, None))

@@ -209,6 +209,118 @@ class PrefixTree:
         self.evict(-1)
 
 
+# ============================================================================ packed caches: whole blocks
+BLOCK_OVERHEAD = 320     # bytes counted per cached block besides its data and tokens (node, key, LRU entry)
+
+
+class _Block:
+    __slots__ = ("key", "tokens", "data", "salt")
+
+    def __init__(self, key: bytes, tokens: np.ndarray, data: np.ndarray, salt):
+        self.key, self.tokens, self.data, self.salt = key, tokens, data, salt
+
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.data.nbytes + BLOCK_OVERHEAD
+
+
+def block_key(prev: bytes, salt, tokens: np.ndarray) -> bytes:
+    """The chain hash of a block: its tokens, every token before it (through `prev`, the previous
+    block's key) and the salt, as vLLM's automatic prefix caching keys its blocks."""
+    import hashlib
+    h = hashlib.blake2b(prev, digest_size=16)
+    if not prev:
+        h.update(repr(salt).encode("utf-8", "surrogatepass") + b"\0")
+    h.update(np.ascontiguousarray(tokens, dtype="<i8").tobytes())
+    return h.digest()
+
+
+class BlockTree:
+    """Whole blocks of a packed KV cache (PackedKVCache.export_blocks rows: every layer's K and V of
+    BLOCK positions), keyed by a chain hash of the salt and every token up to the block's end, LRU
+    by block. A lookup follows the chain from the first block and stops at the first block not
+    cached; the partial last block is always recomputed. The same interface as PrefixTree for the
+    PromptCache (match / copy_into / insert / evict, bytes, leaves, roots, lookup_steps, evictions)."""
+
+    def __init__(self, block: int):
+        self.block = int(block)
+        self.blocks: OrderedDict = OrderedDict()      # key -> _Block, least recently used first
+        self.roots: dict = {}                         # salt -> blocks cached under it
+        self.bytes = 0
+        self.lookup_steps = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def leaves(self) -> int:
+        return len(self.blocks)
+
+    def _chain(self, salt, tokens: np.ndarray, n_blocks: int):
+        key, b = b"", self.block
+        for i in range(n_blocks):
+            key = block_key(key, salt, tokens[i * b:(i + 1) * b])
+            yield i, key
+
+    def match(self, salt, tokens: np.ndarray, limit: int | None = None) -> tuple[int, list]:
+        """Cached whole blocks at the start of `tokens` (at most `limit` tokens) -> (tokens, [_Block, ...])."""
+        limit = tokens.size if limit is None else min(int(limit), tokens.size)
+        path = []
+        for i, key in self._chain(salt, tokens, limit // self.block):
+            self.lookup_steps += 1
+            blk = self.blocks.get(key)
+            if blk is None or not np.array_equal(blk.tokens, tokens[i * self.block:(i + 1) * self.block]):
+                break
+            path.append(blk)
+        for blk in reversed(path):                    # the first block most recent: deeper ones go first
+            self.blocks.move_to_end(blk.key)
+        return len(path) * self.block, path
+
+    @staticmethod
+    def copy_into(path: list, kv) -> int:
+        """Import a match() path into an empty packed cache -> rows written."""
+        if not path:
+            return 0
+        kv.import_blocks(0, np.stack([blk.data for blk in path]))
+        return kv.offset
+
+    def insert(self, salt, tokens: np.ndarray, kv) -> int:
+        """Store the whole blocks of `tokens` (kv holds their rows) not cached yet -> new blocks."""
+        new = 0
+        keys = list(self._chain(salt, tokens, tokens.size // self.block))
+        for i, key in keys:
+            self.lookup_steps += 1
+            if key in self.blocks:
+                continue
+            data = np.array(kv.export_blocks(i, i + 1)[0])
+            blk = _Block(key, np.array(tokens[i * self.block:(i + 1) * self.block], dtype=np.int32), data, salt)
+            self.blocks[key] = blk
+            self.roots[salt] = self.roots.get(salt, 0) + 1
+            self.bytes += blk.nbytes()
+            new += 1
+        for _, key in reversed(keys):
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+        return new
+
+    def evict(self, limit: int) -> int:
+        n = 0
+        while self.bytes > limit and self.blocks:
+            _, blk = self.blocks.popitem(last=False)
+            self.bytes -= blk.nbytes()
+            left = self.roots[blk.salt] - 1
+            if left:
+                self.roots[blk.salt] = left
+            else:
+                del self.roots[blk.salt]
+            n += 1
+        self.evictions += n
+        return n
+
+    def clear(self) -> None:
+        self.evict(-1)
+
+
 # ============================================================================ the engine's side
 class CacheEntry:
     """A running request's KV cache and where its rows go when it ends."""
@@ -239,7 +351,11 @@ class PromptCache:
         self.kv_type = check_kv_type(kv_type or getattr(model, "kv_type", None))
         self._probe = model.make_cache(self.max_len, self.kv_type)     # sizes only: no page of it is written
         self.row_bytes = int(round(model.kv_bytes_per_token(self.kv_type)))    # steady-state bytes per cached row
-        self.tree = PrefixTree()
+        # a packed cache is shared in whole blocks (export_blocks / import_blocks), a float one by rows
+        self.packed = hasattr(self._probe, "export_blocks")
+        # a cache type with neither rows nor blocks to copy is never shared (each request prefills)
+        self.shareable = self.packed or hasattr(self._probe, "stacked")
+        self.tree = BlockTree(self._probe.BLOCK) if self.packed else PrefixTree()
         self.busy: dict[int, CacheEntry] = {}
         self.hits = self.misses = self.cached_tokens = 0
         self._fit_rows: dict[int, int] = {}
@@ -264,6 +380,13 @@ class PromptCache:
             self._fit_rows[n] = lo
         return self._fit_rows[n]
 
+    def touch(self, prompt, salt=None, use: bool = True) -> None:
+        """Mark the cached prefix of a waiting request recently used, so that making room for it
+        evicts other runs first."""
+        if use and self.capacity > 0 and self.shareable:
+            p = np.asarray(prompt, dtype=np.int64)
+            self.tree.match(salt, p, limit=p.size - 1)
+
     def room_for(self, rows: int, n: int = 1) -> bool:
         """Whether n more running caches of `rows` rows fit beside the busy ones, cached prompts
         evicted (least recently used first) to make room."""
@@ -284,13 +407,16 @@ class PromptCache:
         """A cache for `prompt` (ints) under `salt` -> (entry, n): rows [0, n) already hold the
         prompt's first n tokens (n <= len(prompt) - 1: the last token always runs, for its logits).
         use=False: nothing is read now nor stored when the request ends."""
-        use = bool(use) and self.capacity > 0
+        use = bool(use) and self.capacity > 0 and self.shareable
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), salt, use, len(prompt))
         n = 0
         if use:
             p = np.asarray(prompt, dtype=np.int64)
             n, path = self.tree.match(salt, p, limit=p.size - 1)
-            if n > 0:
+            if n > 0 and self.packed:
+                self.tree.copy_into(path, entry.kv)
+                entry.hwm = n
+            elif n > 0:
                 self.tree.copy_into(path, entry.kv.stacked)
                 entry.kv.offset = entry.hwm = n
         if n > 0:
@@ -303,11 +429,20 @@ class PromptCache:
 
     def fork(self, src: CacheEntry, n: int) -> CacheEntry:
         """A busy copy of a busy cache's first n rows, under the same salt: the n choices of one
-        request share its prompt's prefill this way."""
+        request share its prompt's prefill this way. A packed cache copies its whole blocks only:
+        the copy holds kv.offset <= n rows, the caller writes the rest again."""
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), src.salt, src.store, src.reserve)
-        for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):
-            b[:, :n] = a[:, :n]
-        entry.kv.offset = entry.hwm = n
+        if self.packed:
+            nb = n // self.tree.block
+            if nb:
+                entry.kv.import_blocks(0, src.kv.export_blocks(0, nb))
+            entry.hwm = entry.kv.offset
+        elif not self.shareable:
+            pass                                # nothing to copy: the caller writes all n rows
+        else:
+            for a, b in zip(src.kv.keys + src.kv.values, entry.kv.keys + entry.kv.values):
+                b[:, :n] = a[:, :n]
+            entry.kv.offset = entry.hwm = n
         self.busy[id(entry)] = entry
         return entry
 
@@ -317,7 +452,8 @@ class PromptCache:
         self.busy.pop(id(entry), None)
         n = entry.kv.offset
         if entry.store and self.capacity > 0 and n > 0:
-            self.tree.insert(entry.salt, np.asarray(tokens[:n], dtype=np.int64), entry.kv.stacked)
+            self.tree.insert(entry.salt, np.asarray(tokens[:n], dtype=np.int64),
+                             entry.kv if self.packed else entry.kv.stacked)
             self.evict()
         entry.kv = None
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -56,9 +55,9 @@ class LogitsFile:
     def __init__(self, path, mode: str, meta: dict | None = None):
         self.path, self.mode = str(path), mode
         if mode == "w":
-            from mixqrt.io.atomic import mkstemp_for    # a unique temp, renamed onto path by close()
-            fd, self._tmp = mkstemp_for(self.path)
-            self.f = os.fdopen(fd, "wb")
+            from mixqrt.io.atomic import atomic_write   # the temp is renamed onto path by close(ok=True)
+            self._write = atomic_write(self.path)
+            self.f = self._write.__enter__()
             self.meta = dict(meta or {})
             self.rows = 0
             self.f.write(LOGITS_MAGIC + b"\0" * 8)   # header offset is patched on close
@@ -100,13 +99,13 @@ class LogitsFile:
                 self.f.write(json.dumps(self.meta).encode())
                 self.f.seek(8)
                 self.f.write(hoff.to_bytes(8, "little"))
-                self.f.flush()
-                os.fsync(self.f.fileno())
-                self.f.close()
-                os.replace(self._tmp, self.path)
+                self._write.__exit__(None, None, None)        # flushed, fsynced, renamed onto path
             else:
-                self.f.close()
-                os.unlink(self._tmp)
+                err = GeneratorExit()
+                try:
+                    self._write.__exit__(GeneratorExit, err, None)   # the temp removed, path untouched
+                except GeneratorExit:
+                    pass
         else:
             self.f.close()
 

@@ -7,7 +7,7 @@
 Where the tokens come from, in this order (llama.cpp's own order, src/llama-vocab.cpp):
   1. GGUF metadata ``tokenizer.ggml.fim_{pre,suf,mid,pad,rep,sep}_token_id`` (and the older
      ``tokenizer.ggml.{prefix,suffix,middle}_token_id``), copied into the .mxq's tokenizer_info
-     when the file is converted (``fim_from_gguf``);
+     when the file is converted (``mixqrt.tokenizer.fim_from_gguf``);
   2. the tokenizer's added tokens by their text (Qwen ``<|fim_prefix|>``, StarCoder / Granite
      ``<fim_prefix>``, DeepSeek ``<｜fim▁begin｜>``, CodeLlama ``▁<PRE>``, ...: ``FIM_TEXTS``).
 A model without prefix, suffix and middle tokens cannot infill: ``FimError`` names what is missing
@@ -50,11 +50,6 @@ FIM_TEXTS = {
     "sep": ("<|file_sep|>",),
 }
 ROLES = tuple(FIM_TEXTS)
-# GGUF keys: the current names, then the older prefix/suffix/middle ones llama.cpp still reads
-_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in ROLES}
-_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
-_GGUF_KEYS["suf"] += ("tokenizer.ggml.suffix_token_id",)
-_GGUF_KEYS["mid"] += ("tokenizer.ggml.middle_token_id",)
 
 DEFAULT_N_BATCH = 2048          # llama.cpp's default n_batch: its FIM budget is 3/4 prefix, 1/4 suffix
 CUT_STEP = 64                   # the prefix's cut moves in steps of this many tokens (see above)
@@ -92,19 +87,6 @@ class FimTokens:
 
     def to_dict(self) -> dict:
         return {r: getattr(self, r) for r in ROLES if getattr(self, r) is not None}
-
-
-def fim_from_gguf(meta: dict, n_tokens: int | None = None, where: str = "GGUF") -> dict:
-    """{role: id} from GGUF metadata (the keys llama.cpp reads); FormatError for a bad id."""
-    from mixqrt.tokenizer import _token_id
-    out = {}
-    for role, keys in _GGUF_KEYS.items():
-        for key in keys:
-            v = _token_id(meta, key, where, n_tokens)
-            if v is not None:
-                out[role] = v
-                break
-    return out
 
 
 def fim_tokens(tokenizer) -> FimTokens:

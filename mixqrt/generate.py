@@ -211,11 +211,8 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GenerationError("a text prompt needs a tokenizer; pass token ids instead")
-        ids = [int(t) for t in tokenizer.encode(prompt)]
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if getattr(tokenizer, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, int(bos))
-        return ids
+        from mixqrt.tokenizer import with_bos
+        return with_bos(tokenizer, tokenizer.encode(prompt))
     if isinstance(prompt, (list, tuple, np.ndarray)):
         ids = list(np.asarray(prompt).reshape(-1)) if isinstance(prompt, np.ndarray) else list(prompt)
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):

@@ -25,6 +25,13 @@ def parse_bytes(v: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a byte count like 1073741824, 512MiB or 1GB, got {v!r}")
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
+
+def context_window(model_context: int, asked=None) -> int:
+    """The context a Pipeline or an Engine allots: `asked` (the model's own when not given), never
+    more than the model's own (max_position_embeddings): the one cap, so the two cannot differ."""
+    return min(int(asked) if asked else int(model_context), int(model_context))
+
+
 # key -> (smallest, largest) accepted value
 INT_LIMITS = {
     "num_hidden_layers": (1, 1024),

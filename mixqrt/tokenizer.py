@@ -159,6 +159,26 @@ def _gguf_tokens(meta, where):
     return tokens, types
 
 
+# FIM token ids in GGUF metadata (mixqrt.fim's roles): the current keys, then the older
+# prefix/suffix/middle ones llama.cpp still reads
+_FIM_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in ("pre", "suf", "mid", "pad", "rep", "sep")}
+_FIM_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
+_FIM_GGUF_KEYS["suf"] += ("tokenizer.ggml.suffix_token_id",)
+_FIM_GGUF_KEYS["mid"] += ("tokenizer.ggml.middle_token_id",)
+
+
+def fim_from_gguf(meta: dict, n_tokens: int | None = None, where: str = "GGUF") -> dict:
+    """{role: id} of the FIM tokens GGUF metadata names (the keys llama.cpp reads); FormatError for a bad id."""
+    out = {}
+    for role, keys in _FIM_GGUF_KEYS.items():
+        for key in keys:
+            v = _token_id(meta, key, where, n_tokens)
+            if v is not None:
+                out[role] = v
+                break
+    return out
+
+
 def eos_ids_from_gguf(meta: dict, where: str = "GGUF") -> set[int]:
     """eos/eot/eom ids from the metadata plus control tokens whose text ends a turn (as llama.cpp)."""
     tokens, types = _gguf_tokens(meta, where)
@@ -171,6 +191,17 @@ def eos_ids_from_gguf(meta: dict, where: str = "GGUF") -> set[int]:
 
 
 log = logging.getLogger("mixqrt")
+
+
+def with_bos(tokenizer, ids: list) -> list[int]:
+    """The BOS rule, the only copy: `ids` with the tokenizer's BOS in front when it asks for one
+    (add_bos_token) and the ids do not start with it already. Any object with bos_token_id and
+    add_bos_token works (a tokenizer of a test)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    ids = [int(t) for t in ids]
+    if getattr(tokenizer, "add_bos_token", False) and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, int(bos))
+    return ids
 
 
 class Tokenizer:
@@ -306,7 +337,6 @@ class Tokenizer:
                 except Exception as e:
                     raise FormatError(f"{where}: bos token {name[:40]!r} cannot start a template: "
                                       f"{str(e)[:200]}") from None
-        from mixqrt.fim import fim_from_gguf
         return cls(tk, bos_token_id=bos, eos_token_ids=eos_ids_from_gguf(meta, where),
                    pad_token_id=pad, chat_template=template, add_bos_token=add_bos,
                    fim_ids=fim_from_gguf(meta, len(tokens), where))
@@ -474,9 +504,7 @@ class Tokenizer:
             plain.append(text[pos:])
         if any(plain):
             ids += self.encode("".join(plain), parse_special=False)
-        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, int(self.bos_token_id))
-        return ids
+        return with_bos(self, ids)
 
     def _template(self, tools=None) -> str:
         template = self.chat_template

@@ -412,7 +412,7 @@ def test_gemma3_multimodal_folder_loads_its_text_decoder(tmp_path, prefix):
 
 @pytest.mark.parametrize("arch,want", [("gemma3", "f32"), ("qwen3", "q5g")])
 def test_gemma_norms_stay_float_in_2356(tmp_path, arch, want):
-    """Gemma's (1 + weight) norms stay float32 where a recipe says q5g (recipes.FLOAT_NORM_ARCHS);
+    """Gemma's (1 + weight) norms stay float32 where a recipe says q5g (Arch.float_norms);
     other architectures' norms keep the recipe's q5g; an explicit override still wins."""
     from mixqrt.quantize.recipes import get_recipe, parse_overrides, tensor_plan
     d = make_tiny_hf_model(tmp_path, arch=arch, dtype="f32")

@@ -178,10 +178,23 @@ def test_hostile_inputs_are_4xx_and_nothing_stalls(srv):
     assert not t.is_alive() and results["text"]
 
 
-def test_infill_needs_the_api_key(pipe):
+def test_infill_needs_the_api_key(tmp_path):
     from mixqrt.serve.guard import Limits
-    with running(pipe, Limits(api_key="sk-test")) as r:
-        status, raw = post(r, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
+    own = tiny_pipeline(tmp_path)                  # its own engine: the module's server keeps its one
+    add_fim_tokens(own.tokenizer)
+    with running(own, Limits(api_key="sk-test")) as r:
+        status, _ = post(r, "/infill", {"input_prefix": "a", "input_suffix": "b", "n_predict": 1})
         assert status == 401
-        status, raw = post(r, "/v1/embeddings", {"input": "a"})
+        status, _ = post(r, "/v1/embeddings", {"input": "a"})
         assert status == 401
+
+
+def test_python_api_embedding_and_infill_shapes(pipe):
+    from mixqrt import api
+    out = api.create_embedding(pipe, ["a b", "c"], encoding_format="float")
+    assert out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1]
+    assert out["usage"]["prompt_tokens"] == out["usage"]["total_tokens"] > 0
+    comp = api.create_completion(pipe, "def f(x):\n    return ", suffix="\n", max_tokens=4, temperature=0)
+    assert comp["object"] == "text_completion" and isinstance(comp["choices"][0]["text"], str)
+    none = pipe.embed(["a b c"], pooling="none")
+    assert isinstance(none, list) and none[0].shape == (len(pipe.embed_ids("a b c")[0]), 64)

@@ -213,29 +213,23 @@ def test_matmul_random_matches_base_and_threads(tier, fmt, t):
 @pytest.mark.parametrize("k", [1, 33, 257, 896])
 def test_few_rows_equal_the_gemm_rows(fmt, k):
     """Products of 2-8 rows (batched decode) go through the decode kernels' unpack with their float fold,
-    as the GEMM does: each row is bit for bit that row of a GEMM product (the few-row path off, a 12-row
-    product, the cached tiles), on the pool or on one thread (and the T = 1 row: test_rows_exact.py)."""
+    as the GEMM does: each row is bit for bit that row of a GEMM product (a 12-row product, the cached
+    tiles), on the pool or on one thread (and the T = 1 row: test_rows_exact.py)."""
     rng = np.random.default_rng(k)
     _, qx = x_of(fmt, 48, k, rng)
     x = rng.standard_normal((12, k)).astype(np.float32)
     big = ops.matmul(qx, x)                                          # 12 rows: the GEMM
-    before = _ops.set_few_t(None)
     try:
         for t in range(2, 9):
-            _ops.set_few_t(True)
             few = ops.matmul(qx, x[:t])
             with ops.local_threads(1):
                 np.testing.assert_array_equal(ops.matmul(qx, x[:t]), few)
-            _ops.set_few_t(False)
-            np.testing.assert_array_equal(ops.matmul(qx, x[:t]), few)
             np.testing.assert_array_equal(big[:t], few)
-        _ops.set_few_t(True)
         ops.set_gemm_cache(1 << 24)
         np.testing.assert_array_equal(ops.matmul(qx, x[:3]), big[:3])
         np.testing.assert_array_equal(ops.matmul(qx, x[:3]), big[:3])
     finally:
         ops.set_gemm_cache(0)
-        _ops.set_few_t(before)
 
 
 @pytest.mark.parametrize("fmt", FMTS)

@@ -122,3 +122,110 @@ def test_tiers_do_not_call_back():
         for other in TIERS:
             if other != t:
                 assert not re.search(rf"\bmq_\w+_{other}\s*\(", text), f"{f} calls into the {other} tier"
+
+
+# ---------------------------------------------------------------------------- the call graph between files
+# A function defined in a .c file (not static) or in a header belongs to its unit: the folder and the
+# file's stem, so quant.c and quant.h are one unit. A unit calls another when one of its .c files names a
+# function the other defines (a header is an interface: what its inline functions call counts for the
+# files that include it). No two units call each other, directly or around a circle.
+_DEF = re.compile(r"^(?:[A-Za-z_][\w \t\*]*?|(?:static\s+)?inline\s+__attribute__\(\([^)]*\)\)\s*[\w \t\*]+?\n)"
+                  r"\b([A-Za-z_]\w*)\s*\([^;{}]*\)\s*\{", re.M)
+
+
+def _text(p: Path) -> str:
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", p.read_text(), flags=re.S))
+
+
+def _unit(f: str) -> str:
+    return f.rsplit(".", 1)[0]
+
+
+_PASTED = re.compile(r"\b([A-Za-z_]\w*)##\w+")                      # a name a macro pastes: prefix##name
+_PASTED_DEF = re.compile(r"\b([A-Za-z_]\w*)##\w+\s*\([^;{}]*\)\s*\{")   # ... that the macro defines
+
+
+def call_graph(files=None) -> dict[str, set[str]]:
+    files = FILES if files is None else files
+    owner, local = {}, {}
+    for f, p in files.items():
+        text = _text(p)
+        local[f] = set()
+        for m in _DEF.finditer(text):
+            name = m.group(1)
+            if name in ("if", "for", "while", "switch", "return", "sizeof"):
+                continue
+            local[f].add(name)
+            if not (f.endswith(".c") and m.group(0).lstrip().startswith("static")):   # static: file-local
+                owner.setdefault(name, _unit(f))
+        if f.endswith(".c"):
+            for prefix in _PASTED_DEF.findall(text):
+                owner.setdefault(prefix + "##", _unit(f))
+    out: dict[str, set[str]] = {_unit(f): set() for f in files}
+    for f, p in files.items():
+        if not f.endswith(".c"):
+            continue
+        text = _text(p)
+        names = set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", text)) - local[f]
+        names |= {prefix + "##" for prefix in _PASTED.findall(text)}
+        for name in names:
+            u = owner.get(name)
+            if u is not None and u != _unit(f):
+                out[_unit(f)].add(u)
+    return out
+
+
+def test_call_graph_finds_the_definitions():
+    g = call_graph()
+    assert "quant/kmeans" in g["quant/quant"]                       # mq_q2c_block
+    assert "ops/kern_base_avx512" in g["ops/kern_avx512"]           # ctx_init
+    assert {"ops/kern_mv_avx512", "ops/kern_gemm_avx512"} <= g["ops/kern_avx512"]   # the traits table's entries
+    assert "ops/kern_mv_avx512" not in g["ops/kern_gemm_avx512"] and "ops/kern_avx512_impl" not in g["ops/kern_avx2"]
+
+
+def test_no_two_kernel_files_call_each_other():
+    g = call_graph()
+    assert cycles(g) == [], "files that call each other: " + "; ".join(" -> ".join(c) for c in cycles(g))
+
+
+# ---------------------------------------------------------------------------- a format's rows in every tier
+def _packed_formats() -> list[str]:
+    enum = re.search(r"enum mq_fmt \{(.*?)\};", FILES["common/mq_format.h"].read_text(), re.S).group(1)
+    ids = dict((n, int(v)) for n, v in re.findall(r"\b(MQ_\w+)\s*=\s*(\d+)", enum))
+    return [n for n, v in sorted(ids.items(), key=lambda x: x[1]) if v < ids["MQ_F32"]]
+
+
+def _format_list(macro: str) -> list[str]:
+    """The format ids an X-macro list of mq_format.h names (MQ_FOR_ROW_FORMATS, MQ_FOR_X_FORMATS)."""
+    text = FILES["common/mq_format.h"].read_text().replace("\\\n", " ")
+    m = re.search(rf"#define {macro}\(X\)(.*)", text)
+    return re.findall(r"X\(\w+,\s*(MQ_\w+)\)", m.group(1))
+
+
+def _table(path: str, name: str) -> str:
+    text = _text(FILES[path])
+    m = re.search(rf"\b{name}\s*\[MQ_NFMT\]\s*=\s*\{{(.*?)\n\}};", text, re.S)
+    assert m, f"{path}: no traits table {name}"
+    return m.group(1)
+
+
+def test_every_packed_format_has_a_traits_row_in_every_tier():
+    """docs/architecture.md, "Adding a format": a format's kernels are its rows in the tiers' traits
+    tables. Every packed format of mq_format.h has one in the AVX-512 and AVX2 tables (the generic tier
+    reads MQ_FORMATS, GEN_TRAITS only where the levels are not the codes), and no tier file routes a
+    product by a switch on the format."""
+    fmts = _packed_formats()
+    assert "MQ_Q4" in fmts and "MQ_F32" not in fmts
+    assert sorted(_format_list("MQ_FOR_ROW_FORMATS") + _format_list("MQ_FOR_X_FORMATS")) == sorted(fmts), \
+        "mq_format.h's format lists name every packed format once"
+    for path, table in (("ops/kern_avx512.c", "MQ_AVX512_TRAITS"), ("ops/kern_avx2.c", "AVX2_TRAITS")):
+        body = _table(path, table)
+        rows = set(re.findall(r"\[(MQ_\w+)\]\s*=", body))
+        for macro in ("MQ_FOR_ROW_FORMATS", "MQ_FOR_X_FORMATS"):   # a row per format the list names
+            if re.search(rf"\b{macro}\s*\(", body):
+                rows |= set(_format_list(macro))
+        assert rows == set(fmts), f"{table}: formats without a row {set(fmts) - rows}, unknown {rows - set(fmts)}"
+    assert "GEN_TRAITS" in _text(FILES["ops/kern_generic.c"])
+    for f, p in FILES.items():
+        if f.startswith("ops/kern_") and f.endswith(".c"):
+            assert not re.search(r"switch\s*\(\s*j->fmt\s*\)", _text(p)), f"{f} routes by a switch on the format"

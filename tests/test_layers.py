@@ -23,11 +23,12 @@ LAYERS = [
     ("formats", ["mixqrt.formats"]),                   # layout, kmeans, rotation, qtensor, codec
     ("ops", ["mixqrt.ops"]),                         # pool, matmul, attention, elementwise, probes, ref
     ("models", ["mixqrt.models", "mixqrt.cache"]),      # spec, base, the graphs; the KV cache
-    ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template"]),
+    ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template",
+            "mixqrt.embed"]),                          # embeddings: pooling, the Embedder (io.gguf reads its settings)
     ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler
     ("generate", ["mixqrt.validate", "mixqrt.params",    # request values' checks; the one request object
                   "mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
-                  "mixqrt.grammar", "mixqrt.tools",     # constrained decoding, tool calls
+                  "mixqrt.grammar", "mixqrt.tools", "mixqrt.fim",     # constrained decoding, tool calls
                   "mixqrt.engine", "mixqrt.engine_cache", "mixqrt.speculative"]),
     ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model
     ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),

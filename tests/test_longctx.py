@@ -64,7 +64,7 @@ def test_pipeline_and_engine_kv_type(tiny_f32_path):
         assert pipe.kv_type == "f16" and pipe.model.kv_type == "f16"
         assert pipe.max_context == pipe.model.context_length == 256            # the model's own
         assert pipe.engine.kv_type == "f16" and pipe.engine.max_context == 256
-        a, last = greedy(pipe.engine, [5, 6, 7, 8, 9, 10])
+        a, _ = greedy(pipe.engine, [5, 6, 7, 8, 9, 10])
         b, last2 = greedy(pipe.engine, [5, 6, 7, 8, 9, 10])
         assert a == b and last2.cached_tokens == 5                             # f16 rows came back from the tree
         node = next(iter(next(iter(pipe.engine._cache.tree.roots.values())).children.values()))
@@ -241,3 +241,209 @@ def test_long_prefill_interleaves_decode_at_16k(tmp_path):
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(long_prompt)
     assert steps >= chunks + 1
     assert after["decode_tokens"] - before["decode_tokens"] >= steps - 2    # a decoded at (almost) every step
+
+
+# ------------------------------------------------------------------ the prompt cache over a packed cache
+class PackedStub(BlockTrimCache):
+    """The packed cache's contract (mixqrt.cache: BLOCK, export_blocks, import_blocks, a trim down
+    to a block start) over float rows, lossless: an engine over it must give the plain tokens."""
+    BLOCK = 64
+
+    def _rows(self, b0, b1):
+        return self.stacked[:, :, b0 * self.BLOCK:b1 * self.BLOCK]
+
+    def export_blocks(self, b0: int, b1: int) -> np.ndarray:
+        assert 0 <= b0 < b1 <= self.offset // self.BLOCK, "only complete blocks are exported"
+        return np.stack([np.ascontiguousarray(self._rows(b, b + 1)).view(np.uint8).reshape(-1)
+                         for b in range(b0, b1)])
+
+    def import_blocks(self, b0: int, data: np.ndarray) -> None:
+        assert data.dtype == np.uint8 and data.ndim == 2 and b0 <= self.offset // self.BLOCK
+        shape = self._rows(0, 1).shape
+        for i, row in enumerate(data):
+            self._rows(b0 + i, b0 + i + 1)[...] = row.view(self.dtype).reshape(shape)
+        if b0 == self.offset // self.BLOCK:
+            self.offset = (b0 + len(data)) * self.BLOCK
+
+
+def test_packed_prompt_cache_reuses_whole_blocks(lm):
+    rng = np.random.default_rng(3)
+    p150 = rng.integers(3, 400, size=150).tolist()
+    other = p150[:100] + rng.integers(3, 400, size=40).tolist()
+    with Engine(lm) as plain:
+        want = [greedy(plain, x, cache_prompt=False)[0] for x in (p150, other)]
+    mp = pytest.MonkeyPatch()
+    a = lm.model.args
+    mp.setattr(lm.model, "make_cache", lambda max_len=None, kv_type=None, **kw: PackedStub(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, int(max_len or a.max_position_embeddings)))
+    try:
+        with Engine(lm, kv_cache_bytes=64 << 20) as eng:
+            from mixqrt.engine_cache import BlockTree
+            assert isinstance(eng._cache.tree, BlockTree)
+            got1, last1 = greedy(eng, p150)
+            got2, last2 = greedy(eng, p150)               # 149 tokens may come from the cache: 2 whole blocks
+            got3, last3 = greedy(eng, other)              # shares 100 tokens: 1 whole block
+            got4, last4 = greedy(eng, p150, cache_salt="x")    # another salt: nothing
+            assert (last1.cached_tokens, last2.cached_tokens, last3.cached_tokens, last4.cached_tokens) == (0, 128, 64, 0)
+            assert got1 == got2 == got4 == want[0] and got3 == want[1]
+            two = list(eng.submit(p150, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2, cache_prompt=False))
+            for i in range(2):                            # the second choice copies whole blocks, writes the rest
+                assert [r.token for r in two if r.index == i and r.token is not None] == want[0]
+            st = eng.stats()
+            assert st["cache_salts"] == 2 and st["kv_cache_bytes_used"] <= 64 << 20
+    finally:
+        mp.undo()
+
+
+def test_block_tree_bound_and_order():
+    from mixqrt.engine_cache import BLOCK_OVERHEAD, BlockTree
+    kv = PackedStub(1, 1, 4, 512)
+    kv.stacked[...] = np.arange(kv.stacked.size, dtype=np.float32).reshape(kv.stacked.shape)
+    kv.offset = 256
+    t = BlockTree(64)
+    toks = np.arange(256)
+    assert t.insert(None, toks, kv) == 4 and t.insert(None, toks, kv) == 0
+    per = 64 * 4 + 2 * 64 * 4 * 4 + BLOCK_OVERHEAD
+    assert t.bytes == 4 * per and t.leaves == 4
+    n, path = t.match(None, toks, limit=255)
+    assert n == 192 and len(path) == 3
+    fresh = PackedStub(1, 1, 4, 512)
+    assert t.copy_into(path, fresh) == 192 and np.array_equal(fresh.stacked[:, :, :192], kv.stacked[:, :, :192])
+    t.evict(2 * per)                                      # the deepest blocks go first: the chain stays whole
+    assert t.match(None, toks)[0] == 128 and t.evictions == 2
+    t.clear()
+    assert t.bytes == 0 and not t.roots and len(t) == 0
+
+
+def test_generate_shows_prefill_progress_of_long_prompts(capsys):
+    """`mixqrt generate` on a long prompt: a bar of the engine's prefilled tokens on stderr until the
+    first piece; every piece passes through unchanged (and nothing is drawn with -q)."""
+    import time
+
+    from mixqrt.cli import PROGRESS_PROMPT, _prefill_progress
+
+    class Eng:
+        t0 = None
+
+        def stats(self):
+            if self.t0 is None:
+                self.t0 = time.monotonic()
+                return {"prompt_tokens": 0, "prefill_tokens": 0}
+            return {"prompt_tokens": 2 * PROGRESS_PROMPT, "prefill_tokens": PROGRESS_PROMPT}
+
+    class Pipe:
+        engine = Eng()
+
+    def pieces():
+        time.sleep(0.8)
+        yield from "abc"
+    assert list(_prefill_progress(Pipe(), pieces(), quiet=False)) == list("abc")
+    assert "prompt" in capsys.readouterr().err
+    assert list(_prefill_progress(Pipe(), pieces(), quiet=True)) == list("abc")
+    assert capsys.readouterr().err == ""
+
+
+class Opaque(KVCache):
+    """A cache type with neither float rows nor blocks to copy out (a packed cache without
+    export_blocks): never shared, each request and each choice prefills its own."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        del self.stacked
+
+
+def test_a_cache_without_rows_or_blocks_is_not_shared(lm):
+    prompt = list(range(5, 40))
+    with Engine(lm) as plain:
+        want, _ = greedy(plain, prompt, cache_prompt=False)
+    mp = pytest.MonkeyPatch()
+    a = lm.model.args
+    mp.setattr(lm.model, "make_cache", lambda max_len=None, kv_type=None, **kw: Opaque(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, int(max_len or a.max_position_embeddings)))
+    try:
+        with Engine(lm) as eng:
+            assert not eng._cache.shareable
+            assert greedy(eng, prompt)[0] == want
+            got, last = greedy(eng, prompt)
+            assert got == want and last.cached_tokens == 0 and eng.stats()["cache_nodes"] == 0
+            two = list(eng.submit(prompt, max_new_tokens=6, temperature=0.0, eos_token_ids=[], n=2))
+            for i in range(2):
+                assert [r.token for r in two if r.index == i and r.token is not None] == want
+    finally:
+        mp.undo()
+
+
+def wait_for(cond, tries: int = 500) -> None:
+    """Poll until cond() (the engine thread gets there on its own; no time is asserted)."""
+    import time
+    for _ in range(tries):
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the engine never got there")
+
+
+def test_making_room_keeps_the_waiting_requests_own_prefix(lm):
+    """Room for a waiting request is made by evicting other cached runs first, not the prefix it
+    is about to reuse."""
+    shared = list(range(3, 60))
+    with Engine(lm, kv_cache_bytes=0) as off:
+        c = off._cache
+    with Engine(lm, kv_cache_bytes=1 << 20, max_slots=2) as eng:
+        greedy(eng, shared + [7])                                  # the shared prefix is cached first
+        for i in range(3):                                         # then other runs, more recent
+            greedy(eng, [100 + i] * 50)
+        wait_for(lambda: len(eng._cache.tree) == 4)                # every finished run is in the tree
+        busy = eng.submit(list(range(200, 210)), max_new_tokens=40, temperature=0.0, eos_token_ids=[], buffer=1)
+        next(busy)                        # then its unread buffer pauses it: a running slot of <= 50 rows
+        wait_for(lambda: busy.paused)
+        assert c.bytes_for(10) == c.bytes_for(51)
+        tree = eng._cache.tree
+        cap = tree.bytes + eng._cache.busy_bytes() + c.bytes_for(len(shared) + 1) - 1000
+        eng._cache.capacity = cap                                  # tight: room needs one eviction
+        _, last = greedy(eng, shared + [9])
+        busy.cancel()
+        assert last.cached_tokens == len(shared) and tree.evictions >= 1
+
+
+# ------------------------------------------------------------------ benchmarks/long_context.py's report
+def test_long_context_report_from_raw_files(tmp_path, monkeypatch):
+    """The page is rebuilt from the raw files: llama-bench jsonl (several depths in one file or one
+    per file), mixqrt bench JSON; llama.cpp's best per depth, ratios, loads; long prompts apart."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import long_context as lc
+    monkeypatch.setattr(lc, "DATA", tmp_path)
+    monkeypatch.setattr(lc, "DOC", tmp_path / "page.md")
+
+    def lcpp(name, rows, load="# load 1.00 2.00 3.00 -> 4.00 5.00 6.00"):
+        (tmp_path / name).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (tmp_path / name).with_suffix(".err").write_text(load + "\n")
+    base = {"flash_attn": 1, "type_k": "f16"}
+    lcpp("llamacpp-Q4_0-fa1-f16-d0_4096.jsonl", [
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "avg_ts": 200.0},
+        {**base, "n_prompt": 0, "n_gen": 32, "n_depth": 0, "avg_ts": 60.0},
+        {**base, "n_prompt": 512, "n_gen": 0, "n_depth": 4096, "avg_ts": 150.0},
+        {**base, "n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 40.0}])
+    lcpp("llamacpp-Q4_0-fa1-q8_0-d4096.jsonl", [
+        {**base, "type_k": "q8_0", "n_prompt": 0, "n_gen": 32, "n_depth": 4096, "avg_ts": 45.0}])
+    lcpp("llamacpp-Q4_0-fa1-f16-pp16384.jsonl", [{**base, "n_prompt": 16384, "n_gen": 0, "n_depth": 0, "avg_ts": 70.0}])
+    for d, tg in ((0, 80.0), (4096, 64.0)):
+        (tmp_path / f"mixqrt-f16-d{d}.json").write_text(json.dumps({
+            "loadavg_before": "2.0 1 1", "loadavg_after": "3.0 1 1", "result": {
+                "kv_type": "f16", "depth": d, "pp_tok_s": 300.0, "tg_tok_s": tg, "kv_bytes_per_token": 12288,
+                "peak_rss_bytes": 1 << 29, "n_prompt": 512, "depth_fill_seconds": 1.0}}))
+    (tmp_path / "mixqrt-f16-pp16384.json").write_text(json.dumps({
+        "loadavg_before": "2.0 1 1", "loadavg_after": "3.0 1 1", "result": {
+            "kv_type": "f16", "depth": 0, "pp_tok_s": 140.0, "tg_tok_s": 1.0, "kv_bytes_per_token": 12288,
+            "peak_rss_bytes": 1 << 29, "n_prompt": 16384, "model_bytes": 1 << 28, "file_bytes": 1 << 28}}))
+    a = argparse.Namespace(kv_types="f16", n_prompt=512, n_gen=32, threads=2, repetitions=1, plot="")
+    lc._N_PROMPT["n"] = 512
+    lc.report(a)
+    page = (tmp_path / "page.md").read_text()
+    assert "| 4,096 | f16 | 300.0 | 64.0 | 0.80x | 150.0 (Q4_0 fa1 f16) | 45.0 (Q4_0 fa1 q8_0) | 2.00x | 1.42x |" in page
+    assert "| 16,384 | f16 | 140.0 | 70.0 (Q4_0 fa1 f16) | 2.00x |" in page
+    assert "1.00/4.00" in page and "| Q4_0 | 1 | q8_0 | 4,096 |" in page

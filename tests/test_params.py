@@ -138,3 +138,13 @@ def test_a_new_option_reaches_every_entry_point(pipe, toy):
                 call()
     finally:
         params.add_param(TOY)
+
+
+def test_pipeline_and_engine_cap_the_context_alike(tiny_f32_path):
+    """limits.context_window is the one cap: a Pipeline asked for more than the model holds allots
+    the model's context, as its Engine does."""
+    p = Pipeline(str(tiny_f32_path), max_context=10 ** 6, progress=False)
+    try:
+        assert p.max_context == p.model.context_length == p.engine.max_context
+    finally:
+        p.close()

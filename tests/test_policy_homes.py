@@ -44,3 +44,16 @@ def test_set_num_threads_twice_starts_the_pool_once(monkeypatch):
     assert ops.set_num_threads(n) == n
     assert ops.set_num_threads(n) == n
     assert starts == []
+
+
+def test_lock_files_live_in_the_cache_not_beside_the_output(tmp_path, monkeypatch):
+    """A writer's lock (io.atomic.output_lock) is a file in the cache folder's locks/, so quantizing or
+    saving into a user's folder leaves only the output there."""
+    from mixqrt.io.atomic import lock_path, output_lock
+    monkeypatch.setenv("MIXQRT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "user" / "model.mxq"
+    out.parent.mkdir()
+    with output_lock(out):
+        out.write_bytes(b"x")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.mxq"]
+    assert lock_path(out).parent == tmp_path / "cache" / "locks" and lock_path(out) != lock_path(tmp_path / "x")

@@ -71,19 +71,17 @@ def test_rows_equal_single_rows_every_t(tier, fmt):
 @pytest.mark.parametrize("k", [64, 640, 1088])
 def test_interleaved_gemm_rows_equal_single_rows(tier, fmt, k):
     """Prefill-sized products of q4x / q6x / q3x (the GEMM on AVX-512: token groups of 8, K slices of 16
-    chunks, padded groups), and the few-row kernels off (2-8 rows through the GEMM)."""
+    chunks, padded groups), and 2-8 rows (the few-row kernels)."""
     rng = np.random.default_rng(k)
     w = weight(fmt, 64, k, rng)
     x = rng.standard_normal((41, k)).astype(np.float32)
     assert_rows_are_single_rows(w, x, [18, 24, 41])
-    before, before_max = _ops.set_few_t(None), _ops.set_few_max_t(None)
+    assert_rows_are_single_rows(w, x[:8], [2, 3, 5, 8])
+    before_max = _ops.set_few_max_t(None)
     try:
         _ops.set_few_max_t(0)                       # 9+ rows through the GEMM too
         assert_rows_are_single_rows(w, x, [9, 18, 24, 41])
-        _ops.set_few_t(False)
-        assert_rows_are_single_rows(w, x[:8], [2, 3, 5, 8])
     finally:
-        _ops.set_few_t(before)
         _ops.set_few_max_t(before_max)
 
 

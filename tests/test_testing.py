@@ -52,7 +52,7 @@ def test_installed_parts_assemble_once_and_verify(tmp_path, monkeypatch):
     out.unlink()
     with pytest.raises(ModelError, match="checksum"):
         assemble(_model("0" * 64), tmp_path / "cache", progress=False)
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m.gguf.lock", "m.sha256"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m.sha256"]   # locks: cache_dir()/locks
 
 
 def test_missing_parts_name_the_extra_unless_downloading(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ def test_every_switch_parses_its_default_and_rejects_garbage():
             tuning.parse(s.name, "nonsense")
     assert tuning.parse("MIXQRT_LEAN_MV", "0") == 0 and tuning.parse("MIXQRT_GAP_PF", " 4096 ") == 4096
     assert tuning.parse("MIXQRT_ISA", "AVX2") == "avx2"
-    for name, bad in (("MIXQRT_NUM_THREADS", "0"), ("MIXQRT_Q3X_PF", "-1"), ("MIXQRT_FEW_T", "2")):
+    for name, bad in (("MIXQRT_NUM_THREADS", "0"), ("MIXQRT_Q3X_PF", "-1"), ("MIXQRT_LEAN_MV", "2")):
         with pytest.raises(KernelError, match=name):
             tuning.parse(name, bad)
     with pytest.raises(KernelError, match="not a mixqrt switch"):
@@ -65,12 +65,12 @@ def _run(code, **env):
 
 
 def test_environment_reaches_the_kernels_and_a_bad_value_names_itself():
-    out = _run("from mixqrt import ops; print(ops._ops.set_q3x_prefetch(), ops._ops.set_few_t(None), "
-               "ops.GAP_PREFETCH_BYTES)", MIXQRT_Q3X_PF="4096", MIXQRT_FEW_T="0", MIXQRT_GAP_PF="0")
+    out = _run("from mixqrt import ops; print(ops._ops.set_q3x_prefetch(), ops._ops.set_lean_mv(None), "
+               "ops.GAP_PREFETCH_BYTES)", MIXQRT_Q3X_PF="4096", MIXQRT_LEAN_MV="0", MIXQRT_GAP_PF="0")
     assert out.returncode == 0, out.stderr
-    few = out.stdout.split()[1]
+    lean = out.stdout.split()[1]
     assert out.stdout.split()[0] == "4096" and out.stdout.split()[2] == "0"
-    assert few in ("False", "0")   # off (a non-x86 build answers 0 too)
+    assert lean in ("False", "0")   # off (a non-x86 build answers 0 too)
     bad = _run("import mixqrt.ops", MIXQRT_SPIN_US="fast")
     assert bad.returncode != 0 and "MIXQRT_SPIN_US='fast'" in bad.stderr
 

@@ -13,23 +13,6 @@ def set_gemm_min_t(int t):
     return old
 
 
-def set_few_t(on=None):
-    """AVX-512 products of 2-8 rows (batched decode of 2-8 sequences, short prompt chunks) on the
-    interleaved formats (q4x, q6x, q3x) through the decode kernels' unpack, each unpacked step serving
-    every row (on, the default; MIXQRT_FEW_T=0 starts a process with it off), or through the GEMM's
-    per-call tiles. The same bits either way. on=None only queries. Returns the previous state."""
-    return bool(mq_set_few_t(-1 if on is None else (1 if on else 0)))
-
-
-def set_few_max_t(t=None):
-    """AVX-512 products of 9 up to t rows on the interleaved formats (q4x, q6x, q3x; a speculative verify
-    of up to 64 drafts) through the few-row kernels over L2-sized blocks of weight rows, the rows in
-    groups of 2-8 (default 64; 0: through the GEMM, whose per-call tile unpack costs about a decode
-    step whatever the row count). The same bits either way (every row the T = 1 row). t=None only
-    queries. Returns the previous value."""
-    return mq_set_few_max_t(-1 if t is None else max(0, int(t)))
-
-
 def set_lean_mv(on=None):
     """AVX-512 decode (T == 1) of q3p / q4 / q3u / q6 through the lean fused paths (on, the default; the
     environment variable MIXQRT_LEAN_MV=0 starts a process with it off) or the generic unpack path.
@@ -52,6 +35,15 @@ def set_mv_xpf(on=None):
     starts a process with it off). The same bits either way. on=None only queries. Returns the
     previous state."""
     return bool(mq_set_mv_xpf(-1 if on is None else (1 if on else 0)))
+
+
+def set_few_max_t(t=None):
+    """AVX-512 products of 9 up to t rows on the interleaved formats (q4x, q6x, q3x; a speculative verify
+    of up to 64 drafts) through the few-row kernels over L2-sized blocks of weight rows, the rows in
+    groups of 2-8 (default 64; 0: through the GEMM, whose per-call tile unpack costs about a decode
+    step whatever the row count). The same bits either way (every row the T = 1 row). t=None only
+    queries. Returns the previous value."""
+    return mq_set_few_max_t(-1 if t is None else max(0, int(t)))
 
 
 def set_q2c_mv(on=None):

@@ -67,11 +67,25 @@ def atomic_write(path, mode: str = "wb", *, encoding: str | None = None, fsync: 
         raise
 
 
+def lock_path(path) -> Path:
+    """Where `path`'s lock file lives: the cache folder's locks/ (platform.files.cache_dir), named by
+    a hash of the absolute path and its file name, so nothing is left beside the user's files."""
+    import hashlib
+
+    from mixqrt.platform.files import cache_dir
+    full = os.path.abspath(os.fspath(path))
+    key = hashlib.sha256(full.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    d = cache_dir() / "locks"
+    d.mkdir(exist_ok=True)
+    return d / f"{key}-{os.path.basename(full)[:80]}.lock"
+
+
 def file_lock(path, timeout: float = -1):
-    """An inter-process lock (filelock.FileLock on ``<path>.lock``) serialising writers of `path`.
-    The lock is an fcntl lock, released by the kernel when its holder dies, even by SIGKILL."""
+    """An inter-process lock (filelock.FileLock on lock_path(path), in the cache folder) serialising
+    writers of `path`. The lock is an fcntl lock, released by the kernel when its holder dies, even
+    by SIGKILL."""
     from filelock import FileLock
-    return FileLock(os.fspath(path) + ".lock", timeout=timeout)
+    return FileLock(str(lock_path(path)), timeout=timeout)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -22,8 +22,9 @@ from gguf.quants import dequantize
 
 from mixqrt.embed import GGUF_POOLING, dense_name
 from mixqrt.errors import FormatError, ModelError
-from mixqrt.io.source import SUPPORTED_ARCHS, Source, check_config, check_layout
+from mixqrt.io.source import Source, check_config, check_layout
 from mixqrt.limits import check_config_limits, check_values
+from mixqrt.models import arch as archs
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -49,44 +50,39 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-# per architecture where its names differ from the qwen2/llama ones above
-_ARCH_LAYER_NAMES = {
-    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
-    # Gemma 3: ffn_norm is the norm before the FFN; the converter stores every norm as 1 + HF's weight
-    "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
-               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
-}
 _MOE_NAMES = {"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
               "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
               "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
               "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
-_ARCH_LAYER_NAMES["qwen2_moe"] = {**_LAYER_NAMES, **_MOE_NAMES}
-_ARCH_LAYER_NAMES["qwen3_moe"] = {**_LAYER_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES}
 # routed experts: one GGUF tensor [experts, out, in] per kind, seen as one HF tensor per expert
 _EXPS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
-# GGUF architecture names that differ from the HF model_type
-_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               # EmbeddingGemma: Gemma 3's graph with bidirectional attention (mixqrt.embed)
-               "gemma-embedding": "gemma3"}
+
+
+def _layer_names(arch: str | None) -> dict:
+    """GGUF layer tensor -> HF suffix for architecture `arch` (its Arch: q/k norms, experts, its own
+    names over the shared ones); the shared ones for None or an unknown name."""
+    a = archs.find(arch)
+    if a is None:
+        return _LAYER_NAMES
+    return {**_LAYER_NAMES, **(_QK_NORM_NAMES if a.qk_norm else {}), **(_MOE_NAMES if a.moe else {}),
+            **a.gguf_names}
+
+
 # sentence-transformers dense projections after pooling (llama.cpp LLM_TENSOR_DENSE_2_OUT / _3_OUT)
 EMBED_DENSE_TENSORS = ("dense_2.weight", "dense_3.weight")
-# architectures whose GGUF norm weights are HF's plus one (llama.cpp multiplies by the stored weight)
-_NORM_PLUS_ONE = ("gemma3",)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # tensors that rescale RoPE's frequencies: a reader that cannot apply them must refuse the file
 # (rope_freqs.weight, Llama 3's factors, is read into config.rope_scaling where the graph applies it)
 _ROPE_FACTOR_TENSORS = {"rope_freqs.weight": "rope_scaling type 'llama3' frequency factors",
                         "rope_factors_long.weight": "rope_scaling type 'longrope' factors",
                         "rope_factors_short.weight": "rope_scaling type 'longrope' factors"}
-_ROPE_FREQS_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     """HF name for a GGUF tensor name of architecture `arch`; None for tensors the graphs do not use."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    names = _layer_names(arch)
     m = _LAYER_RE.fullmatch(name)
     if m and m.group(2) in names:
         return f"model.layers.{int(m.group(1))}.{names[m.group(2)]}"
@@ -101,7 +97,7 @@ def hf_to_gguf_name(name: str, arch: str | None = None) -> str:
     """GGUF tensor name for an HF name (inverse of gguf_to_hf_name), as llama.cpp's converter writes it."""
     if name in _GLOBAL_TO_GGUF:
         return _GLOBAL_TO_GGUF[name]
-    to_gguf = {v: k for k, v in _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).items()}
+    to_gguf = {v: k for k, v in _layer_names(arch).items()}
     m = _HF_LAYER_RE.fullmatch(name)
     if m and m.group(2) in to_gguf:
         return f"blk.{int(m.group(1))}.{to_gguf[m.group(2)]}"
@@ -298,11 +294,28 @@ def meta_str(meta: dict, key: str, path, default=None):
     return v
 
 
+class _ArchMeta:
+    """What an architecture's gguf_config reads: "{general.architecture}.KEY" values, checked, and
+    the sizes already read."""
+
+    def __init__(self, meta, garch, path, hidden, n_head, head_dim, tensors):
+        self.meta, self.garch, self.path = meta, garch, path
+        self.hidden, self.n_head, self.head_dim, self.tensors = hidden, n_head, head_dim, tensors
+
+    def int(self, key, default=None, required=True):
+        return meta_int(self.meta, f"{self.garch}.{key}", self.path, default, required)
+
+    def float(self, key, default=None, required=True):
+        return meta_float(self.meta, f"{self.garch}.{key}", self.path, default, required)
+
+
 def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
     garch = meta.get("general.architecture")
-    arch = _GGUF_ARCHS.get(garch, garch) if isinstance(garch, str) else garch
-    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
-        raise ModelError(f"{path}: unknown architecture {str(garch)[:40]} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    a = archs.by_gguf_name(garch) if isinstance(garch, str) else None
+    if a is None:
+        raise ModelError(f"{path}: unknown architecture {str(garch)[:40]} "
+                         f"(supported: {', '.join(x.gguf_name or x.name for x in map(archs.get, archs.names()))})")
+    arch = a.name
     names = {hf: f"{garch}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()}
 
     def key_int(hf, default=None, required=True):
@@ -328,8 +341,7 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         raise ModelError(f"{path}: GGUF metadata {garch}.attention.value_length={v_len} differs from "
                          f"{garch}.attention.key_length={k_len} (head_dim mismatch; not supported)")
     cfg = {
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "gemma3": "Gemma3ForCausalLM"}.get(arch, "LlamaForCausalLM")],
+        "architectures": [a.hf_class],
         "model_type": arch,
         "hidden_act": "silu",
         "hidden_size": hidden,
@@ -345,34 +357,10 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
         "torch_dtype": "float32",
     }
-    if arch in ("qwen2_moe", "qwen3_moe"):
-        # llama.cpp renormalises the top-k weights for qwen3moe and not for qwen2moe
-        cfg.update(num_experts=meta_int(meta, f"{garch}.expert_count", path),
-                   num_experts_per_tok=meta_int(meta, f"{garch}.expert_used_count", path),
-                   moe_intermediate_size=meta_int(meta, f"{garch}.expert_feed_forward_length", path),
-                   shared_expert_intermediate_size=meta_int(
-                       meta, f"{garch}.expert_shared_feed_forward_length", path, 0),
-                   norm_topk_prob=arch == "qwen3_moe")
-        cfg["architectures"] = ["Qwen2MoeForCausalLM" if arch == "qwen2_moe" else "Qwen3MoeForCausalLM"]
-    if arch == "qwen2":
-        cfg["use_sliding_window"] = False
-    else:
+    if a.qkv_bias == "config":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "gemma3":
-        del cfg["hidden_act"]
-        cfg["hidden_activation"] = "gelu_pytorch_tanh"
-        # llama.cpp's Gemma 3: every 6th layer global, local RoPE base 10000 unless the file says
-        # (rope.freq_base_swa); attention scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27B
-        cfg["sliding_window"] = meta_int(meta, f"{garch}.attention.sliding_window", path, 4096)
-        cfg["sliding_window_pattern"] = 6
-        cfg["rope_local_base_freq"] = meta_float(meta, f"{garch}.rope.freq_base_swa", path, 10000.0)
-        cfg["query_pre_attn_scalar"] = hidden // n_head if (hidden, n_head) == (5376, 32) else k_len
-        if garch == "gemma-embedding":
-            cfg["use_bidirectional_attention"] = True
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            v = meta_float(meta, f"{garch}.{key}", path, required=False)
-            if v:
-                cfg[key] = v
+    if a.gguf_config is not None:
+        a.gguf_config(_ArchMeta(meta, garch, path, hidden, n_head, k_len, tensors), cfg)
     scaling = meta_str(meta, f"{garch}.rope.scaling.type", path)
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"type": scaling, "rope_type": scaling,
@@ -447,6 +435,7 @@ class GGUFSource(Source):
             check_values(self.metadata, str(self.path), skip=("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
             self.config = config_from_metadata(self.metadata, self._gguf, self.path)
             self.arch = self.config["model_type"]
+            self._arch = archs.get(self.arch)
             self._rope_factors()
             check_config(self.config, str(self.path),
                          {hf: f"{self.metadata['general.architecture']}.{g}" for hf, g in _HF_TO_GGUF_KEY.items()})
@@ -454,7 +443,7 @@ class GGUFSource(Source):
             self._expert = {}                       # HF name of a routed expert -> its index in the GGUF tensor
             self.unmapped = []                      # GGUF tensors the graphs do not use
             for gname, (dims, qtype, _, _) in self._gguf.items():
-                m = _EXPS_RE.fullmatch(gname) if self.arch in ("qwen2_moe", "qwen3_moe") else None
+                m = _EXPS_RE.fullmatch(gname) if self._arch.moe else None
                 if m is not None and len(dims) == 3:
                     for e in range(int(dims[2])):
                         hname = f"model.layers.{int(m.group(1))}.mlp.experts.{e}.{m.group(2)}_proj.weight"
@@ -487,7 +476,7 @@ class GGUFSource(Source):
         for gname, what in _ROPE_FACTOR_TENSORS.items():
             if gname not in self._gguf:
                 continue
-            if gname != "rope_freqs.weight" or self.arch not in _ROPE_FREQS_ARCHS:
+            if gname != "rope_freqs.weight" or not self._arch.gguf_rope_freqs:
                 raise ModelError(f"{self.path}: tensor {gname!r} ({what}) is not supported for architecture "
                                  f"{self.arch}")
             dims, qtype, start, nbytes = self._gguf[gname]
@@ -554,7 +543,7 @@ class GGUFSource(Source):
         """Only the rows asked for are read and dequantized (GGUF rows are contiguous blocks)."""
         gname, qtype, start, nbytes, shape = self._span(name)
         idx = np.asarray(idx, dtype=np.int64)
-        if len(shape) != 2 or (self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight"))) \
+        if len(shape) != 2 or (self._arch.gguf_permuted_qk and gname.endswith(("attn_q.weight", "attn_k.weight"))) \
                 or idx.size == 0 or idx.min() < 0 or idx.max() >= shape[0]:
             return super().rows(name, idx)             # row permutation, odd shapes, bad indices
         rb = nbytes // shape[0]
@@ -568,11 +557,11 @@ class GGUFSource(Source):
         w = self._decode(gname, raw, qtype, shape)
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)                      # GGUF stores the one-row gate as a vector
-        if self.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
+        if self._arch.gguf_permuted_qk and gname.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, self.config["num_attention_heads"])
-        elif self.arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
+        elif self._arch.gguf_permuted_qk and gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_qk(w, self.config["num_key_value_heads"])
-        if self.arch in _NORM_PLUS_ONE and gname.endswith("norm.weight"):
+        if self._arch.norm_plus_one and gname.endswith("norm.weight"):
             w = w - np.float32(1.0)                   # the converter stored 1 + HF's weight
         w = np.ascontiguousarray(w, dtype=np.float32)
         del raw

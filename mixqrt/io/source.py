@@ -23,16 +23,11 @@ import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.limits import check_config_limits
-from mixqrt.models.spec import ARCH_ALIASES
-from mixqrt.models.spec import ARCHS as SUPPORTED_ARCHS
+from mixqrt.models import arch as archs
 from mixqrt.models.spec import ModelSpec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
-# HF `architectures` entries we know, for configs whose model_type is missing or odd.
-_ARCH_CLASSES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
-                 "Gemma3ForCausalLM": "gemma3", "Qwen2MoeForCausalLM": "qwen2_moe",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 
 class Source:
@@ -119,19 +114,20 @@ class Source:
 # -- architecture and layout checks ----------------------------------------------------------
 
 def arch_from_config(config: dict, where: str) -> str:
-    """'qwen2' or 'llama' from an HF config; ModelError naming anything else."""
+    """The architecture (mixqrt.models.arch) of an HF config: its model_type (or an alias), else a
+    known `architectures` class; ModelError naming anything else."""
     mt = config.get("model_type")
-    if isinstance(mt, str) and mt in SUPPORTED_ARCHS:
-        return mt
-    if isinstance(mt, str) and mt in ARCH_ALIASES:
-        return ARCH_ALIASES[mt]
+    a = archs.find(mt)
+    if a is not None:
+        return a.name
     classes = config.get("architectures") or ()
     classes = [c for c in classes if isinstance(c, str)] if isinstance(classes, list) else []
     for cls in classes:
-        if cls in _ARCH_CLASSES:
-            return _ARCH_CLASSES[cls]
+        a = archs.by_hf_class(cls)
+        if a is not None:
+            return a.name
     name = str(mt)[:40] if mt else ",".join(classes)[:80] or "(none given)"
-    raise ModelError(f"{where}: unknown architecture {name} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    raise ModelError(f"{where}: unknown architecture {name} (supported: {', '.join(archs.names())})")
 
 
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")

@@ -1,20 +1,20 @@
 """Model graphs, one module per architecture (mlx-lm style), and a registry by HF model_type."""
 from __future__ import annotations
 
-from mixqrt.errors import ModelError
-from mixqrt.models.spec import ARCHS
+from mixqrt.models import arch as _arch
 
 
 def _module(arch: str):
-    """The graph of architecture `arch` (an HF model_type listed in spec.ARCHS): module mixqrt.models.<arch>."""
+    """The graph of architecture `arch` (an HF model_type, mixqrt.models.arch): its module."""
     import importlib
-    if not isinstance(arch, str) or arch not in ARCHS:
-        raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(sorted(ARCHS))}")
-    return importlib.import_module(f"mixqrt.models.{arch}")
+    a = _arch.get(arch)
+    import sys
+    mod = a.module or a.name
+    return importlib.import_module(mod if "." in mod or mod in sys.modules else f"mixqrt.models.{mod}")
 
 
 def get_model_class(arch: str):
-    """An architecture name (spec.ARCHS) -> the Model class (its config dataclass is Model.args_class)."""
+    """An architecture name (mixqrt.models.arch) -> the Model class (its config dataclass is Model.args_class)."""
     return _module(arch).Model
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from mixqrt import ops
 from mixqrt.errors import ModelError
 from mixqrt.models import qwen2
+from mixqrt.models.arch import Arch, register
 
 
 @dataclass
@@ -166,3 +167,34 @@ class Model(qwen2.Model):
             cap = np.float32(a.final_logit_softcapping)
             logits = np.tanh(logits / cap) * cap
         return logits
+
+
+def _gguf_config(m, cfg: dict) -> None:
+    """llama.cpp's Gemma 3 metadata: every 6th layer global, local RoPE base 10000 unless the file says
+    (rope.freq_base_swa); attention scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 27B."""
+    del cfg["hidden_act"]
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["sliding_window"] = m.int("attention.sliding_window", 4096)
+    cfg["sliding_window_pattern"] = 6
+    cfg["rope_local_base_freq"] = m.float("rope.freq_base_swa", 10000.0)
+    cfg["query_pre_attn_scalar"] = m.hidden // m.n_head if (m.hidden, m.n_head) == (5376, 32) else m.head_dim
+    if m.garch == "gemma-embedding":            # EmbeddingGemma: this graph, bidirectional (mixqrt.embed)
+        cfg["use_bidirectional_attention"] = True
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        v = m.float(key, required=False)
+        if v:
+            cfg[key] = v
+
+
+# Gemma 3: text-only checkpoints say gemma3_text; ffn_norm in GGUF is the norm before the FFN
+ARCH = register(Arch(
+    "gemma3", "Gemma3ForCausalLM", aliases=("gemma3_text",), qk_norm=True, ffn_norms=True, fold_norms=False,
+    float_norms=True, norm_plus_one=True, gguf_aliases=("gemma-embedding",),
+    gguf_names={"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    gguf_config=_gguf_config,
+    tiny={"model_type": "gemma3_text", "hidden_act": None, "hidden_activation": "gelu_pytorch_tanh",
+          "head_dim": 32, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "query_pre_attn_scalar": 24,
+          "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+          "final_logit_softcapping": None}))

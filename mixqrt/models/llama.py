@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from mixqrt.models import qwen2
+from mixqrt.models.arch import Arch, register
 
 
 class ModelArgs(qwen2.ModelArgs):
@@ -17,3 +18,8 @@ class Model(qwen2.Model):
     """Same forward as Qwen2."""
 
     args_class = ModelArgs
+
+
+# llama.cpp's converter permutes Llama's q/k rows (its RoPE pairs interleaved values); io/gguf undoes it
+ARCH = register(Arch("llama", "LlamaForCausalLM", native_decode=True, gguf_permuted_qk=True, gguf_rope_freqs=True,
+                     tiny={"attention_bias": False}))

@@ -11,12 +11,12 @@ equal probabilities go to the lower expert index.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from mixqrt import ops
+from mixqrt.platform import tuning
 from mixqrt.errors import ModelError
 from mixqrt.models import qwen2, spec
 
@@ -77,8 +77,8 @@ def _mlp(gate, up, down, h):
 # general path (tests/test_moe_file.py). Measured on the Qwen1.5-MoE-A2.7B shape (docs/moe.md): the
 # products' kernels take ~85 % of a decode step, so this gains a few percent at most; naming the next
 # expert's weight for the gap prefetch (matmul then=) measured 0.81x and is not used.
-# MIXQRT_MOE_FAST_DECODE=0 (or this attribute) runs the general path.
-FAST_DECODE = os.environ.get("MIXQRT_MOE_FAST_DECODE", "1") != "0"
+# MIXQRT_MOE_FAST_DECODE=0 (mixqrt.platform.tuning; or this attribute) runs the general path.
+FAST_DECODE = tuning.value("MIXQRT_MOE_FAST_DECODE") == 1
 
 
 def _mlp_one(gate, up, down, h, buf):
@@ -183,3 +183,18 @@ class MoEMixin:
         if getattr(self.layers[li], "experts", None) is not None:
             raise ModelError(f"layer {li} is a mixture of experts: it has no gate/up halves to split")
         return super().ffn_halves(li)
+
+
+def gguf_config(norm_topk_prob: bool):
+    """An MoE family's GGUF metadata -> config keys (llama.cpp renormalises the top-k weights for
+    qwen3moe and not for qwen2moe: norm_topk_prob)."""
+    def read(m, cfg: dict) -> None:
+        cfg.update(num_experts=m.int("expert_count"), num_experts_per_tok=m.int("expert_used_count"),
+                   moe_intermediate_size=m.int("expert_feed_forward_length"),
+                   shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length", 0),
+                   norm_topk_prob=norm_topk_prob)
+    return read
+
+
+# the tiny test models: 4 experts, top 2, expert width 32
+TINY = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}

@@ -19,6 +19,7 @@ from mixqrt.cache import DEFAULT_KV_TYPE, KVCache, kv_type_of_dtype, make_kv_cac
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
+from mixqrt.models.arch import Arch, find as find_arch, register
 from mixqrt.models.base import tensor_shape, to_f32
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -98,8 +99,9 @@ class ModelArgs:
             raise ModelError("mlp_bias=True is not supported")
         self.inv_freq = rope_inv_freq(self.rope_scaling, self.rope_theta, self.head_dim)
         self.tie_word_embeddings = bool(self.tie_word_embeddings)
-        if self.attention_bias is None:
-            self.attention_bias = self.model_type in ("qwen2", "qwen2_moe")
+        if self.attention_bias is None:         # the architecture's default (Arch.qkv_bias)
+            a = find_arch(self.model_type)
+            self.attention_bias = a is not None and a.qkv_bias == "always"
         self.attention_bias = bool(self.attention_bias)
 
 
@@ -218,9 +220,6 @@ class Model:
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
     kv_type = DEFAULT_KV_TYPE      # the KV cache's type (mixqrt.cache.KV_TYPES); an instance may set its own
-    # model_types whose layer is exactly the one ops.decode_layer computes natively: a subclass with
-    # another model_type (another graph) decodes op by op through layer_forward, never through it
-    native_decode_types = ("qwen2", "llama")
 
     def __init__(self, args: ModelArgs, weights: dict, generation_config: dict | None = None):
         self._setup(args, generation_config)
@@ -460,7 +459,8 @@ class Model:
         on first use; None where a layer does not fit them (a projection left in parts because its
         formats differ): that model decodes op by op. An architecture without such a native layer
         returns None here and decodes op by op through layer_forward."""
-        if self.args.model_type not in self.native_decode_types or self.args.inv_freq is not None:
+        a = find_arch(self.args.model_type)
+        if a is None or not a.native_decode or self.args.inv_freq is not None:
             return None                            # another graph, or scaled RoPE (not in the C layer)
         got = self.__dict__.get("_fused")
         if got is None:
@@ -691,3 +691,12 @@ def _sanitize_layer(i: int, w: dict, ms, shapes: dict) -> dict:
         if name not in grouped:
             out[name] = _take(w, name, shapes, ms, vector=len(shape) == 1)
     return out
+
+
+def _gguf_config(m, cfg: dict) -> None:
+    cfg["use_sliding_window"] = False
+
+
+# Qwen2: q/k/v biases always (config.attention_bias ignored, as transformers does), no o_proj bias
+ARCH = register(Arch("qwen2", "Qwen2ForCausalLM", qkv_bias="always", native_decode=True, gguf_rope_freqs=True,
+                     gguf_config=_gguf_config, tiny={"rope_theta": 1e6}, tiny_tokenizer="qwen2"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mixqrt.models import moe, qwen2
+from mixqrt.models.arch import Arch, register
 
 
 class ModelArgs(moe.MoEArgs):
@@ -11,3 +12,8 @@ class ModelArgs(moe.MoEArgs):
 
 class Model(moe.MoEMixin, qwen2.Model):
     args_class = ModelArgs
+
+
+ARCH = register(Arch("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias="always", moe=True, fold_norms=False,
+                     gguf_name="qwen2moe", gguf_config=moe.gguf_config(norm_topk_prob=False),
+                     tiny={**moe.TINY, "norm_topk_prob": False, "shared_expert_intermediate_size": 48}))

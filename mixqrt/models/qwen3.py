@@ -8,6 +8,7 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.models import qwen2
+from mixqrt.models.arch import Arch, register
 
 
 class ModelArgs(qwen2.ModelArgs):
@@ -40,3 +41,7 @@ class Model(qwen2.Model):
         k = ops.rmsnorm(qkv[:, nq:nq + nkv].reshape(t * hkv, dh), L.k_norm, a.rms_norm_eps).reshape(t, hkv, dh)
         qk = self.rope(li, np.concatenate([q, k], axis=1), positions)
         return qk[:, :hq], qk[:, hq:], qkv[:, nq + nkv:].reshape(t, hkv, dh)
+
+
+ARCH = register(Arch("qwen3", "Qwen3ForCausalLM", qk_norm=True, gguf_rope_freqs=True,
+                     tiny={"attention_bias": False, "head_dim": 32}))

@@ -3,6 +3,7 @@ experts (top-k of num_experts, norm_topk_prob), no shared expert (models/moe.py)
 from __future__ import annotations
 
 from mixqrt.models import moe, qwen3
+from mixqrt.models.arch import Arch, register
 
 
 class ModelArgs(moe.MoEArgs):
@@ -11,3 +12,8 @@ class ModelArgs(moe.MoEArgs):
 
 class Model(moe.MoEMixin, qwen3.Model):
     args_class = ModelArgs
+
+
+ARCH = register(Arch("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True, fold_norms=False,
+                     gguf_name="qwen3moe", gguf_config=moe.gguf_config(norm_topk_prob=True),
+                     tiny={**moe.TINY, "attention_bias": False, "head_dim": 32, "norm_topk_prob": True}))

@@ -10,10 +10,10 @@ Every layer that needs to know what a checkpoint holds reads it here:
     models/qwen2.ffn_halves     row views of a fused tensor (row_slice, the inverse of fuse)
     quantize/calibrate, imatrix    which HF tensors a runtime tensor holds (parts_of), norm folding (norm_feeds)
 
-Names and layouts are Hugging Face's ([out, in] matrices). Qwen2 and Llama share one graph; they
-differ only in which attention biases exist (Qwen2: q/k/v always; Llama: q/k/v/o when
-config.attention_bias). Qwen3 adds a per-head RMSNorm on q and k; Gemma 3 adds those and norms
-after attention and around the FFN (pre_feedforward / post_feedforward_layernorm). A fusion group is a set of tensors of one layer that the graph multiplies
+Names and layouts are Hugging Face's ([out, in] matrices). What differs between architectures is
+read from their Arch (mixqrt.models.arch, declared in each models/<name>.py): which attention
+biases exist (Qwen2: q/k/v always; Llama: q/k/v/o when config.attention_bias), a per-head RMSNorm
+on q and k (Qwen3, Gemma 3), norms around the FFN (Gemma 3), routed experts (the MoE families). A fusion group is a set of tensors of one layer that the graph multiplies
 with the same input, stacked by rows into one tensor (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 
 fuse() is the one rule for stacking, used when a .mxq is written (convert) and when a model is
@@ -28,12 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from mixqrt.errors import ModelError
+from mixqrt.models.arch import get as get_arch
 from mixqrt.models.base import is_qtensor
 
-ARCHS = ("qwen2", "llama", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe")
-MOE_ARCHS = ("qwen2_moe", "qwen3_moe")
-# HF model_type spellings of an architecture above (Gemma 3's text-only checkpoints say gemma3_text)
-ARCH_ALIASES = {"gemma3_text": "gemma3"}
+# the architectures: mixqrt.models.arch (each declared in its own models/<name>.py)
 
 ROLES = ("embed", "attn_q", "attn_k", "attn_v", "attn_o", "ffn_gate", "ffn_up", "ffn_down",
          "norm", "bias", "lm_head", "router", "expert_gate", "expert_up", "expert_down",
@@ -109,11 +107,9 @@ NORM_FEEDS = {
     "post_attention_layernorm.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 FINAL_NORM_FEEDS = (LM_HEAD,)
-# architectures whose norms multiply by (1 + weight) or sit where NORM_FEEDS does not say (gemma3's
-# post_attention_layernorm normalises the attention output): no norm is folded into a weight
-NO_NORM_FOLDING = ("gemma3", "qwen2_moe", "qwen3_moe")
-# architectures with an RMSNorm per head on q and k (self_attn.q_norm / k_norm, [head_dim])
-QK_NORM_ARCHS = ("qwen3", "gemma3", "qwen3_moe")
+# an architecture whose norms multiply by (1 + weight) or sit where NORM_FEEDS does not say (gemma3's
+# post_attention_layernorm normalises the attention output) has Arch.fold_norms False: no norm is
+# folded into a weight
 
 
 def split_layer(name: str) -> tuple[int | None, str]:
@@ -161,8 +157,8 @@ def parts_of(name: str) -> tuple[str, ...]:
 
 def norm_feeds(name: str, arch: str | None = None) -> tuple[str, ...]:
     """The linear weights (full HF names) that take norm `name`'s output as their input; () for none
-    (and for every norm of an architecture in NO_NORM_FOLDING)."""
-    if arch in NO_NORM_FOLDING:
+    (and for every norm of an architecture whose Arch.fold_norms is False)."""
+    if arch is not None and not get_arch(arch).fold_norms:
         return ()
     if name == FINAL_NORM:
         return FINAL_NORM_FEEDS
@@ -170,19 +166,6 @@ def norm_feeds(name: str, arch: str | None = None) -> tuple[str, ...]:
     if layer is None:
         return ()
     return tuple(f"model.layers.{layer}.{x}" for x in NORM_FEEDS.get(rest, ()))
-
-
-def arch_biases(arch: str, config: dict) -> tuple[bool, bool]:
-    """(q/k/v bias, o_proj bias). Qwen2's attention always has q/k/v biases and no o bias, whatever
-    config.attention_bias says (transformers ignores it); Llama has all four or none."""
-    if arch == "qwen2":
-        return True, False
-    if arch == "qwen2_moe":
-        return True, False
-    if arch in ("llama", "qwen3", "gemma3", "qwen3_moe"):
-        b = bool(config.get("attention_bias", False))
-        return b, b
-    raise ModelError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHS)}")
 
 
 def _pos_int(config: dict, key: str, default=None) -> int:
@@ -232,7 +215,9 @@ class ModelSpec:
 
     def __init__(self, config: dict, arch: str):
         self.arch = arch
-        self.qkv_bias, self.o_bias = arch_biases(arch, config)
+        a = get_arch(arch)
+        self.qk_norm, self.ffn_norms = a.qk_norm, a.ffn_norms
+        self.qkv_bias, self.o_bias = a.biases(config)
         h, nh = _pos_int(config, "hidden_size"), _pos_int(config, "num_attention_heads")
         nkv = _pos_int(config, "num_key_value_heads", nh)
         hd = _pos_int(config, "head_dim", h // nh)
@@ -240,7 +225,7 @@ class ModelSpec:
         self.n_q, self.n_kv = nh * hd, nkv * hd
         self.inter, self.vocab = _pos_int(config, "intermediate_size"), _pos_int(config, "vocab_size")
         self.tied = bool(config.get("tie_word_embeddings", False))
-        self.moe = moe_layout(config, self.n_layers) if arch in MOE_ARCHS else None
+        self.moe = moe_layout(config, self.n_layers) if a.moe else None
 
     def layer_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         h, nq, nkv, inter = self.hidden, self.n_q, self.n_kv, self.inter
@@ -255,10 +240,10 @@ class ModelSpec:
         s[p + "self_attn.o_proj.weight"] = (h, nq)
         if self.o_bias:
             s[p + "self_attn.o_proj.bias"] = (h,)
-        if self.arch in QK_NORM_ARCHS:
+        if self.qk_norm:
             s.update({p + "self_attn.q_norm.weight": (self.head_dim,), p + "self_attn.k_norm.weight": (self.head_dim,)})
         s[p + "post_attention_layernorm.weight"] = (h,)
-        if self.arch == "gemma3":
+        if self.ffn_norms:
             s[p + "pre_feedforward_layernorm.weight"] = (h,)
         if self.moe is not None and self.moe.sparse[i]:
             m = self.moe
@@ -276,7 +261,7 @@ class ModelSpec:
             s.update({p + "mlp.gate_proj.weight": (inter, h),
                       p + "mlp.up_proj.weight": (inter, h),
                       p + "mlp.down_proj.weight": (h, inter)})
-        if self.arch == "gemma3":
+        if self.ffn_norms:
             s[p + "post_feedforward_layernorm.weight"] = (h,)
         return s
 

@@ -9,9 +9,17 @@ The one exception is the hub cache, where `snapshots/<rev>/x` links to `../../bl
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mixqrt.errors import FormatError, ModelError
+
+
+def cache_dir() -> Path:
+    """~/.cache/mixqrt, or $MIXQRT_CACHE (created): converted models, hub downloads, lock files."""
+    d = Path(os.environ.get("MIXQRT_CACHE") or Path.home() / ".cache" / "mixqrt")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def _roots(folder: Path) -> list[Path]:

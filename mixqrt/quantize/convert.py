@@ -18,6 +18,7 @@ import numpy as np
 from mixqrt.errors import ModelError, QuantError
 from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.models import spec
+from mixqrt.models.arch import get as get_arch
 from mixqrt.quantize.recipes import DEFAULT_RECIPE, Recipe, get_recipe, tensor_plan, tie_source  # noqa: F401  (tensor_plan re-exported)
 
 MXQ_KIND = "mixqrt-llm"
@@ -196,7 +197,7 @@ def quantize_model(src, recipe=DEFAULT_RECIPE, out_path=None, *, overrides=None,
     pending: dict[str, QTensor] = {}
     # a mixture of experts: every tensor on its own pages, so experts no token picks stay on disk
     from mixqrt.io.arena import ALIGN, PAGE
-    with MxqWriter(out_path, meta, alignment=PAGE if source.arch in spec.MOE_ARCHS else ALIGN) as w:
+    with MxqWriter(out_path, meta, alignment=PAGE if get_arch(source.arch).moe else ALIGN) as w:
         for name, role, fmt, shape in tqdm(plan, desc="quantizing", unit="tensor", disable=not progress):
             arr = source.get(src_name(name))
             _check_finite(name, arr)

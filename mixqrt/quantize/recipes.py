@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 from mixqrt.errors import QuantError
 from mixqrt.formats import layout
+from mixqrt.models.arch import get as get_arch
 from mixqrt.models.spec import LM_HEAD, ROLES, VECTOR_ROLES, ModelSpec, family, role_of  # noqa: F401  (ROLES re-exported)
 
 _ATTN = {"attn_q": None, "attn_k": None, "attn_v": None, "attn_o": None}
-# Architectures whose norms multiply by (1 + weight) (Gemma): a range format (q5g) spends its 32
-# levels on the weights' outliers and moves the ~0 entries by a large share of their multiplier, so
-# their norms stay float32 where a recipe says q5g. Measured on Gemma 3 270M, 2356t without
-# calibration, 128 WikiText-2 tokens: KL against f32 9.0 with q5g norms, 0.28 with f32 norms.
-FLOAT_NORM_ARCHS = ("gemma3",)
+# Architectures whose norms multiply by (1 + weight) (Gemma; Arch.float_norms): a range format (q5g)
+# spends its 32 levels on the weights' outliers and moves the ~0 entries by a large share of their
+# multiplier, so their norms stay float32 where a recipe says q5g. Measured on Gemma 3 270M, 2356t
+# without calibration, 128 WikiText-2 tokens: KL against f32 9.0 with q5g norms, 0.28 with f32 norms.
 _FFN = {"ffn_gate": None, "ffn_up": None, "ffn_down": None}
 
 
@@ -231,7 +231,7 @@ class Recipe:
             fmt = "f32"
         else:
             raise QuantError(f"{name}: recipe {self.name!r} has no format for role {role!r}")
-        if fam == "norm" and arch in FLOAT_NORM_ARCHS and fmt == "q5g":
+        if fam == "norm" and fmt == "q5g" and arch is not None and get_arch(arch).float_norms:
             fmt = "f32"                   # before overrides: a user's explicit choice still wins
         if self.layer_rules and n_layers and name.startswith("model.layers."):
             i = int(name.split(".")[2])

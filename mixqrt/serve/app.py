@@ -12,7 +12,6 @@ seconds, or goes away, has its request cancelled. Response objects are OpenAI's 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 import time
@@ -31,47 +30,14 @@ from mixqrt.fim import build_infill
 from mixqrt.fim import stop_ids as fim_stop_ids
 from mixqrt.generate import encode_prompt
 from mixqrt.tools import chat_ids
-from mixqrt.serve.guard import Guard, HTTPError, Limits, api_keys, read_json
+from mixqrt.serve.guard import Guard, HTTPError, Limits, read_json
+from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response  # noqa: F401  (re-exported)
+from mixqrt.serve.replies import bad_request as _bad_request
+from mixqrt.serve.replies import engine_error as _engine_error  # noqa: F401
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.serve.watch import watch_pipeline
 
 from mixqrt.engine import Engine, EngineBusy
-
-
-class SafeJSONResponse(JSONResponse):
-    """JSON with non-ASCII escaped: a reply never fails to encode (and never 500s) whatever text
-    it carries."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-
-
-# ============================================================================ prompt-cache isolation
-def cache_salt(salt: str | None, authorization: str | None, limits: Limits) -> str | None:
-    """The engine's cache salt for a request: with API keys configured, a hash of the request's
-    key (checked by the Guard; the key itself is not kept) then its own salt, so that two keys
-    never share cached prompts; without keys, the request's salt. One rule either way: an empty
-    salt is no salt (the key's, or everyone's, shared cache). The Guard refuses a request with two
-    Authorization headers, so the key hashed here is the key it checked."""
-    salt = salt or None
-    if not api_keys(limits):
-        return salt
-    token = (authorization or "").partition(" ")[2].strip()
-    key = hashlib.sha256(b"mixqrt prompt-cache salt\0" + token.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-    return f"{key}:{salt or ''}"
-
-
-def error_response(e: HTTPError) -> JSONResponse:
-    return SafeJSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-def _bad_request(e: RequestError) -> HTTPError:
-    return HTTPError(400, str(e), param=e.field, code=e.code)
-
-
-def _engine_error(e: GenerationError) -> HTTPError:
-    """An error a request's iteration raised: a 400 naming the field when it is a RequestError."""
-    return _bad_request(e) if isinstance(e, RequestError) else HTTPError(400, oai.safe_message(e))
 
 
 class Server:

@@ -199,7 +199,11 @@ def _csv(v: str) -> list:
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching; --ray: replicas)")
+    s = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (continuous batching; --ray: replicas)",
+        description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (suffix: fill-in-the-middle), "
+                    "/v1/embeddings, llama.cpp's /infill, /v1/models, /health, /metrics (docs/server.md, "
+                    "docs/completion.md).")
     s.add_argument("model", nargs="?", default=None,
                    help="a .mxq, a .gguf, a Hugging Face folder, a hub id or alias (default: the demo model)")
     s.add_argument("--recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE}, or the name's suffix)")

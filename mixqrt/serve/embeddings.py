@@ -41,7 +41,8 @@ def _prepare(srv, body):
 
 
 async def handle(srv, request):
-    from mixqrt.serve.app import SafeJSONResponse, _bad_request, error_response
+    from mixqrt.serve.replies import SafeJSONResponse, error_response
+    from mixqrt.serve.replies import bad_request as _bad_request
     route = request.url.path
     try:
         srv.check_file()

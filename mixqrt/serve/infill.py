@@ -169,7 +169,9 @@ class _State:
 
 
 async def handle(srv, request):
-    from mixqrt.serve.app import SafeJSONResponse, _bad_request, _engine_error, cache_salt, error_response
+    from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response
+    from mixqrt.serve.replies import bad_request as _bad_request
+    from mixqrt.serve.replies import engine_error as _engine_error
     route = request.url.path
     t0 = time.perf_counter()
     try:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import struct
 import sys
 import time
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mixqrt.io.atomic import mkstemp_for
+from mixqrt.io.atomic import atomic_write
 
 # Qwen/Qwen2-7B-Instruct's config.json
 QWEN2_7B_CONFIG = {
@@ -193,14 +192,8 @@ def tensor_values(kind: str, shape, seed: int, index: int) -> np.ndarray:
 # -- files --------------------------------------------------------------------------------------
 
 def _write_atomic_text(path: Path, text: str) -> None:
-    fd, tmp = mkstemp_for(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _shard_complete(path: Path, header: bytes, nbytes: int) -> bool:
@@ -218,29 +211,21 @@ def write_shard(path: Path, specs, seed: int, index0: int, progress=None) -> Non
         if progress:
             progress(f"{path.name}: already complete, kept")
         return
-    fd, tmp = mkstemp_for(path)
-    tmp = Path(tmp)
     out = None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            for j, (name, shape, kind) in enumerate(specs):
-                t = time.perf_counter()
-                for chunk in tensor_chunks(kind, shape, seed, index0 + j):
-                    flat = chunk.reshape(-1)
-                    if out is None or out.size < flat.size:
-                        out = np.empty(flat.size, np.uint16)
-                    f.write(memoryview(_bf16_into(flat, out[: flat.size])))
-                if progress and len(shape) == 2:
-                    progress(f"{path.name}: {name} {shape} {time.perf_counter() - t:.1f} s")
-            f.flush()
-            os.fsync(f.fileno())
-        if tmp.stat().st_size != len(header) + nbytes:
-            raise OSError(f"{tmp}: wrote {tmp.stat().st_size} bytes, expected {len(header) + nbytes}")
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_write(path) as f:                     # an error, or a short write, leaves no file
+        f.write(header)
+        for j, (name, shape, kind) in enumerate(specs):
+            t = time.perf_counter()
+            for chunk in tensor_chunks(kind, shape, seed, index0 + j):
+                flat = chunk.reshape(-1)
+                if out is None or out.size < flat.size:
+                    out = np.empty(flat.size, np.uint16)
+                f.write(memoryview(_bf16_into(flat, out[: flat.size])))
+            if progress and len(shape) == 2:
+                progress(f"{path.name}: {name} {shape} {time.perf_counter() - t:.1f} s")
+        f.flush()
+        if f.tell() != len(header) + nbytes:
+            raise OSError(f"{path}: wrote {f.tell()} bytes, expected {len(header) + nbytes}")
 
 
 def tokenizer_json(source) -> str:

@@ -113,39 +113,44 @@ def write_safetensors(path, tensors: dict, dtype: str = "F32", metadata: dict | 
     return path
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe")
-_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma3": "Gemma3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# MoE: 4 experts, top 2, expert width 32 (qwen2_moe: a shared expert of 48; layer 1 sparse only
-# through decoder_sparse_step 1, mlp_only_layers [] -> both layers sparse)
-MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+def __getattr__(name):          # ARCHS: every registered architecture (mixqrt.models.arch), on first use
+    if name == "ARCHS":
+        from mixqrt.models import arch
+        return arch.names()
+    raise AttributeError(name)
+
+
+def _arch(name: str):
+    from mixqrt.models import arch
+    a = arch.find(name)
+    if a is None:
+        from mixqrt.models import arch as reg
+        raise ValueError(f"arch must be one of {reg.names()}, got {name!r}")
+    return a
 
 
 def head_dim_of(arch: str) -> int:
-    return 32 if arch in ("qwen3", "gemma3", "qwen3_moe") else HEAD_DIM
+    return _arch(arch).tiny.get("head_dim", HEAD_DIM)
 
 
 def tiny_config(arch: str = "qwen2", tied: bool = True) -> dict:
+    """The tiny model's config.json: the shared sizes, then the architecture's own keys (Arch.tiny; a
+    None value removes a shared key)."""
+    a = _arch(arch)
     cfg = {
-        "architectures": [_CLASSES[arch]],
-        "model_type": "gemma3_text" if arch == "gemma3" else arch, "hidden_act": "silu", "hidden_size": HIDDEN,
+        "architectures": [a.hf_class],
+        "model_type": a.name, "hidden_act": "silu", "hidden_size": HIDDEN,
         "intermediate_size": INTER,
         "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": head_dim_of(arch), "rms_norm_eps": 1e-6, "rope_theta": 1e6 if arch == "qwen2" else 1e4,
+        "head_dim": HEAD_DIM, "rms_norm_eps": 1e-6, "rope_theta": 1e4,
         "max_position_embeddings": 256, "vocab_size": VOCAB, "tie_word_embeddings": tied,
         "bos_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
-    if arch in ("llama", "qwen3", "qwen3_moe"):
-        cfg["attention_bias"] = False
-    if arch == "qwen3_moe":
-        cfg.update(MOE, norm_topk_prob=True)
-    if arch == "qwen2_moe":
-        cfg.update(MOE, norm_topk_prob=False, shared_expert_intermediate_size=48)
-    if arch == "gemma3":
-        del cfg["hidden_act"]
-        cfg.update({"hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
-                    "query_pre_attn_scalar": 24, "sliding_window": 4,
-                    "layer_types": ["sliding_attention", "full_attention"], "final_logit_softcapping": None})
+    for k, v in a.tiny.items():
+        if v is None and k in cfg and k not in ("final_logit_softcapping",):
+            del cfg[k]
+        else:
+            cfg[k] = v
     return cfg
 
 
@@ -156,7 +161,9 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
     def lin(out, inp):
         return (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
 
-    one = 0.0 if arch == "gemma3" else 1.0          # gemma's norms multiply by (1 + weight)
+    a = _arch(arch)
+    cfg = tiny_config(arch, tied)
+    one = 0.0 if a.norm_plus_one else 1.0          # such norms multiply by (1 + weight)
 
     def norm(n):
         return (one + 0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -172,26 +179,26 @@ def tiny_weights(arch: str = "qwen2", tied: bool = True, seed: int = 0) -> dict[
         w[p + "self_attn.k_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
         w[p + "self_attn.v_proj.weight"] = lin(KV_HEADS * hd, HIDDEN)
         w[p + "self_attn.o_proj.weight"] = lin(HIDDEN, HEADS * hd)
-        if arch in ("qwen3", "gemma3", "qwen3_moe"):
+        if a.qk_norm:
             w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"] = norm(hd), norm(hd)
-        if arch == "gemma3":
+        if a.ffn_norms:
             w[p + "pre_feedforward_layernorm.weight"] = norm(HIDDEN)
             w[p + "post_feedforward_layernorm.weight"] = norm(HIDDEN)
-        if arch in ("qwen2", "qwen2_moe"):
+        if a.qkv_bias == "always":
             w[p + "self_attn.q_proj.bias"] = (0.3 * rng.standard_normal(HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.k_proj.bias"] = (0.5 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
             w[p + "self_attn.v_proj.bias"] = (0.05 * rng.standard_normal(KV_HEADS * HEAD_DIM)).astype(np.float32)
-        if arch.endswith("_moe"):
-            mi = MOE["moe_intermediate_size"]
-            w[p + "mlp.gate.weight"] = lin(MOE["num_experts"], HIDDEN)
-            for e in range(MOE["num_experts"]):
+        if a.moe:
+            mi, ne, sh = cfg["moe_intermediate_size"], cfg["num_experts"], cfg.get("shared_expert_intermediate_size")
+            w[p + "mlp.gate.weight"] = lin(ne, HIDDEN)
+            for e in range(ne):
                 w[f"{p}mlp.experts.{e}.gate_proj.weight"] = lin(mi, HIDDEN)
                 w[f"{p}mlp.experts.{e}.up_proj.weight"] = lin(mi, HIDDEN)
                 w[f"{p}mlp.experts.{e}.down_proj.weight"] = lin(HIDDEN, mi)
-            if arch == "qwen2_moe":
-                w[p + "mlp.shared_expert.gate_proj.weight"] = lin(48, HIDDEN)
-                w[p + "mlp.shared_expert.up_proj.weight"] = lin(48, HIDDEN)
-                w[p + "mlp.shared_expert.down_proj.weight"] = lin(HIDDEN, 48)
+            if sh:
+                w[p + "mlp.shared_expert.gate_proj.weight"] = lin(sh, HIDDEN)
+                w[p + "mlp.shared_expert.up_proj.weight"] = lin(sh, HIDDEN)
+                w[p + "mlp.shared_expert.down_proj.weight"] = lin(HIDDEN, sh)
                 w[p + "mlp.shared_expert_gate.weight"] = lin(1, HIDDEN)
             continue
         w[p + "mlp.gate_proj.weight"] = lin(INTER, HIDDEN)
@@ -206,8 +213,7 @@ def make_tiny_hf_model(dir, arch: str = "qwen2", tied: bool = True, seed: int = 
                        sharded: bool = False, config_extra: dict | None = None) -> Path:
     """Write a complete tiny HF model folder and return its path (config_extra: keys set in config.json,
     e.g. a Llama 3 rope_scaling)."""
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    a = _arch(arch)
     st_dtype = {"bf16": "BF16", "f16": "F16", "f32": "F32"}[dtype]
     d = Path(dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -228,9 +234,9 @@ def make_tiny_hf_model(dir, arch: str = "qwen2", tied: bool = True, seed: int = 
             json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, indent=2))
     else:
         write_safetensors(d / "model.safetensors", weights, st_dtype, {"format": "pt"})
-    (d / "tokenizer.json").write_text(_tokenizer_json("qwen2" if arch == "qwen2" else "smollm"))
+    (d / "tokenizer.json").write_text(_tokenizer_json(a.tiny_tokenizer))
     (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None if arch == "qwen2" else "<|endoftext|>", "eos_token": "<|im_end|>",
+        "bos_token": None if a.tiny_tokenizer == "qwen2" else "<|endoftext|>", "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHATML,
         "model_max_length": 256}, indent=2))
     (d / "generation_config.json").write_text(json.dumps({
@@ -253,7 +259,9 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
 
     hf_dir = Path(hf_dir)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch, arch_override = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"]), arch
+    from mixqrt.models import arch as archs
+    a = archs.get(cfg["model_type"])
+    arch, arch_override = a.name, arch
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     from mixqrt.io.hf import SafetensorsFile
     files = [SafetensorsFile(p) for p in sorted(hf_dir.glob("*.safetensors"))]
@@ -263,12 +271,12 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
     if edit is not None:
         edit(weights)
 
-    w = gguf.GGUFWriter(str(path), arch if arch_override is None else arch_override)
+    w = gguf.GGUFWriter(str(path), (a.gguf_name or arch) if arch_override is None else arch_override)
     add_config_to_gguf(w, cfg)
-    if arch in ("qwen3", "gemma3"):
+    if cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
-    if arch == "gemma3":
+    if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     rs = cfg.get("rope_scaling") or {}
     if rs.get("rope_type") == "llama3":             # the converter's rope_freqs.weight: HF inv / this
@@ -289,7 +297,7 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
             types.append(5)
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
+    w.add_tokenizer_pre(a.tiny_tokenizer)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -300,13 +308,14 @@ def make_tiny_gguf(hf_dir, path, qtype: str = "F32", edit=None, arch: str | None
     w.add_chat_template(CHATML)
 
     qt = getattr(gguf.GGMLQuantizationType, qtype)
+    spec_ = a
     for name, a in weights.items():
         gname = hf_to_gguf_name(name, arch)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if spec_.norm_plus_one and name.endswith("norm.weight"):
             a = a + np.float32(1.0)                     # llama.cpp's Gemma converter stores 1 + w
-        if arch == "llama" and ".self_attn.q_proj." in name:
+        if spec_.gguf_permuted_qk and ".self_attn.q_proj." in name:
             a = permute_qk(a, cfg["num_attention_heads"])
-        elif arch == "llama" and ".self_attn.k_proj." in name:
+        elif spec_.gguf_permuted_qk and ".self_attn.k_proj." in name:
             a = permute_qk(a, cfg["num_key_value_heads"])
         if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, a.astype(np.float32))   # norms and biases stay F32, like llama.cpp

@@ -150,6 +150,13 @@ typedef struct {
     int pack;          /* chunk packing id: bits, or MQ_PACK3C (packed formats only) */
 } mq_fmt_spec;
 
+/* The packed formats as X-macro lists, for the kernels' per-format entries and traits tables (each
+ * tier instantiates its kernels for every format listed): X(name, id). Row formats keep each row's
+ * blocks together; the interleaved ones (q4x / q6x / q3x) store MQ_XROWS rows' blocks side by side. */
+#define MQ_FOR_ROW_FORMATS(X) X(q8, MQ_Q8) X(q6, MQ_Q6) X(q4, MQ_Q4) X(q3u, MQ_Q3U) X(q3p, MQ_Q3P) \
+    X(q2c, MQ_Q2C) X(q5g, MQ_Q5G)
+#define MQ_FOR_X_FORMATS(X) X(q4x, MQ_Q4X) X(q6x, MQ_Q6X) X(q3x, MQ_Q3X)
+
 static const mq_fmt_spec MQ_FORMATS[MQ_NFMT] = {
     [MQ_Q8] = {"q8", MQ_Q8_BITS, MQ_Q8_GROUP, MQ_Q8_HEADER, MQ_Q8_BLOCK, 0, MQ_Q8_OFF, MQ_Q8_BITS},
     [MQ_Q6] = {"q6", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS},

@@ -574,26 +574,54 @@ mx_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1, int t
         }
 }
 
-static void mx_run(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
-#define MX_CALL(NT) do { \
-        if (j->fmt == MQ_Q4X) mx_fmt(cx, MQ_Q4X, j, n0, n1, t0, NT); \
-        else if (j->fmt == MQ_Q6X) mx_fmt(cx, MQ_Q6X, j, n0, n1, t0, NT); \
-        else mx_fmt(cx, MQ_Q3X, j, n0, n1, t0, NT); } while (0)
-    for (int t0 = 0; t0 < j->T; t0 += MX_T) {
-        switch (j->T - t0) {
-        case 1: MX_CALL(1); break;
-        case 2: MX_CALL(2); break;
-        case 3: MX_CALL(3); break;
-        default: MX_CALL(4); break;
-        }
+/* q4x / q6x / q3x, T >= 2: MX_T tokens at a time, the token count a constant per call */
+#define MX_RUN(name, F) \
+    static void mx_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { \
+        for (int t0 = 0; t0 < j->T; t0 += MX_T) { \
+            switch (j->T - t0) { \
+            case 1: mx_fmt(cx, F, j, n0, n1, t0, 1); break; \
+            case 2: mx_fmt(cx, F, j, n0, n1, t0, 2); break; \
+            case 3: mx_fmt(cx, F, j, n0, n1, t0, 3); break; \
+            default: mx_fmt(cx, F, j, n0, n1, t0, 4); break; \
+            } \
+        } \
     }
-#undef MX_CALL
-}
+MX_RUN(q4x, MQ_Q4X)
+MX_RUN(q6x, MQ_Q6X)
+MX_RUN(q3x, MQ_Q3X)
+#undef MX_RUN
 
-#define FMT_CASE(F) case F: if (j->T == 1) mv_fmt(&cx, F, j, n0, n1); else mm_fmt(&cx, F, j, n0, n1); break;
+/* ------------------------------------------------------------------ the traits table
+ * Each format's kernels of this tier: mv for T == 1, mm for T >= 2, the format a constant in each (the
+ * kernel instantiated for it). The interleaved formats take whole groups only (mq_mm_rows sends the
+ * rest through the gathering path). */
+typedef void (*avx2_kern)(const ctx_t *cx, const mq_mm_job *j, int n0, int n1);
+typedef struct {
+    avx2_kern mv, mm;
+    int q3x_tables;     /* the kernels read cx->t3x */
+} avx2_traits;
+
+#define ROW_ENTRIES(name, F) \
+    static void mv_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_fmt(cx, F, j, n0, n1); } \
+    static void mm_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mm_fmt(cx, F, j, n0, n1); }
+MQ_FOR_ROW_FORMATS(ROW_ENTRIES)
+#undef ROW_ENTRIES
+static void mvx_q4x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { (void)cx; mv_q4x(j, n0, n1); }
+static void mvx_q6x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { (void)cx; mv_q6x(j, n0, n1); }
+
+#define ROW(name, F) [F] = {.mv = mv_##name, .mm = mm_##name},
+static const avx2_traits AVX2_TRAITS[MQ_NFMT] = {
+    MQ_FOR_ROW_FORMATS(ROW)
+    [MQ_Q4X] = {.mv = mvx_q4x, .mm = mx_q4x},
+    [MQ_Q6X] = {.mv = mvx_q6x, .mm = mx_q6x},
+    [MQ_Q3X] = {.mv = mv_q3x, .mm = mx_q3x, .q3x_tables = 1},
+    /* f32 / f16 / bf16: mm_float */
+};
+#undef ROW
 
 void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
     if (j->fmt >= MQ_F32) { mm_float(j, n0, n1); return; }
+    const avx2_traits *t = &AVX2_TRAITS[j->fmt];
     ctx_t cx;
     uint8_t t16[16] = {0};
     if (j->q3p_levels) memcpy(t16, j->q3p_levels, MQ_Q3P_NLEVELS);
@@ -602,13 +630,6 @@ void mq_mm_rows_avx2(const mq_mm_job *j, int n0, int n1) {
                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     cx.bsel = _mm256_set1_epi64x((long long)0x8040201008040201ull);
     cx.q5_lo = j->q5_lo; cx.q5_step = j->q5_step;
-    if (j->fmt == MQ_Q3X) q3x_tables(cx.t3x, t16);
-    switch (j->fmt) {
-        FMT_CASE(MQ_Q8) FMT_CASE(MQ_Q6) FMT_CASE(MQ_Q4) FMT_CASE(MQ_Q3U) FMT_CASE(MQ_Q3P) FMT_CASE(MQ_Q2C)
-        FMT_CASE(MQ_Q5G)
-    /* interleaved formats: whole groups only (mq_mm_rows sends the rest through the gathering path) */
-    case MQ_Q4X: if (j->T == 1) mv_q4x(j, n0, n1); else mx_run(&cx, j, n0, n1); break;
-    case MQ_Q6X: if (j->T == 1) mv_q6x(j, n0, n1); else mx_run(&cx, j, n0, n1); break;
-    case MQ_Q3X: if (j->T == 1) mv_q3x(&cx, j, n0, n1); else mx_run(&cx, j, n0, n1); break;
-    }
+    if (t->q3x_tables) q3x_tables(cx.t3x, t16);
+    (j->T == 1 ? t->mv : t->mm)(&cx, j, n0, n1);
 }

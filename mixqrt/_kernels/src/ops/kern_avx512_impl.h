@@ -1,9 +1,13 @@
 /* Internals of the AVX-512 tier, shared by its files (include from *_avx512.c only):
- *   kern_avx512.c        the tier's entry (mq_mm_rows_avx512: decode, few tokens, GEMM or float by the
- *                        shape of the product), activation quantization, the q3x level tables
+ *   kern_avx512.c        the tier's entry: its traits table (MQ_AVX512_TRAITS, each format's kernels)
+ *                        and the routing by the shape of the product (decode, few tokens, exact rows,
+ *                        GEMM or float), the tier's tuning switches
+ *   kern_base_avx512.c   activation quantization, the q3x level tables, the per-call context
  *   kern_mv_avx512.c     decode (T == 1) kernels and the few-token (2 <= T <= 8) interleaved products
  *   kern_gemm_avx512.c   T >= 2: unpacked row tiles, the VNNI GEMM, its cached tiles and shared activations
  *   kern_float_avx512.c  f32 / f16 / bf16 weights
+ * Calls go one way: kern_avx512.c -> the kernel files -> kern_base_avx512.c; no kernel file calls a
+ * sibling (tests/test_kernel_sources.py).
  * Here: the unpack of two chunks into one zmm of u8 levels (unpack_pair) and the per-call context
  * (ctx_t, ctx_init) that every kernel family reads. */
 #ifndef MIXQRT_KERN_AVX512_IMPL_H
@@ -195,7 +199,7 @@ static inline __attribute__((always_inline)) void q3x_steps(const uint8_t *b, co
 /* few-token products (kern_mv_avx512.c) take T <= MQ_FEW_T on the interleaved formats */
 #define MQ_FEW_T 8
 /* the row formats' products of 2 <= T <= MQ_EXACT_T rows give every row bit for bit as the T = 1
- * product (mq_avx512_rows_exact): up to 16 drafted tokens + 1 of a speculative verify */
+ * product (kern_avx512.c: rows_exact): up to 16 drafted tokens + 1 of a speculative verify */
 #define MQ_EXACT_T 17
 
 static __attribute__((unused)) float dot_ps(const float *w, const float *x, int K) {
@@ -212,19 +216,64 @@ static __attribute__((unused)) float dot_ps(const float *w, const float *x, int 
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-/* the per-call context of job j (kern_avx512.c; out of line, as it was when the tier was one file: the
- * kernels then read cx from memory, and their machine code stays what it was) */
+/* the per-call context of job j (kern_base_avx512.c; out of line, as it was when the tier was one
+ * file: the kernels then read cx from memory, and their machine code stays what it was) */
 void ctx_init(ctx_t *cx, const mq_mm_job *j);
 
-/* the tier's kernel families (entries for kern_avx512.c) */
-void mq_avx512_mv(const mq_mm_job *j, int n0, int n1);      /* T == 1, packed formats */
-void mq_avx512_few(const mq_mm_job *j, int n0, int n1);     /* q4x / q6x / q3x, 2 <= T <= MQ_FEW_T */
-void mq_avx512_few_blocked(const mq_mm_job *j, int n0, int n1); /* q4x / q6x / q3x, MQ_FEW_T < T <= few_max_t */
-int mq_avx512_few_blocked_on(int T);
-void mq_avx512_mm(const mq_mm_job *j, int n0, int n1);      /* T >= 2, packed formats */
-void mq_avx512_mm_tiles(const mq_mm_job *j, int n0, int n1); /* row formats, T >= 2: mm_fmt (mv_fmt's fold) */
-void mq_avx512_rows_exact(const mq_mm_job *j, int n0, int n1); /* row formats, 2 <= T <= MQ_EXACT_T */
-void mq_avx512_float(const mq_mm_job *j, int n0, int n1);   /* f32 / f16 / bf16 */
-int mq_avx512_gemm_on(int T);                               /* a row format's T-row product runs the GEMM */
-int mq_avx512_few_on(void);                                 /* the few-token switch (mq_set_few_t) */
+/* the lean decode kernels (kern_mv_avx512.c) run NRL rows at once; a tile of NRL rows of at most
+ * LEAN_SHORT_TILE bytes is "short" (mq_avx512_lean.rows) */
+#define NRL 4
+#ifndef LEAN_SHORT_TILE
+#define LEAN_SHORT_TILE 4096
+#endif
+
+/* the GEMM's largest token group (kern_gemm_avx512.c; the router shares activations in groups of it) */
+#define GTT 8
+
+/* ------------------------------------------------------------------ the traits of a format
+ * One row per format of MQ_AVX512_TRAITS (kern_avx512.c), the kernels of this tier that serve it (its
+ * lean decode kernels: LEAN_KERNELS there). Every kernel takes the job's context and a row range [n0, n1). */
+typedef void (*mq_avx512_kern)(const ctx_t *cx, const mq_mm_job *j, int n0, int n1);
+typedef void (*mq_avx512_tiles_fn)(const ctx_t *cx, const mq_mm_job *j, uint8_t *out, int n0, int n1);
+enum { LEAN_ANY, LEAN_SHORT, LEAN_LONG };   /* the rows a lean kernel takes: any, short (a 4-row tile <= 4 KiB), long */
+typedef struct {
+    mq_avx512_kern kern;    /* a decode kernel with its own fold, instead of the plain one */
+    int nc_mult;            /* where the row's chunk count is a multiple of this */
+    int rows;               /* LEAN_* */
+    const int *on;          /* and this switch is on (NULL: always) */
+} mq_avx512_lean;
+typedef struct {
+    mq_avx512_kern mv;          /* T == 1: the plain decode kernel (mv_fmt's fold; NULL: no packed format) */
+    mq_avx512_kern few;         /* 2 <= T <= MQ_FEW_T, each row the T = 1 row (interleaved formats) */
+    mq_avx512_kern mm;          /* row formats, T >= 2: unpacked row tiles with mv's fold */
+    mq_avx512_kern gemm[3];     /* the VNNI GEMM in token groups of 2, 4 and GTT */
+    mq_avx512_tiles_fn tiles;   /* the GEMM's cached tiles */
+    int groups;                 /* rows come in groups of MQ_XROWS (q4x / q6x / q3x) */
+} mq_avx512_traits;
+
+/* the kernel files' entries the table names: mv (kern_mv), lean (kern_mv), few (kern_mv), mm / gemm /
+ * tiles (kern_gemm) */
+#define MQ_AVX512_DECLARE_ROW(name, F) \
+    void mq_avx512_mv_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    void mq_avx512_mm_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    MQ_AVX512_DECLARE_GEMM(name)
+#define MQ_AVX512_DECLARE_GEMM(name) \
+    void mq_avx512_gemm2_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    void mq_avx512_gemm4_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    void mq_avx512_gemm8_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    void mq_avx512_tiles_##name(const ctx_t *, const mq_mm_job *, uint8_t *, int, int);
+#define MQ_AVX512_DECLARE_X(name, F) \
+    void mq_avx512_mv_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    void mq_avx512_few_##name(const ctx_t *, const mq_mm_job *, int, int); \
+    MQ_AVX512_DECLARE_GEMM(name)
+MQ_FOR_ROW_FORMATS(MQ_AVX512_DECLARE_ROW)
+MQ_FOR_X_FORMATS(MQ_AVX512_DECLARE_X)
+void mq_avx512_lean_q3c(const ctx_t *, const mq_mm_job *, int, int);
+void mq_avx512_lean_q4c(const ctx_t *, const mq_mm_job *, int, int);
+void mq_avx512_lean_q2c(const ctx_t *, const mq_mm_job *, int, int);
+void mq_avx512_lean_q6f(const ctx_t *, const mq_mm_job *, int, int);
+void mq_avx512_lean_q3u(const ctx_t *, const mq_mm_job *, int, int);
+void mq_avx512_lean_q6(const ctx_t *, const mq_mm_job *, int, int);
+
+void mq_avx512_float(const mq_mm_job *j, int n0, int n1);   /* f32 / f16 / bf16 (kern_float_avx512.c) */
 #endif

@@ -1,4 +1,4 @@
-/* AVX-512 tier, T >= 2: unpacked row tiles (mm_fmt, for mq_avx512_rows_exact), the VNNI-interleaved GEMM
+/* AVX-512 tier, T >= 2: unpacked row tiles (mm_fmt, for kern_avx512.c's rows_exact), the VNNI-interleaved GEMM
  * (prefill and batched decode), its cached tiles (mq_gemm_tiles_build) and the activation layout
  * that _ops shares between the threads of one product. Internals: kern_avx512_impl.h. */
 #include "kern_avx512_impl.h"
@@ -7,7 +7,7 @@
  * A tile of TR rows is unpacked once (unpack_pair: levels, dw and mm pairs) and reused for every
  * token; each token's row is folded exactly as mv_fmt folds it (acc = fma(cvt(isum), dw*dx, acc),
  * am = fma(mm, s, am) lane-wise on the pair vectors, y = reduce(acc + am)), so where the T = 1
- * product of a format runs mv_fmt (mq_avx512_mv_plain) each row is bit for bit the T = 1 row. */
+ * product of a format runs mv_fmt (the plain mq_avx512_mv_* entry) each row is bit for bit the T = 1 row. */
 #define TR 4
 static inline __attribute__((always_inline)) void
 mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
@@ -79,13 +79,7 @@ mm_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
  * activations (no stores). */
 #define GR 16
 #define GKS 16
-#define GTT 8
 #define CB 160   /* one chunk of a tile, in u32: levels [8 k4 steps][16 rows], dw[16], mm[16] (640 B) */
-/* the row formats' GEMM for T >= this (<= 0: never); below it mq_avx512_rows_exact (each row the T = 1
- * row). q4x / q6x / q3x run the GEMM above MQ_FEW_T rows whatever it is (their GEMM rows are the T = 1 rows). */
-static int mq_gemm_min_t = MQ_EXACT_T + 1;
-void mq_avx512_set_gemm_min_t(int t) { mq_gemm_min_t = t; }
-int mq_avx512_gemm_on(int T) { return mq_gemm_min_t > 0 && T >= mq_gemm_min_t; }
 
 /* xf: the float fold. 0 (row formats): acc = fma(cvt(isum), dw*dx, acc); acc = fma(mm, s, acc) (the
  * generic tier's order). 1 (q4x, q6x): the decode kernels' (mv_q4x, mv_q6x): the offset term in a
@@ -399,37 +393,6 @@ tiles_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, uint8_t *out, int 
     }
 }
 
-int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1) {
-    if (j->fmt >= MQ_F32 || n0 % GR || ((uintptr_t)out & 63)) return -1;
-    ctx_t cx;
-    ctx_init(&cx, j);
-    switch (j->fmt) {
-    case MQ_Q8: tiles_fmt(&cx, MQ_Q8, j, out, n0, n1); break;
-    case MQ_Q6: tiles_fmt(&cx, MQ_Q6, j, out, n0, n1); break;
-    case MQ_Q4: tiles_fmt(&cx, MQ_Q4, j, out, n0, n1); break;
-    case MQ_Q3U: tiles_fmt(&cx, MQ_Q3U, j, out, n0, n1); break;
-    case MQ_Q3P: tiles_fmt(&cx, MQ_Q3P, j, out, n0, n1); break;
-    case MQ_Q2C: tiles_fmt(&cx, MQ_Q2C, j, out, n0, n1); break;
-    case MQ_Q5G: tiles_fmt(&cx, MQ_Q5G, j, out, n0, n1); break;
-    case MQ_Q4X: if (n1 % MQ_XROWS) return -1; tiles_fmt(&cx, MQ_Q4X, j, out, n0, n1); break;
-    case MQ_Q3X: if (n1 % MQ_XROWS) return -1; tiles_fmt(&cx, MQ_Q3X, j, out, n0, n1); break;
-    case MQ_Q6X: if (n1 % MQ_XROWS) return -1; tiles_fmt(&cx, MQ_Q6X, j, out, n0, n1); break;
-    default: return -1;
-    }
-    return 0;
-}
-
-/* The token group size of the GEMM the dispatch below (FMT_CASE, the q4x / q6x / q3x cases) gives a
- * whole product j when it is GTT, else 0: then _mm_run interleaves the activations once for every
- * thread (mq_gemm_interleave on the pool) instead of once per thread and call. */
-int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
-    if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
-    if (j->fmt == MQ_Q4X || j->fmt == MQ_Q6X || j->fmt == MQ_Q3X)
-        return j->N % MQ_XROWS == 0 && !(j->T <= MQ_FEW_T && mq_avx512_few_on()) &&
-               !mq_avx512_few_blocked_on(j->T) ? GTT : 0;
-    return mq_avx512_gemm_on(j->T) ? GTT : 0;   /* below: mq_avx512_rows_exact */
-}
-
 size_t mq_gemm_act_bytes_avx512(const mq_act *a, int gt) {
     size_t q, d;
     return gemm_act_layout(a, gt, &q, &d);
@@ -439,36 +402,20 @@ void mq_gemm_interleave_avx512(const mq_act *a, int fmt, int gt, int g0, int g1,
     gemm_interleave(a, fmt, gt, g0, g1, out);
 }
 
-/* ------------------------------------------------------------------ dispatch (T >= 2) */
-/* gt a constant per call: a runtime gt left acc[]/is[] in memory (1.7x slower at T = 128) */
-#define GEMM_GT(F) do { \
-        if (j->T <= 2) gemm_fmt(&cx, F, j, n0, n1, 2); \
-        else if (j->T <= 4) gemm_fmt(&cx, F, j, n0, n1, 4); \
-        else gemm_fmt(&cx, F, j, n0, n1, GTT); } while (0)
-#define MM_CASE(F) case F: \
-    if (mq_avx512_gemm_on(j->T)) GEMM_GT(F); \
-    else mm_fmt(&cx, F, j, n0, n1); \
-    break;
-
-#define TILE_CASE(F) case F: mm_fmt(&cx, F, j, n0, n1); break;
-void mq_avx512_mm_tiles(const mq_mm_job *j, int n0, int n1) {
-    ctx_t cx;
-    ctx_init(&cx, j);
-    switch (j->fmt) {
-        TILE_CASE(MQ_Q8) TILE_CASE(MQ_Q6) TILE_CASE(MQ_Q4) TILE_CASE(MQ_Q3U) TILE_CASE(MQ_Q3P) TILE_CASE(MQ_Q2C)
-        TILE_CASE(MQ_Q5G)
-    }
-}
-
-void mq_avx512_mm(const mq_mm_job *j, int n0, int n1) {
-    ctx_t cx;
-    ctx_init(&cx, j);
-    switch (j->fmt) {
-        MM_CASE(MQ_Q8) MM_CASE(MQ_Q6) MM_CASE(MQ_Q4) MM_CASE(MQ_Q3U) MM_CASE(MQ_Q3P) MM_CASE(MQ_Q2C)
-        MM_CASE(MQ_Q5G)
-    /* whole groups only (mq_mm_rows): the GEMM (mm_fmt reads rows) */
-    case MQ_Q4X: GEMM_GT(MQ_Q4X); break;
-    case MQ_Q6X: GEMM_GT(MQ_Q6X); break;
-    case MQ_Q3X: GEMM_GT(MQ_Q3X); break;
-    }
-}
+/* ------------------------------------------------------------------ the entries of the traits table
+ * (kern_avx512.c: MQ_AVX512_TRAITS), one per format and kernel family, the format a constant in each;
+ * gt too: a runtime gt left acc[]/is[] in memory (1.7x slower at T = 128) */
+#define GEMM_ENTRIES(name, F) \
+    void mq_avx512_gemm2_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { gemm_fmt(cx, F, j, n0, n1, 2); } \
+    void mq_avx512_gemm4_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { gemm_fmt(cx, F, j, n0, n1, 4); } \
+    void mq_avx512_gemm8_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { gemm_fmt(cx, F, j, n0, n1, GTT); } \
+    void mq_avx512_tiles_##name(const ctx_t *cx, const mq_mm_job *j, uint8_t *out, int n0, int n1) { \
+        tiles_fmt(cx, F, j, out, n0, n1); }
+/* a row format: also its unpacked row tiles (mv_fmt's fold, for kern_avx512.c's rows_exact) */
+#define ROW_ENTRIES(name, F) GEMM_ENTRIES(name, F) \
+    void mq_avx512_mm_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mm_fmt(cx, F, j, n0, n1); }
+_Static_assert(GTT == 8, "mq_avx512_gemm8_*: the GEMM's largest token group");
+MQ_FOR_ROW_FORMATS(ROW_ENTRIES)
+MQ_FOR_X_FORMATS(GEMM_ENTRIES)
+#undef ROW_ENTRIES
+#undef GEMM_ENTRIES

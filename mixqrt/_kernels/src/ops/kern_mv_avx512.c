@@ -96,15 +96,11 @@ mv_fmt(const ctx_t *cx, const int fmt, const mq_mm_job *j, int n0, int n1) {
  * Short rows prefetch whole tiles 16 KB ahead instead; q6 with short rows (the 0.5B model's K = 896,
  * lm_head 151936 x 896) stays on the unpack path, which measured faster there at 2 threads.
  * Measured on the 7B shapes: docs/kernels.md. */
-#define NRL 4
 #ifndef LEAN_PF
 #define LEAN_PF 1536
 #endif
 #ifndef LEAN_TILE_PF
 #define LEAN_TILE_PF 16384
-#endif
-#ifndef LEAN_SHORT_TILE
-#define LEAN_SHORT_TILE 4096
 #endif
 #ifndef LEAN_PF_HINT
 #define LEAN_PF_HINT _MM_HINT_T1   /* the decode kernels' software prefetch level (see MV_PF_HINT) */
@@ -686,9 +682,6 @@ static void mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
  * of one (docs/lab/kernels-few-rows.md). The GEMM unpacked every group into a VNNI tile in memory for
  * the few tokens that read it: a batched decode step of 2-4 sequences cost about as much as that many
  * single steps. */
-static int mq_few_t = 1;   /* off: T = 2..8 through the GEMM (MIXQRT_FEW_T=0, set by mixqrt.platform.tuning) */
-int mq_avx512_set_few_t(int on) { int old = mq_few_t; if (on >= 0) mq_few_t = on != 0; return old; }
-int mq_avx512_few_on(void) { return mq_few_t; }
 
 static inline __attribute__((always_inline)) void
 few_store(const mq_mm_job *j, int g0, const __m512 *acc, const __m512 *accm, const int nt) {
@@ -842,138 +835,52 @@ static void mv_q3x_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
-static void mm_few(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
-#define MQ_FEW(T_) do { \
-        if (j->fmt == MQ_Q4X) mv_q4x_few(j, n0, n1, T_); \
-        else if (j->fmt == MQ_Q6X) mv_q6x_few(j, n0, n1, T_); \
-        else mv_q3x_few(cx, j, n0, n1); } while (0)
-    switch (j->T) {
-    case 2: MQ_FEW(2); break;
-    case 3: MQ_FEW(3); break;
-    case 4: MQ_FEW(4); break;
-    case 5: MQ_FEW(5); break;
-    case 6: MQ_FEW(6); break;
-    case 7: MQ_FEW(7); break;
-    default: MQ_FEW(8); break;
-    }
-#undef MQ_FEW
+/* ------------------------------------------------------------------ the entries of the traits table
+ * (kern_avx512.c: MQ_AVX512_TRAITS), one per format and kernel family; the format a constant in each, so
+ * every entry is the kernel instantiated for it, as the switch on the format that stood here made it. */
+#define MV_ENTRY(name, F) \
+    void mq_avx512_mv_##name(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_fmt(cx, F, j, n0, n1); }
+MQ_FOR_ROW_FORMATS(MV_ENTRY)
+#undef MV_ENTRY
+
+/* the lean decode kernels (each its own fold; kern_avx512.c picks one where it fits) */
+void mq_avx512_lean_q3c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_q3c(cx, j, n0, n1); }
+void mq_avx512_lean_q4c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_q4c(cx, j, n0, n1); }
+void mq_avx512_lean_q2c(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_q2c(cx, j, n0, n1); }
+void mq_avx512_lean_q6f(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_q6f(cx, j, n0, n1); }
+void mq_avx512_lean_q3u(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_lean(cx, MQ_Q3U, j, n0, n1); }
+void mq_avx512_lean_q6(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_lean(cx, MQ_Q6, j, n0, n1); }
+
+/* the interleaved formats: decode (whole groups only, mq_mm_rows) and 2 <= T <= MQ_FEW_T */
+void mq_avx512_mv_q4x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { (void)cx; mv_q4x(j, n0, n1); }
+void mq_avx512_mv_q6x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { (void)cx; mv_q6x(j, n0, n1); }
+void mq_avx512_mv_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) { mv_q3x(cx, j, n0, n1); }
+
+#define FEW_BY_T(CALL) do { \
+        switch (j->T) { \
+        case 2: CALL(2); break; \
+        case 3: CALL(3); break; \
+        case 4: CALL(4); break; \
+        case 5: CALL(5); break; \
+        case 6: CALL(6); break; \
+        case 7: CALL(7); break; \
+        default: CALL(8); break; \
+        } } while (0)
+void mq_avx512_few_q4x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    (void)cx;
+#define C(T_) mv_q4x_few(j, n0, n1, T_)
+    FEW_BY_T(C);
+#undef C
 }
-
-/* ------------------------------------------------------------------ decode dispatch (T == 1) */
-static int mq_lean_mv = 1;   /* the lean paths for q3p / q4 / q3u / q6 (MIXQRT_LEAN_MV=0: off) */
-static int mq_q6_fold = 1;   /* q6 short rows through mv_q6f (MIXQRT_Q6_FOLD=0: off) */
-int mq_avx512_set_lean_mv(int on) { int old = mq_lean_mv; if (on >= 0) mq_lean_mv = on != 0; return old; }
-int mq_avx512_set_q6_fold(int on) { int old = mq_q6_fold; if (on >= 0) mq_q6_fold = on != 0; return old; }
-static int mq_q2c_mv = 1;    /* q2c through mv_q2c (MIXQRT_Q2C_MV=0: the unpack path) */
-int mq_avx512_set_q2c_mv(int on) { int old = mq_q2c_mv; if (on >= 0) mq_q2c_mv = on != 0; return old; }
-
-/* the T = 1 kernel of a row-format product (mq_avx512_mv below and mq_avx512_rows_exact agree on it) */
-enum { MV_FMT, MV_Q3C, MV_Q4C, MV_Q6F, MV_LEAN, MV_Q2C };
-static int mv_kind(const mq_mm_job *j) {
-    const int F = j->fmt, even = j->nc % 2 == 0, shortr = (size_t)NRL * j->row_bytes <= LEAN_SHORT_TILE;
-    if (!mq_lean_mv) return MV_FMT;
-    if (F == MQ_Q3P) return MV_Q3C;
-    if (F == MQ_Q4 && even) return MV_Q4C;
-    if (F == MQ_Q2C && j->nc % 4 == 0 && mq_q2c_mv) return MV_Q2C;
-    if (F == MQ_Q6 && even && shortr && mq_q6_fold) return MV_Q6F;
-    if (F == MQ_Q3U || (F == MQ_Q6 && even && !shortr)) return MV_LEAN;
-    return MV_FMT;
+void mq_avx512_few_q6x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    (void)cx;
+#define C(T_) mv_q6x_few(j, n0, n1, T_)
+    FEW_BY_T(C);
+#undef C
 }
-
-#define MV_CASE(F) case F: \
-    switch (mv_kind(j)) { \
-    case MV_Q3C: mv_q3c(&cx, j, n0, n1); break; \
-    case MV_Q4C: mv_q4c(&cx, j, n0, n1); break; \
-    case MV_Q6F: mv_q6f(&cx, j, n0, n1); break; \
-    case MV_LEAN: mv_lean(&cx, F, j, n0, n1); break; \
-    case MV_Q2C: mv_q2c(&cx, j, n0, n1); break; \
-    default: mv_fmt(&cx, F, j, n0, n1); \
-    } \
-    break;
-
-void mq_avx512_mv(const mq_mm_job *j, int n0, int n1) {
-    ctx_t cx;
-    ctx_init(&cx, j);
-    switch (j->fmt) {
-        MV_CASE(MQ_Q8) MV_CASE(MQ_Q6) MV_CASE(MQ_Q4) MV_CASE(MQ_Q3U) MV_CASE(MQ_Q3P) MV_CASE(MQ_Q2C)
-        MV_CASE(MQ_Q5G)
-    case MQ_Q4X: mv_q4x(j, n0, n1); break;   /* whole groups only (mq_mm_rows) */
-    case MQ_Q6X: mv_q6x(j, n0, n1); break;
-    case MQ_Q3X: mv_q3x(&cx, j, n0, n1); break;
-    }
+void mq_avx512_few_q3x(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    /* one instantiation per token count already inside (q3x_few_tokens); the same for every T, as the
+     * switch on T that called it gave */
+    mv_q3x_few(cx, j, n0, n1);
 }
-
-void mq_avx512_few(const mq_mm_job *j, int n0, int n1) {
-    ctx_t cx;
-    ctx_init(&cx, j);
-    mm_few(&cx, j, n0, n1);
-}
-
-/* ------------------------------------------------------------------ MQ_FEW_T < T <= mq_few_max_t tokens on the
- * interleaved formats (a speculative verify of up to 64 drafts): the few-token kernels above over blocks of rows
- * that stay in L2, the tokens in groups of 2..8 (as even as they split), each group reading the block the first
- * one brought in. The weights come from memory once, as in a decode step, and each row is bit for bit the T = 1
- * row (the few-token kernels' fold). The VNNI GEMM unpacks every tile for its token groups: from 9 to 64 tokens
- * that unpack was most of its cost (docs/speculative.md, "Verify cost"). Block edges are multiples of
- * MQ_XROWS rows from n0, so every group of rows is whole. */
-#ifndef FEW_BLOCK_BYTES
-#define FEW_BLOCK_BYTES (192 << 10)
-#endif
-static int mq_few_max_t = 64;   /* 0: T > MQ_FEW_T through the GEMM (MIXQRT_FEW_MAX_T) */
-int mq_avx512_set_few_max_t(int t) { int old = mq_few_max_t; if (t >= 0) mq_few_max_t = t; return old; }
-int mq_avx512_few_blocked_on(int T) { return mq_few_t && T > MQ_FEW_T && T <= mq_few_max_t; }
-
-void mq_avx512_few_blocked(const mq_mm_job *j, int n0, int n1) {
-    ctx_t cx;
-    ctx_init(&cx, j);
-    const mq_act *a = j->a;
-    int rows = (int)(FEW_BLOCK_BYTES / j->row_bytes) / MQ_XROWS * MQ_XROWS;
-    if (rows < MQ_XROWS) rows = MQ_XROWS;
-    const int ng = (j->T + MQ_FEW_T - 1) / MQ_FEW_T;
-    mq_act at = *a;
-    at.il = NULL; at.il_gt = 0;
-    mq_mm_job jt = *j;
-    jt.a = &at; jt.tiles = NULL;
-    for (int b0 = n0; b0 < n1; b0 += rows) {
-        const int b1 = n1 - b0 <= rows ? n1 : b0 + rows;
-        for (int g = 0, t0 = 0; g < ng; g++) {
-            const int nt = j->T / ng + (g < j->T % ng);     /* 2..8 tokens: T > 8 gives ng >= 2 */
-            at.T = jt.T = nt;
-            at.q = a->q + (size_t)t0 * a->kp;
-            at.d = a->d + (size_t)t0 * a->ncp;
-            at.s = a->s + (size_t)t0 * a->ncp;
-            jt.y = j->y + (size_t)t0 * j->ldy;
-            mm_few(&cx, &jt, b0, b1);
-            t0 += nt;
-        }
-    }
-}
-
-/* ------------------------------------------------------------------ row formats, 2 <= T <= MQ_EXACT_T
- * Every row bit for bit the T = 1 row: where T = 1 runs mv_fmt, the unpacked 4-row tiles of mm_fmt
- * (mv_fmt's fold, the unpack once for all tokens); where it runs one of the lean kernels (each with
- * its own fold: lanes across rows, tile and tail rows summed differently), that kernel itself, token
- * by token, over blocks of rows that stay in L2 for the next token. Block edges are multiples of 16
- * rows from n0 and the last one ends at n1, so each row falls in the same 4-row tile (or tail) as in
- * the T = 1 product (whose parts start at multiples of 16 rows too). */
-#ifndef EXACT_BLOCK_BYTES
-#define EXACT_BLOCK_BYTES (128 << 10)
-#endif
-void mq_avx512_rows_exact(const mq_mm_job *j, int n0, int n1) {
-    if (mv_kind(j) == MV_FMT) { mq_avx512_mm_tiles(j, n0, n1); return; }
-    const mq_act *a = j->a;
-    size_t rows = EXACT_BLOCK_BYTES / j->row_bytes / 16 * 16;
-    if (rows < 16) rows = 16;
-    mq_act at = *a;
-    at.T = 1; at.il = NULL; at.il_gt = 0;
-    mq_mm_job jt = *j;
-    jt.T = 1; jt.a = &at; jt.tiles = NULL;
-    for (int b0 = n0; b0 < n1; b0 += (int)rows) {
-        const int b1 = (size_t)(n1 - b0) <= rows ? n1 : b0 + (int)rows;
-        for (int t = 0; t < j->T; t++) {
-            at.q = a->q + (size_t)t * a->kp; at.d = a->d + (size_t)t * a->ncp; at.s = a->s + (size_t)t * a->ncp;
-            jt.y = j->y + (size_t)t * j->ldy;
-            mq_avx512_mv(&jt, b0, b1);
-        }
-    }
-}
+#undef FEW_BY_T

@@ -1,6 +1,9 @@
 /* q2c: deterministic 1-D k-means (4 levels) per group of 128; the spec is mixqrt/formats/kmeans.py and
  * every floating-point step here follows it in the same order (prefix sums left to right, float64). */
-#include "quant.h"
+#include <string.h>
+
+#include "kmeans.h"
+#include "round.h"
 
 #define MAX_ITERS 16
 static const double U[3] = {0.5, 0.25, 0.75};

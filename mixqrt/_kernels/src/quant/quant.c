@@ -1,5 +1,7 @@
 /* Portable quantize + pack of every format, mirroring mixqrt/formats/codec.py step for step. */
 #include "quant.h"
+#include "kmeans.h"
+#include "round.h"
 #include "cpu.h"
 
 /* rint of t already clamped to a small integer range: the 1.5*2^23 trick is exact RNE there */

@@ -24,24 +24,4 @@ int mq_dequantize_rows(int fmt, const uint8_t *raw, int64_t k, const int64_t *id
 int mq_quantize_search(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, const uint8_t *levels,
                        const float *imp);
 
-/* q2c: one block of nv (<= 128) values -> 40 packed bytes; scratch >= 4 * 128 doubles */
-void mq_q2c_block(const float *x, int nv, uint8_t *dst);
-
-/* ---------------------------------------------------------------- fp16 scale rounding */
-/* round toward zero: the scale never exceeds the exact quotient (see formats.py) */
-static inline uint16_t mq_f32_to_f16_rtz(float f) {
-    uint16_t h = mq_f32_to_f16(f);
-    float back = mq_f16_to_f32(h);
-    if ((back < 0 ? -back : back) > (f < 0 ? -f : f)) h = (uint16_t)(h - 1);
-    return h;
-}
-
-/* keep d if fl(d*top + m) == target, else the next fp16 up if that one hits target exactly */
-static inline uint16_t mq_snap(uint16_t d, float m, float top, float target) {
-    if (mq_f16_to_f32(d) * top + m == target) return d;
-    uint32_t up = (uint32_t)d + 1;
-    if (up < 0x7c00u && mq_f16_to_f32((uint16_t)up) * top + m == target) return (uint16_t)up;
-    return d;
-}
-
 #endif

@@ -17,6 +17,7 @@
  *      removed most of the perplexity loss of the plain LS search (docs/quality.md).
  * q6 does the same with m = 0 and the scale anchored at the largest-magnitude element (step 4: d/beta). */
 #include "quant.h"
+#include "round.h"
 
 #define NCAND 11
 #define NNEG 5
