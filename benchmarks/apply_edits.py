@@ -293,6 +293,14 @@ def main():
     write_json(ROOT / "docs" / "data" / f"{a.tag}{suffix}.json", res)
 
 
+def _by_kind(rows):
+    """(label, the rows of that kind) per kind present, then ("**all**", every row)."""
+    for kind in KINDS + ("all",):
+        rs = [r for r in rows if kind in ("all", r["kind"])]
+        if rs:
+            yield ("**all**" if kind == "all" else kind), rs
+
+
 def write_doc(tag: str):
     """The per-kind table (and the llama.cpp one, where the runs had it) from every saved part."""
     parts = sorted((ROOT / "docs" / "data").glob(f"{tag}*.json"))
@@ -311,10 +319,7 @@ def write_doc(tag: str):
              "| kind | prompts | lines | output tokens (median) | plain tok/s | copy drafter: speed-up min / median | "
              "identical | accepted / drafted | mean draft | with `prediction`: min / median | identical | mean draft |",
              "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
-    for kind in KINDS + ("all",):
-        rs = [r for r in rows if kind in ("all", r["kind"])]
-        if not rs:
-            continue
+    for label, rs in _by_kind(rows):
         lk = [r["lookup"] for r in rs]
         pr = [r["prediction"] for r in rs if "prediction" in r]
 
@@ -325,7 +330,7 @@ def write_doc(tag: str):
                     f"{d / max(1, st):.1f}")
         a1, a2, a3 = cols(lk)
         p1, _, p3 = cols(pr) if pr else ("| ", "", "")
-        lines.append(f"| {'**all**' if kind == 'all' else kind} | {len(rs)} | {min(r['lines'] for r in rs)}-"
+        lines.append(f"| {label} | {len(rs)} | {min(r['lines'] for r in rs)}-"
                      f"{max(r['lines'] for r in rs)} | {med(r['plain']['n'] for r in rs):.0f} | "
                      f"{med(r['plain']['decode_tps'] for r in rs):.1f} | {a1} | {a2} | {a3} | {p1} | {p3} |")
     lrows = [r for r in rows if any(k.startswith("llama ") and k != "llama plain" for k in r)]
@@ -339,15 +344,12 @@ def write_doc(tag: str):
                   f"| kind | llama.cpp {spec[6:]} tok/s | its accepted / drafted | mixqrt plain tok/s | "
                   "mixqrt copy tok/s | mixqrt copy / llama.cpp (min / median) | with `prediction` / llama.cpp |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
-        for kind in KINDS + ("all",):
-            rs = [r for r in lrows if kind in ("all", r["kind"])]
-            if not rs:
-                continue
+        for label, rs in _by_kind(lrows):
             ls = [r[spec] for r in rs]
             ratio = [r["lookup"]["decode_tps"] / max(1e-9, r[spec]["decode_tps"]) for r in rs]
             pratio = [r["prediction"]["decode_tps"] / max(1e-9, r[spec]["decode_tps"]) for r in rs if "prediction" in r]
             lines.append(
-                f"| {'**all**' if kind == 'all' else kind} | {med(x['decode_tps'] for x in ls):.1f} | "
+                f"| {label} | {med(x['decode_tps'] for x in ls):.1f} | "
                 f"{sum(x['accepted'] for x in ls)}/{sum(x['drafted'] for x in ls)} | "
                 f"{med(r['plain']['decode_tps'] for r in rs):.1f} | "
                 f"{med(r['lookup']['decode_tps'] for r in rs):.1f} | {min(ratio):.2f}x / {med(ratio):.2f}x | "
