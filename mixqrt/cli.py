@@ -26,10 +26,12 @@ def _add_model(p, optional=False):
 LONG_WINDOW = 2048      # mixqrt ppl: windows longer than this get the scored half's logits in pieces
 
 
-def _add_kv_type(p):
+def _add_kv_type(p, default: str | None = None):
+    """--kv-type; default: what the command uses when it is not given (help text only)."""
     from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
     p.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
-                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {DEFAULT_KV_TYPE}; docs/long-context.md)")
+                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {default or DEFAULT_KV_TYPE}; "
+                        f"docs/long-context.md)")
 
 
 def _add_sampling(p):
@@ -432,7 +434,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                         "(default: the text is data, encoded as text, as llama-perplexity does)")
     s.add_argument("--save-logits", default=None, metavar="FILE", help="save log-probs for a later --kl-base")
     s.add_argument("--kl-base", default=None, metavar="FILE", help="compare with a base model's saved log-probs")
-    _add_kv_type(s)
+    _add_kv_type(s, "f32: the model itself; name a type to measure that cache")
     s.add_argument("--json", action="store_true")
     s.add_argument("-t", "--threads", type=int, default=None)
     s.add_argument("-q", "--quiet", action="store_true")
