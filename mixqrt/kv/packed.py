@@ -25,6 +25,7 @@ import mmap
 
 import numpy as np
 
+from mixqrt.cache import KVCache
 from mixqrt.errors import GenerationError
 from mixqrt.kv import ref
 
@@ -102,13 +103,7 @@ class PackedKVCache:
         self._wfreed = [0] * self.num_layers   # windowed layers: f16 blocks [0, n) given back
 
     # ------------------------------------------------------------------ writes
-    def check_room(self, pos0: int, n: int) -> None:
-        if pos0 < 0 or pos0 > self.offset:
-            raise GenerationError(f"cannot write at position {pos0}: the cache holds {self.offset} positions "
-                                  f"(writes must start at or before the first empty position)")
-        if pos0 + n > self.max_len:
-            raise GenerationError(f"KV cache overflow: writing {n} token(s) at position {pos0} needs "
-                                  f"{pos0 + n} positions, the cache holds at most {self.max_len}")
+    check_room = KVCache.check_room            # the same rule: writes follow the filled positions, within max_len
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
         """Store k, v ([T, Hkv, Dh] float32) at positions pos0 .. pos0+T-1 of `layer` (f16), and pack
