@@ -206,26 +206,25 @@ def _longest_chain(children: dict, base: dict) -> int:
     for root in children:
         if root in depth:
             continue
-        stack = [(root, iter(children.get(root, ())))]
+        stack = [(root, iter(children.get(root, ())), 0)]      # (node, its edges left, weight from parent)
         on_path.add(root)
         best = {root: base.get(root, 0)}
         while stack:
-            node, it = stack[-1]
+            node, it, _ = stack[-1]
             for m, w in it:
                 if m in depth:
                     best[node] = max(best[node], w + depth[m])
                 elif m not in on_path and m in children:
                     on_path.add(m)
                     best[m] = base.get(m, 0)
-                    stack.append((m, iter(children[m])))
+                    stack.append((m, iter(children[m]), w))
                     break
             else:
-                stack.pop()
+                _, _, w = stack.pop()
                 on_path.discard(node)
                 depth[node] = best.pop(node)
                 if stack:
                     parent = stack[-1][0]
-                    w = next((w for m, w in children[parent] if m == node), 1)
                     best[parent] = max(best[parent], w + depth[node])
     return max(depth.values(), default=0)
 

@@ -457,3 +457,23 @@ def test_long_context_report_from_raw_files(tmp_path, monkeypatch):
     assert "| 4,096 | f16 | 300.0 | 64.0 | 0.80x | 150.0 (Q4_0 fa1 f16) | 45.0 (Q4_0 fa1 q8_0) | 2.00x | 1.42x |" in page
     assert "| 16,384 | f16 | 140.0 | 70.0 (Q4_0 fa1 f16) | 2.00x |" in page
     assert "1.00/4.00" in page and "| Q4_0 | 1 | q8_0 | 4,096 |" in page
+
+
+def test_eight_16k_slots_fit_one_gib_with_the_default_kv_type():
+    """Issue 41's memory goal, by the engine's own accounting: with the default KV type, 8 running
+    requests of 16,384 tokens each fit kv_cache_bytes = 1 GiB on Qwen2.5-0.5B's shape (24 layers,
+    2 KV heads of 64)."""
+    from mixqrt.engine_cache import PromptCache
+    if DEFAULT_KV_TYPE in ("f32", "f16"):
+        pytest.skip("the default KV type is a float one in this build (the packed cache is not in)")
+
+    class Shape:                       # just what PromptCache reads of a model
+        kv_type = DEFAULT_KV_TYPE
+
+        def make_cache(self, max_len=None, kv_type=None):
+            return make_kv_cache(kv_type or self.kv_type, 24, 2, 64, max_len or 32768)
+
+        def kv_bytes_per_token(self, kv_type=None):
+            return kv_bytes_per_token(kv_type or self.kv_type, 24, 2, 64)
+    c = PromptCache(Shape(), 32768, 1 << 30)
+    assert c.max_rows(8) >= 16384 and 8 * c.bytes_for(16384) <= 1 << 30

@@ -208,56 +208,97 @@ def templates():
     return st.lists(piece, min_size=1, max_size=8).map("".join)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+_TEMPLATE_SERVER = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ["MIXQRT_CACHE"] = os.path.join(sys.argv[2], "cache")
+import logging
+logging.disable(logging.WARNING)
+from mixqrt.pipeline import Pipeline
+from mixqrt.serve.app import create_app
+from mixqrt.serve.guard import HTTPError
+from mixqrt.testing.config_fuzz import MESSAGES, proc_status
+from mixqrt.testing.tiny import make_tiny_hf_model
+pipe = Pipeline(make_tiny_hf_model(os.path.join(sys.argv[2], "tmpl")), recipe="f32", progress=False, offline=True,
+                max_context=256)
+app = create_app(pipe, model="tiny")
+srv = app.state.server
+body = {"messages": MESSAGES, "max_tokens": 1}
+srv.prepare("chat", body)
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                        # the peak RSS from here on (VmHWM = VmRSS now)
+except OSError:
+    pass
+print(json.dumps({"idle_rss": proc_status("VmRSS")}), flush=True)
+for line in sys.stdin:
+    pipe.tokenizer.chat_template = json.loads(line)
+    try:
+        srv.prepare("chat", body)
+        out = [200, ""]
+    except HTTPError as e:
+        out = [e.status, ""]
+    except Exception as e:                  # the app's handler would answer 500
+        out = [500, f"{type(e).__name__}: {str(e)[:300]}"]
+    print(json.dumps(out), flush=True)
+print(json.dumps({"peak_rss": proc_status("VmHWM")}), flush=True)
+srv.engine.close()
+"""
+
+
+def proc_status(key: str) -> int:
+    """A /proc/self/status memory figure (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def template_fuzz(work, examples: int, progress: bool = False) -> dict:
-    """`examples` generated templates on the server's model, each answering a chat request through
-    the server's own request path (Server.prepare: a typed error is its 4xx, anything else would be
-    the 500 of the app's handler). -> {"statuses": {...}, "untyped": [...], "idle_rss", "peak_rss"}."""
-    import resource
+    """`examples` generated templates on a server's model, in a child process (the server: its RSS
+    is the server's, not the fuzzer's), each answering a chat request through the server's own
+    request path (Server.prepare: a typed error is its 4xx, anything else would be the app's 500).
+    -> {"statuses": {...}, "untyped": [...], "idle_rss", "peak_rss"} (peak: VmHWM since idle)."""
+    import subprocess
+    import sys
 
     from hypothesis import HealthCheck, given, settings
-
-    from mixqrt.pipeline import Pipeline
-    from mixqrt.serve.app import create_app
-    from mixqrt.serve.guard import HTTPError
-    from mixqrt.testing.tiny import make_tiny_hf_model
-    os.environ["MIXQRT_CACHE"] = str(Path(work) / "cache")
-    pipe = Pipeline(make_tiny_hf_model(Path(work) / "tmpl"), recipe="f32", progress=False, offline=True,
-                    max_context=256)
-    app = create_app(pipe, model="tiny")
-    srv = app.state.server
-    body = {"messages": MESSAGES, "max_tokens": 1}
-    srv.prepare("chat", body)
-    idle = rss_bytes()
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    child = subprocess.Popen([sys.executable, "-c", _TEMPLATE_SERVER, root, str(work)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    idle = json.loads(child.stdout.readline())["idle_rss"]
     statuses, untyped = Counter(), []
 
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck),
               phases=["generate"])
     @given(templates())
     def case(t):
-        pipe.tokenizer.chat_template = t
-        try:
-            srv.prepare("chat", body)
-            statuses[200] += 1
-        except HTTPError as e:
-            statuses[e.status] += 1
-        except Exception as e:  # noqa: BLE001 — the app's handler would answer 500
-            statuses[500] += 1
-            if len(untyped) < 50:
-                untyped.append((t[:300], f"{type(e).__name__}: {str(e)[:300]}"))
+        child.stdin.write(json.dumps(t) + "\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the server process died (status {child.wait()}) on template {t[:200]!r}")
+        status, err = json.loads(line)
+        statuses[status] += 1
+        if status >= 500 and len(untyped) < 50:
+            untyped.append((t[:300], err))
         n = sum(statuses.values())
         if progress and n % 5000 == 0:
             print(n, dict(statuses), flush=True)
 
     try:
         case()
+        child.stdin.close()
+        peak = json.loads(child.stdout.readline())["peak_rss"]
     finally:
-        srv.engine.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if child.poll() is None:
+            if not child.stdin.closed:
+                child.stdin.close()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
     return {"statuses": dict(statuses), "untyped": untyped, "idle_rss": idle, "peak_rss": peak}
 
 
