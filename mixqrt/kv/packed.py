@@ -25,9 +25,8 @@ import mmap
 
 import numpy as np
 
-from mixqrt.cache import KVCache
 from mixqrt.errors import GenerationError
-from mixqrt.kv import ref
+from mixqrt.kv import check_room, ref
 
 G = ref.G
 KEEP = 2          # complete blocks kept in f16 behind the newest (rollbacks of < KEEP * 64 positions stay exact)
@@ -103,7 +102,7 @@ class PackedKVCache:
         self._wfreed = [0] * self.num_layers   # windowed layers: f16 blocks [0, n) given back
 
     # ------------------------------------------------------------------ writes
-    check_room = KVCache.check_room            # the same rule: writes follow the filled positions, within max_len
+    check_room = check_room                    # the rule of every KV cache (mixqrt.kv.check_room)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
         """Store k, v ([T, Hkv, Dh] float32) at positions pos0 .. pos0+T-1 of `layer` (f16), and pack
