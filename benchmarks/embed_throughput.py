@@ -2,10 +2,10 @@
 engine thread) against llama.cpp's embedding mode (llama-cpp-python's Llama.embed: sequences packed into
 n_batch = 2048-token batches, up to its parallel-sequence limit) on the same GGUF, last-token pooling,
 L2-normalized, 2 threads each; and mixqrt's own prefill of one 2,048-token prompt for scale.
-A/B alternated in one process (--rounds, default 2); tokens/s = input tokens / wall seconds.
+A/B alternated in one process (--rounds, default 1); tokens/s = input tokens / wall seconds.
 
-The inputs: the first 1,000 non-empty lines of tests/data/wikitext-2-test.txt that are not headings
-(5-300 tokens each; their lengths are printed).
+The inputs: the first 1,000 sentences (lines split at " . ") of tests/data/wikitext-2-test.txt, headings
+left out, of 5-32 tokens each (retrieval-chunk sized; their lengths are printed).
 
     LLAMA_CPP_LIB_PATH=/work/llama/build/bin PYTHONPATH=/work/llama/src/llama_cpp_python-0.3.36 \\
         flock /work/bench.lock python benchmarks/embed_throughput.py \\
@@ -27,19 +27,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 N_INPUTS = 1000
+MAX_LEN = 32
 
 
 def inputs(tokenizer, n: int = N_INPUTS) -> list[str]:
     out = []
     for line in (ROOT / "tests" / "data" / "wikitext-2-test.txt").read_text(encoding="utf-8").split("\n"):
-        s = line.strip()
-        if not s or s.startswith("="):
+        if not line.strip() or line.strip().startswith("="):
             continue
-        k = len(tokenizer.encode(s, parse_special=False))
-        if 5 <= k <= 300:
-            out.append(s)
-        if len(out) == n:
-            break
+        for sent in line.strip().split(" . "):
+            s = sent.strip()
+            k = len(tokenizer.encode(s, parse_special=False))
+            if 5 <= k <= MAX_LEN:
+                out.append(s)
+            if len(out) == n:
+                return out
     return out
 
 
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import llama_cpp

@@ -104,7 +104,7 @@ def run_mixqrt(mxq: str, cs: list[dict]) -> list[str]:
     return outs
 
 
-def run_llama(name: str, gguf: str, cs: list[dict], threads: int, log_dir: Path) -> list[str]:
+def run_llama(name: str, gguf: str, cs: list[dict], threads: int, log_dir: Path, partial=None) -> list[str]:
     from _llama_server import start_llama_server
     srv = start_llama_server(f"fim-{name}", gguf, threads, 4096, log_dir).wait_ready()
     outs = []
@@ -116,6 +116,9 @@ def run_llama(name: str, gguf: str, cs: list[dict], threads: int, log_dir: Path)
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=600) as r:
                 outs.append(json.loads(r.read())["content"])
+            if partial is not None:              # one line per case: a cut-short run still counts its cases
+                with open(partial, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"system": name, "i": len(outs) - 1, "output": outs[-1]}) + "\n")
     finally:
         srv.stop()
     return outs
@@ -123,12 +126,13 @@ def run_llama(name: str, gguf: str, cs: list[dict], threads: int, log_dir: Path)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mxq", required=True, help="mixqrt's file (the default q4a of the test GGUF)")
+    ap.add_argument("--mxq", default=None, help="mixqrt's file (the default q4a of the test GGUF); none: llama.cpp only")
     ap.add_argument("--gguf", action="append", default=[], metavar="NAME=PATH", help="llama.cpp files (repeatable)")
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default="/tmp/fim-exact-logs")
+    ap.add_argument("--partial", default=None, help="append each llama.cpp output to this JSONL file as it comes")
     a = ap.parse_args(argv)
     cs = cases(a.n)
     key = hashlib.sha256(json.dumps([(c["file"], c["line"], c["target"]) for c in cs]).encode()).hexdigest()[:16]
@@ -136,10 +140,11 @@ def main(argv=None) -> int:
           flush=True)
     load0 = os.getloadavg()
     results = {}
-    systems = [("mixqrt:" + Path(a.mxq).name, lambda: run_mixqrt(a.mxq, cs))]
+    systems = [("mixqrt:" + Path(a.mxq).name, lambda: run_mixqrt(a.mxq, cs))] if a.mxq else []
     for spec in a.gguf:
         name, _, path = spec.partition("=")
-        systems.append((f"llama.cpp:{name}", lambda n=name, p=path: run_llama(n, p, cs, a.threads, Path(a.log_dir))))
+        systems.append((f"llama.cpp:{name}", lambda n=name, p=path: run_llama(n, p, cs, a.threads, Path(a.log_dir),
+                                                                                a.partial)))
     for name, fn in systems:
         t = time.perf_counter()
         outs = fn()

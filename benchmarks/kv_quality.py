@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, llama_cpp_bin, provenance, update_doc  # noqa: E402
-from long_context import DATA, DOC, Lock, loadavg, prepare_ggufs  # noqa: E402
+from long_context import DATA, DOC, SRC, Lock, child_env, code_commit, loadavg, measured, prepare_ggufs  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "wikitext-2-test.txt"
 
@@ -51,10 +51,10 @@ def kl_file(system: str, kv: str, ctx: int) -> Path:
 def run_child(cmd, lock, out: Path, parse) -> dict:
     with lock:
         before, t = loadavg(), time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=SRC["dir"], env=child_env())
         after = loadavg()
     rec = {"command": shlex.join(cmd), "loadavg_before": before, "loadavg_after": after,
-           "seconds": round(time.time() - t, 1), "returncode": r.returncode}
+           "seconds": round(time.time() - t, 1), "returncode": r.returncode, "code": code_commit()}
     if r.returncode == 0:
         rec["result"] = parse(r)
     else:
@@ -99,11 +99,11 @@ def cmd_kl(a) -> None:
         common = ["--text", a.text, "--ctx", str(ctx), "--chunks", str(a.chunks), "-t", str(a.threads), "--json", "-q"]
         base = work / f"mixqrt-f32-c{ctx}-n{a.chunks}.logp"
         if not a.skip_mixqrt:
-            if not base.exists() or not kl_file("mixqrt", "f32", ctx).exists():
+            if not base.exists() or not measured(kl_file("mixqrt", "f32", ctx)):
                 run_child([sys.executable, "-m", "mixqrt", "ppl", mxq, "--kv-type", "f32", "--save-logits", str(base)]
                           + common, lock, kl_file("mixqrt", "f32", ctx), _mixqrt_json)
             for kv in a.kv_types.split(","):
-                if kv != "f32" and (a.fresh or not kl_file("mixqrt", kv, ctx).exists()):
+                if kv != "f32" and (a.fresh or not measured(kl_file("mixqrt", kv, ctx))):
                     run_child([sys.executable, "-m", "mixqrt", "ppl", mxq, "--kv-type", kv, "--kl-base", str(base)]
                               + common, lock, kl_file("mixqrt", kv, ctx), _mixqrt_json)
         if not a.skip_llamacpp:
@@ -112,18 +112,18 @@ def cmd_kl(a) -> None:
             lbase = work / f"llamacpp-{a.lcpp_type}-f16-c{ctx}-n{a.chunks}.kld"
             lp = [str(llama_cpp_bin("llama-perplexity")), "-m", str(gguf), "-f", a.text, "-c", str(ctx), "-b", str(ctx),
                   "--chunks", str(a.chunks), "-t", str(a.threads), "-fa", "on"]
-            if not lbase.exists() or not kl_file("llamacpp", "f16", ctx).exists():
+            if not lbase.exists() or not measured(kl_file("llamacpp", "f16", ctx)):
                 run_child(lp + ["-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(lbase)], lock,
                           kl_file("llamacpp", "f16", ctx), _lcpp_ppl)
-            if a.fresh or not kl_file("llamacpp", "q8_0", ctx).exists():
+            if a.fresh or not measured(kl_file("llamacpp", "q8_0", ctx)):
                 run_child(lp + ["-ctk", "q8_0", "-ctv", "q8_0", "--kl-divergence-base", str(lbase), "--kl-divergence"],
                           lock, kl_file("llamacpp", "q8_0", ctx), _lcpp_kl)
     report_kl(a)
 
 
 def report_kl(a) -> None:
-    rows = ["| window | system | KV cache | against | bits per value | mean KL | KL p99 | same top % | PPL | load before/after |",
-            "|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = ["| window | system | KV cache | against | bits per value | mean KL | KL p99 | same top % | PPL | load before/after "
+            "| mixqrt code |", "|---:|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     bits = {"f32": 32, "f16": 16, "q8_0": 8.5}
     for p in sorted(DATA.glob("kl-*-c*.json"), key=lambda p: (int(p.stem.rsplit("-c", 1)[1]), p.stem)):
         system, kv = p.stem.split("-")[1:3]
@@ -142,10 +142,12 @@ def report_kl(a) -> None:
         ppl = f"{r['ppl']:.3f}" if r.get("ppl") is not None else "-"
         name = "mixqrt (q4a file)" if system == "mixqrt" else "llama.cpp (Q4_0 file)"
         rows.append(f"| {ctx:,d} | {name} | {kv} | {base} | {b if b is not None else '-'} | {kl} | {p99} | {same} | "
-                    f"{ppl} | {rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]} |")
+                    f"{ppl} | {rec['loadavg_before'].split()[0]}/{rec['loadavg_after'].split()[0]} | "
+                    f"{rec.get('code', '-') if system == 'mixqrt' else '-'} |")
     prov = provenance("python benchmarks/kv_quality.py " + " ".join(sys.argv[1:]))
     prov += (f"- WikiText-2 test, the first {a.chunks} window(s) of each size, the second half of each scored "
-             f"(llama-perplexity's method); KL(base || type) per scored position, averaged\n")
+             f"(llama-perplexity's method); KL(base || type) per scored position, averaged; each row's command is "
+             f"in docs/data/long_context/kl-*.json (not timed: the runs may go niced outside the benchmark lock)\n")
     update_doc(DOC, {"long-context-kl": prov + "\n" + "\n".join(rows)}, "Long context")
 
 
@@ -260,7 +262,14 @@ def main() -> None:
         x.add_argument("-t", "--threads", type=int, default=2)
         x.add_argument("--lock", default=None, metavar="FILE")
         x.add_argument("--fresh", action="store_true")
+        x.add_argument("--src", default=None, metavar="DIR",
+                       help="the mixqrt source tree (a built checkout) the mixqrt runs use (default: this one)")
     a = p.parse_args()
+    if a.src:
+        SRC["dir"] = str(Path(a.src).resolve())
+        sys.path.insert(0, SRC["dir"])          # passkey runs in this process
+        for m in [m for m in sys.modules if m == "mixqrt" or m.startswith("mixqrt.")]:
+            del sys.modules[m]
     a.fn(a)
 
 

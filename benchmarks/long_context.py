@@ -40,6 +40,28 @@ PLOT = ROOT / "docs" / "long-context.png"
 LCPP_CACHES = ("f16", "q8_0")
 
 
+SRC = {"dir": str(ROOT)}     # the mixqrt source tree the children run (--src; default this one)
+
+
+def child_env() -> dict:
+    """The children's environment: they import mixqrt from SRC (they also run with cwd=SRC)."""
+    return {**os.environ, "PYTHONPATH": SRC["dir"]}
+
+
+def code_commit() -> str:
+    """The commit of the mixqrt source the children import (--src), '+dirty' when its work tree has
+    changes."""
+    src = SRC["dir"]
+    try:
+        head = subprocess.run(["git", "-C", src, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def loadavg() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -92,6 +114,17 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 
 # ----------------------------------------------------------------------------------- measurements
+def measured(path: Path) -> bool:
+    """A raw file that holds a result (a failed run's record is measured again)."""
+    if not path.exists():
+        return False
+    if path.suffix == ".jsonl":
+        return path.stat().st_size > 0
+    try:
+        return "result" in json.loads(path.read_text())
+    except ValueError:
+        return False
+
 def mixqrt_file(kv: str, depth: int, pp: int | None = None) -> Path:
     return DATA / (f"mixqrt-{kv}-d{depth}.json" if pp is None else f"mixqrt-{kv}-pp{pp}.json")
 
@@ -109,10 +142,10 @@ def run_mixqrt(mxq: str, kv: str, depth: int, a, lock, pp: int | None = None) ->
            "--json", "-q"]
     with lock:
         before, t = loadavg(), time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=SRC["dir"], env=child_env())
         after = loadavg()
     rec = {"command": shlex.join(["mixqrt"] + cmd[3:]), "loadavg_before": before, "loadavg_after": after,
-           "seconds": round(time.time() - t, 1), "returncode": r.returncode}
+           "seconds": round(time.time() - t, 1), "returncode": r.returncode, "code": code_commit()}
     if r.returncode == 0:
         rec["result"] = json.loads(r.stdout.strip().splitlines()[-1])
     else:
@@ -342,6 +375,8 @@ def main() -> None:
     p.add_argument("-r", "--repetitions", type=int, default=1)
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("--lock", default=None, metavar="FILE", help="hold flock(FILE) during each measurement")
+    p.add_argument("--src", default=None, metavar="DIR",
+                   help="the mixqrt source tree (a built checkout) the measurements run (default: this one)")
     p.add_argument("--pp-long", default="", metavar="N[,N]",
                    help="also time one prompt of N tokens at depth 0 (mixqrt bench -p N, llama-bench -p N -n 0): "
                         "prefill speed and mixqrt's peak RSS against file + KV + 200 MiB")
@@ -351,6 +386,8 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--plot", default=str(PLOT), help="'' for no plot")
     a = p.parse_args()
+    if a.src:
+        SRC["dir"] = str(Path(a.src).resolve())
     depths = [int(x) for x in a.depths.split(",") if x.strip()]
     longs = [int(x) for x in a.pp_long.split(",") if x.strip()]
     _N_PROMPT["n"] = a.n_prompt
@@ -372,17 +409,17 @@ def main() -> None:
                 for t in a.lcpp_types.split(","):
                     for fa in (int(x) for x in a.fa.split(",")):
                         for cache in a.lcpp_caches.split(","):
-                            if (fa or cache == "f16") and (a.fresh or not lcpp_file(t, fa, cache, 0, n).exists()):
+                            if (fa or cache == "f16") and (a.fresh or not measured(lcpp_file(t, fa, cache, 0, n))):
                                 run_lcpp(ggufs[t], t, fa, cache, 0, a, lock, n)
         if not a.skip_mixqrt:
             mxq = a.mxq or default_mxq()
             for d in depths:
                 for kv in a.kv_types.split(","):
-                    if a.fresh or not mixqrt_file(kv, d).exists():
+                    if a.fresh or not measured(mixqrt_file(kv, d)):
                         run_mixqrt(mxq, kv, d, a, lock)
             for n in longs:
                 for kv in a.kv_types.split(","):
-                    if a.fresh or not mixqrt_file(kv, 0, n).exists():
+                    if a.fresh or not measured(mixqrt_file(kv, 0, n)):
                         run_mixqrt(mxq, kv, 0, a, lock, n)
     report(a)
 

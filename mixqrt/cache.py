@@ -15,6 +15,7 @@ import mmap
 import numpy as np
 
 from mixqrt.errors import GenerationError
+from mixqrt.kv import check_room
 
 
 def _lazy_zeros(n: int, dtype) -> np.ndarray:
@@ -56,14 +57,7 @@ class KVCache:
         self.offset = 0                          # positions filled
 
     # ------------------------------------------------------------------ writes
-    def check_room(self, pos0: int, n: int) -> None:
-        """Raise GenerationError unless positions pos0 .. pos0+n-1 fit and follow the filled ones."""
-        if pos0 < 0 or pos0 > self.offset:
-            raise GenerationError(f"cannot write at position {pos0}: the cache holds {self.offset} positions "
-                                  f"(writes must start at or before the first empty position)")
-        if pos0 + n > self.max_len:
-            raise GenerationError(f"KV cache overflow: writing {n} token(s) at position {pos0} needs "
-                                  f"{pos0 + n} positions, the cache holds at most {self.max_len}")
+    check_room = check_room                    # the rule of every KV cache (mixqrt.kv.check_room)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
         """Store k, v ([T, Hkv, Dh]) at positions pos0 .. pos0+T-1 of `layer`."""
@@ -121,12 +115,16 @@ class KVCache:
 
 # ============================================================================ KV types
 # The KV cache's element type, chosen per Pipeline / Engine (kv_type=) and on the command line
-# (--kv-type). f32 and f16 are the KVCache above; q8 and q4 are the packed, mixed-bit cache of
-# issue 41 (keys per channel over 64-token blocks, values per token, the first and the current
-# partial block kept in f16), which replaces the stub below.
+# (--kv-type). f32 and f16 are the KVCache above; q8 and q4 are the packed, mixed-bit cache
+# (mixqrt.kv.packed.PackedKVCache: keys per channel over 64-position blocks, values per position,
+# 4 or 8 bits with f16 scales; the attention sink and a row's own partial block read in f16; the
+# format and arithmetic in mixqrt/kv/ref.py, the measurements in docs/long-context.md).
 KV_TYPES = ("f32", "f16", "q8", "q4")
-DEFAULT_KV_TYPE = "f32"          # becomes "q4" with the packed cache
+# the Pipeline's, the Engine's and the command line's default: q8, because q4 (half its bytes) lost
+# more than llama.cpp's q8_0 cache at 8k tokens (docs/long-context.md); q4 stays for capacity
+DEFAULT_KV_TYPE = "q8"
 _FLOAT_KV = {"f32": np.float32, "f16": np.float16}
+_PACKED_BITS = {"q8": 8, "q4": 4}
 
 
 def check_kv_type(kv_type) -> str:
@@ -137,6 +135,14 @@ def check_kv_type(kv_type) -> str:
     if name not in KV_TYPES:
         raise GenerationError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
     return name
+
+
+def default_kv_type(head_dim: int) -> str:
+    """DEFAULT_KV_TYPE where the packed cache fits the model's heads (head_dim a multiple of 32 up to
+    256), else f32."""
+    if DEFAULT_KV_TYPE in _PACKED_BITS and (head_dim % 32 or head_dim > 256):
+        return "f32"
+    return DEFAULT_KV_TYPE
 
 
 def kv_type_of_dtype(dtype) -> str:
@@ -150,17 +156,30 @@ def kv_type_of_dtype(dtype) -> str:
 
 def make_kv_cache(kv_type, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int, windows=None):
     """A cache of `kv_type` for positions 0 .. max_len-1; windows: per-layer sliding window or None
-    (a float cache keeps every position of every layer)."""
+    (a float cache keeps every position of every layer; a packed one keeps a windowed layer's window
+    in f16)."""
     kv_type = check_kv_type(kv_type)
     if kv_type in _FLOAT_KV:
         return KVCache(num_layers, num_kv_heads, head_dim, max_len, _FLOAT_KV[kv_type])
-    raise GenerationError(f"kv_type {kv_type!r} needs the packed KV cache, which this build does not have yet; "
-                          f"use one of {', '.join(_FLOAT_KV)}")
+    from mixqrt.kv.packed import PackedKVCache
+    return PackedKVCache(num_layers, num_kv_heads, head_dim, max_len, kv_type, windows)
 
 
-def kv_bytes_per_token(kv_type, num_layers: int, num_kv_heads: int, head_dim: int) -> float:
-    """Steady-state bytes per cached token, K and V, all layers."""
+def kv_bytes_per_token(kv_type, num_layers: int, num_kv_heads: int, head_dim: int, windows=None) -> float:
+    """Steady-state bytes per cached token, K and V, all layers (a packed cache's windowed layers
+    cost nothing past their window)."""
     kv_type = check_kv_type(kv_type)
     if kv_type in _FLOAT_KV:
         return float(2 * num_layers * num_kv_heads * head_dim * np.dtype(_FLOAT_KV[kv_type]).itemsize)
-    raise GenerationError(f"kv_type {kv_type!r} needs the packed KV cache, which this build does not have yet")
+    from mixqrt.kv import ref
+    n = sum(1 for li in range(num_layers) if windows is None or windows[li] is None)
+    return float(ref.block_bytes(head_dim, _PACKED_BITS[kv_type]) / ref.G * n * num_kv_heads)
+
+
+def kv_bits_per_value(kv_type, head_dim: int) -> float:
+    """Bits per cached value (scales included) of a packed block, or the float width."""
+    kv_type = check_kv_type(kv_type)
+    if kv_type in _FLOAT_KV:
+        return 8.0 * np.dtype(_FLOAT_KV[kv_type]).itemsize
+    from mixqrt.kv import ref
+    return 8.0 * ref.block_bytes(head_dim, _PACKED_BITS[kv_type]) / (2 * ref.G * head_dim)

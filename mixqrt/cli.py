@@ -26,10 +26,12 @@ def _add_model(p, optional=False):
 LONG_WINDOW = 2048      # mixqrt ppl: windows longer than this get the scored half's logits in pieces
 
 
-def _add_kv_type(p):
+def _add_kv_type(p, default: str | None = None):
+    """--kv-type; default: what the command uses when it is not given (help text only)."""
     from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
     p.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
-                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {DEFAULT_KV_TYPE}; docs/long-context.md)")
+                   help=f"KV cache type: {', '.join(KV_TYPES)} (default {default or DEFAULT_KV_TYPE}; "
+                        f"docs/long-context.md)")
 
 
 def _add_sampling(p):
@@ -173,10 +175,14 @@ def cmd_generate(a):
         raise SystemExit("mixqrt generate: --suffix (fill-in-the-middle) and --chat do not go together")
     if not a.chat:
         sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
+    kw = _sampling_kwargs(a)
+    if a.prediction is not None:
+        with open(a.prediction, encoding="utf-8") as f:
+            kw["prediction"] = f.read()
     if a.suffix is not None:       # fill-in-the-middle: the prompt is the text before the cursor
-        pieces = pipe.stream_infill(prompt, a.suffix, **_sampling_kwargs(a))
+        pieces = pipe.stream_infill(prompt, a.suffix, **kw)
     else:
-        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a))
+        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **kw)
     for r in _prefill_progress(pipe, pieces, a.quiet):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -401,6 +407,10 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     _add_model(s, optional=True)
     s.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    s.add_argument("--prediction", default=None, metavar="FILE",
+                   help="text the reply is expected to repeat (the file being edited): drafts are copied from it "
+                        "first (OpenAI's `prediction`; speculative decoding, the output unchanged; "
+                        "docs/speculative.md)")
     s.add_argument("--suffix", default=None, metavar="TEXT",
                    help="fill in the middle: the prompt is the text before the cursor, TEXT the text after it "
                         "(the model's FIM tokens; llama.cpp's /infill prompt, docs/completion.md)")
@@ -424,7 +434,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
                         "(default: the text is data, encoded as text, as llama-perplexity does)")
     s.add_argument("--save-logits", default=None, metavar="FILE", help="save log-probs for a later --kl-base")
     s.add_argument("--kl-base", default=None, metavar="FILE", help="compare with a base model's saved log-probs")
-    _add_kv_type(s)
+    _add_kv_type(s, "f32: the model itself; name a type to measure that cache")
     s.add_argument("--json", action="store_true")
     s.add_argument("-t", "--threads", type=int, default=None)
     s.add_argument("-q", "--quiet", action="store_true")

@@ -214,10 +214,11 @@ BLOCK_OVERHEAD = 320     # bytes counted per cached block besides its data and t
 
 
 class _Block:
-    __slots__ = ("key", "tokens", "data", "salt")
+    __slots__ = ("key", "tokens", "data", "salt", "tail")
 
-    def __init__(self, key: bytes, tokens: np.ndarray, data: np.ndarray, salt):
+    def __init__(self, key: bytes, tokens: np.ndarray, data: np.ndarray, salt, tail=None):
         self.key, self.tokens, self.data, self.salt = key, tokens, data, salt
+        self.tail = tail         # a partial last block: (the key of the chain it follows, the salt's repr)
 
     def nbytes(self) -> int:
         return self.tokens.nbytes + self.data.nbytes + BLOCK_OVERHEAD
@@ -235,7 +236,7 @@ def block_key(prev: bytes, salt, tokens: np.ndarray) -> bytes:
 
 
 class BlockTree:
-    """Whole blocks of a packed KV cache (PackedKVCache.export_blocks rows: every layer's K and V of
+    """Whole blocks of a packed KV cache (PackedKVCache.export_block: every layer's K and V of
     BLOCK positions), keyed by a chain hash of the salt and every token up to the block's end, LRU
     by block. A lookup follows the chain from the first block and stops at the first block not
     cached; the partial last block is always recomputed. The same interface as PrefixTree for the
@@ -245,6 +246,7 @@ class BlockTree:
         self.block = int(block)
         self.blocks: OrderedDict = OrderedDict()      # key -> _Block, least recently used first
         self.roots: dict = {}                         # salt -> blocks cached under it
+        self.tails: dict = {}                         # (chain key, salt) -> keys of partial last blocks
         self.bytes = 0
         self.lookup_steps = 0
         self.evictions = 0
@@ -262,57 +264,115 @@ class BlockTree:
             key = block_key(key, salt, tokens[i * b:(i + 1) * b])
             yield i, key
 
+    TAILS_PER_CHAIN = 4    # partial last blocks kept after one chain of whole blocks
+
     def match(self, salt, tokens: np.ndarray, limit: int | None = None) -> tuple[int, list]:
-        """Cached whole blocks at the start of `tokens` (at most `limit` tokens) -> (tokens, [_Block, ...])."""
+        """Cached whole blocks at the start of `tokens` (at most `limit` tokens), then the partial
+        block after them that shares the most tokens with the rest -> (tokens, [_Block, ...,
+        (tail, rows)])."""
         limit = tokens.size if limit is None else min(int(limit), tokens.size)
-        path = []
+        path, prev = [], b""
         for i, key in self._chain(salt, tokens, limit // self.block):
             self.lookup_steps += 1
             blk = self.blocks.get(key)
             if blk is None or not np.array_equal(blk.tokens, tokens[i * self.block:(i + 1) * self.block]):
                 break
             path.append(blk)
+            prev = key
+        n = len(path) * self.block
+        best, rows = None, 0
+        for key in self.tails.get((prev, repr(salt)), ()):
+            t = self.blocks[key]
+            m = common_prefix(t.tokens, tokens[n:limit])
+            if m > rows:
+                best, rows = t, m
+        if best is not None:                          # the deepest: used, but older than its chain
+            self.blocks.move_to_end(best.key)
         for blk in reversed(path):                    # the first block most recent: deeper ones go first
             self.blocks.move_to_end(blk.key)
-        return len(path) * self.block, path
+        if best is not None:
+            path.append((best, rows))
+        return n + rows, path
 
     @staticmethod
     def copy_into(path: list, kv) -> int:
         """Import a match() path into an empty packed cache -> rows written."""
-        if not path:
-            return 0
-        kv.import_blocks(0, np.stack([blk.data for blk in path]))
+        for i, blk in enumerate(path):
+            if isinstance(blk, tuple):                # the partial last block: its first rows
+                t, rows = blk
+                kv.import_tail(i, t.data, len(t.tokens), rows)
+            else:
+                kv.import_block(i, blk.data)
         return kv.offset
 
     def insert(self, salt, tokens: np.ndarray, kv) -> int:
         """Store the whole blocks of `tokens` (kv holds their rows) not cached yet -> new blocks."""
         new = 0
-        keys = list(self._chain(salt, tokens, tokens.size // self.block))
+        keys = list(self._chain(salt, tokens, min(tokens.size // self.block, kv.exportable_blocks())))
         for i, key in keys:
             self.lookup_steps += 1
             if key in self.blocks:
                 continue
-            data = np.array(kv.export_blocks(i, i + 1)[0])
+            data = np.array(kv.export_block(i))
             blk = _Block(key, np.array(tokens[i * self.block:(i + 1) * self.block], dtype=np.int32), data, salt)
             self.blocks[key] = blk
             self.roots[salt] = self.roots.get(salt, 0) + 1
             self.bytes += blk.nbytes()
             new += 1
+        nb = len(keys)
+        m = tokens.size - nb * self.block
+        if 0 < m < self.block and nb == kv.offset // self.block and kv.offset % self.block == m:
+            new += self._insert_tail(salt, keys[-1][1] if keys else b"", tokens[nb * self.block:], kv, nb)
         for _, key in reversed(keys):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
         return new
 
+    def _insert_tail(self, salt, prev: bytes, tail: np.ndarray, kv, b: int) -> int:
+        """Keep the partial block after chain `prev` (kv's rows [b * block, offset)), unless a kept
+        tail already starts with it; a longer one replaces the tails it extends."""
+        idx = (prev, repr(salt))
+        have = self.tails.setdefault(idx, [])
+        for key in list(have):
+            t = self.blocks[key]
+            if common_prefix(t.tokens, tail) == len(tail):
+                self.blocks.move_to_end(key)
+                return 0
+            if common_prefix(t.tokens, tail) == len(t.tokens):   # the new tail extends it
+                self._drop(key)
+        key = block_key(prev + b"tail", salt, tail)
+        blk = _Block(key, np.array(tail, dtype=np.int32), np.array(kv.export_tail(b)), salt, tail=idx)
+        self.blocks[key] = blk
+        self.tails.setdefault(idx, []).append(key)
+        self.roots[salt] = self.roots.get(salt, 0) + 1
+        self.bytes += blk.nbytes()
+        while len(self.tails[idx]) > self.TAILS_PER_CHAIN:
+            self._drop(self.tails[idx][0])
+        return 1
+
+    def _drop(self, key: bytes) -> None:
+        blk = self.blocks.pop(key)
+        self._forget(blk)
+
+    def _forget(self, blk) -> None:
+        self.bytes -= blk.nbytes()
+        left = self.roots[blk.salt] - 1
+        if left:
+            self.roots[blk.salt] = left
+        else:
+            del self.roots[blk.salt]
+        if blk.tail is not None:
+            keys = self.tails.get(blk.tail, [])
+            if blk.key in keys:
+                keys.remove(blk.key)
+            if not keys:
+                self.tails.pop(blk.tail, None)
+
     def evict(self, limit: int) -> int:
         n = 0
         while self.bytes > limit and self.blocks:
             _, blk = self.blocks.popitem(last=False)
-            self.bytes -= blk.nbytes()
-            left = self.roots[blk.salt] - 1
-            if left:
-                self.roots[blk.salt] = left
-            else:
-                del self.roots[blk.salt]
+            self._forget(blk)
             n += 1
         self.evictions += n
         return n
@@ -351,8 +411,8 @@ class PromptCache:
         self.kv_type = check_kv_type(kv_type or getattr(model, "kv_type", None))
         self._probe = model.make_cache(self.max_len, self.kv_type)     # sizes only: no page of it is written
         self.row_bytes = int(round(model.kv_bytes_per_token(self.kv_type)))    # steady-state bytes per cached row
-        # a packed cache is shared in whole blocks (export_blocks / import_blocks), a float one by rows
-        self.packed = hasattr(self._probe, "export_blocks")
+        # a packed cache is shared in whole blocks (export_block / import_block), a float one by rows
+        self.packed = hasattr(self._probe, "export_block")
         # a cache type with neither rows nor blocks to copy is never shared (each request prefills)
         self.shareable = self.packed or hasattr(self._probe, "stacked")
         self.tree = BlockTree(self._probe.BLOCK) if self.packed else PrefixTree()
@@ -433,9 +493,8 @@ class PromptCache:
         the copy holds kv.offset <= n rows, the caller writes the rest again."""
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), src.salt, src.store, src.reserve)
         if self.packed:
-            nb = n // self.tree.block
-            if nb:
-                entry.kv.import_blocks(0, src.kv.export_blocks(0, nb))
+            for b in range(min(n // self.tree.block, src.kv.exportable_blocks())):
+                entry.kv.import_block(b, src.kv.export_block(b))
             entry.hwm = entry.kv.offset
         elif not self.shareable:
             pass                                # nothing to copy: the caller writes all n rows

@@ -12,7 +12,7 @@ from mixqrt.engine import Engine
 def engine(tmp_path_factory):
     from serve_helpers import tiny_pipeline
     pipe = tiny_pipeline(tmp_path_factory.mktemp("fimcache"))
-    eng = Engine(pipe, max_slots=2)
+    eng = Engine(pipe, max_slots=2, kv_type="f32")   # the token-exact prefix tree (a packed cache shares whole blocks)
     yield eng
     eng.close()
 

@@ -17,9 +17,10 @@ from test_model import tiny_config, tiny_weights
 
 @pytest.fixture
 def fused_switch(monkeypatch):
-    def run(model, prompt, steps, fused, dtype=np.float32):
+    def run(model, prompt, steps, fused, dtype=np.float32, kv_type=None):
         monkeypatch.setattr(ops, "FUSED_DECODE", fused)
-        cache = model.make_cache(len(prompt) + steps, dtype=dtype)
+        cache = (model.make_cache(len(prompt) + steps, kv_type) if kv_type
+                 else model.make_cache(len(prompt) + steps, dtype=dtype))
         logits = [model(np.asarray(prompt), cache, last_only=True)]
         tok = int(np.argmax(logits[-1]))
         for _ in range(steps):
@@ -62,6 +63,25 @@ def test_fused_float_layers_bit_identical(tier, fused_switch, arch, tied, hq, hk
     for li in range(3):                     # the cache rows the fused layers wrote
         np.testing.assert_array_equal(c1.keys[li], c0.keys[li])
         np.testing.assert_array_equal(c1.values[li], c0.values[li])
+
+
+@pytest.mark.parametrize("kv_type", ["q4", "q8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_layers_on_a_packed_kv_cache(tier, fused_switch, kv_type, threads):
+    """The fused layer writes a packed cache's f16 stores, packs the block it completes and attends
+    with kv_attention: logits and every store byte equal the op-by-op path, across block boundaries."""
+    cfg = tiny_config("qwen2", False, hq=8, hkv=2, dh=64, d=128, inter=192, layers=2)
+    cfg["max_position_embeddings"] = 512
+    model = build_model(cfg, _quantized(tiny_weights(cfg, seed=3), {"attn": "q6", "ffn": "q3p", "down": "q4"}))
+    prompt = list(np.random.default_rng(0).integers(0, cfg["vocab_size"], 100))
+    with ops.local_threads(threads):
+        want, c0 = fused_switch(model, prompt, 100, False, kv_type=kv_type)
+        got, c1 = fused_switch(model, prompt, 100, True, kv_type=kv_type)
+    np.testing.assert_array_equal(got, want)
+    for li in range(2):
+        np.testing.assert_array_equal(c1.pk[li], c0.pk[li])
+        for b in (0, 2, 3):              # block 0 and the blocks still kept in f16
+            np.testing.assert_array_equal(c1.kf[li][:, 64 * b:64 * b + 8], c0.kf[li][:, 64 * b:64 * b + 8])
 
 
 @pytest.mark.parametrize("fmts", [{"attn": "q6", "ffn": "q3p", "down": "q4"},

@@ -22,7 +22,7 @@ LAYERS = [
     ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.platform"]),
     ("formats", ["mixqrt.formats"]),                   # layout, kmeans, rotation, qtensor, codec
     ("ops", ["mixqrt.ops"]),                         # pool, matmul, attention, elementwise, probes, ref
-    ("models", ["mixqrt.models", "mixqrt.cache"]),      # spec, base, the graphs; the KV cache
+    ("models", ["mixqrt.models", "mixqrt.cache", "mixqrt.kv"]),   # spec, base, the graphs; the KV caches
     ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template",
             "mixqrt.embed"]),                          # embeddings: pooling, the Embedder (io.gguf reads its settings)
     ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler

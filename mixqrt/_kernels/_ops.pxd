@@ -1,7 +1,8 @@
 # Declarations of src/ops/mq_ops.h.
-from libc.stdint cimport int8_t, uint8_t, int64_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, int64_t
 
 cdef extern from "mq_format.h" nogil:
+    uint16_t mq_f32_to_f16(float f)
     void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const uint8_t *levels,
                         float q5_lo, float q5_step)
     void mq_dequant_row_at(int fmt, const uint8_t *w, int64_t n, int64_t row_bytes, int64_t k, float *out,
@@ -42,6 +43,7 @@ cdef extern from "mq_ops.h" nogil:
     int mq_set_float_mv(int on)
     int mq_set_q6_fold(int on)
     int mq_set_q2c_mv(int on)
+    int mq_set_few_max_t(int t)
     int mq_set_mv_xpf(int on)
     void mq_set_float_pf(size_t nbytes)
     void mq_set_q3x_prefetch(size_t nbytes)
@@ -78,3 +80,16 @@ cdef extern from "mq_ops.h" nogil:
     void mq_attention(const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                       int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch)
     size_t MQ_ATT_SCRATCH(int S, int Dh, int T)
+    ctypedef struct mq_kvatt:
+        const float *q
+        float *out
+        const uint16_t *kf
+        const uint16_t *vf
+        const uint8_t *pk
+        int T, Hq, Hkv, Dh, S, pos0, bits, window, block_bytes
+    void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch)
+    void mq_kv_pack(const uint16_t *kf, const uint16_t *vf, int S, int Dh, int Hkv, int b0, int b1, int bits,
+                    uint8_t *pk, int NB)
+    size_t MQ_KV_SCRATCH_FLOATS(int Dh)
+    int MQ_KV_BLOCK_BYTES(int Dh, int bits)
+    int MQ_KV_TR

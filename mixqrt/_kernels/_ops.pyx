@@ -4,7 +4,7 @@ the GIL, run on the native pool. Declarations: _ops.pxd; C sources: src/ops/. Th
 _ops_*.pxi files included at the end, one per topic."""
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int8_t, uint8_t, int64_t, uintptr_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
 from libc.math cimport NAN
@@ -31,4 +31,5 @@ include "_ops_tuning.pxi"
 include "_ops_matmul.pxi"
 include "_ops_pool.pxi"
 include "_ops_float.pxi"
+include "_ops_kv.pxi"
 include "_ops_decode.pxi"

@@ -114,13 +114,32 @@ cdef class DecodeLayer:
         return _work_floats(D, nqkv, Hq * Dh, inter)
 
     def run(self, cnp.ndarray x, cnp.ndarray kc, cnp.ndarray vc, int pos, cnp.ndarray work,
-            int threads=0, size_t pf_bytes=0):
+            int threads=0, size_t pf_bytes=0, blocks=None, int bits=0):
         """x [D] float32 (the residual stream, updated in place) at position pos; kc, vc: this layer's
-        float32 cache [Hkv, S, Dh] (position pos written); work: float32 [work_floats(...)]."""
-        _f32c(x, "x"); _f32c(kc, "k cache"); _f32c(vc, "v cache"); _f32c(work, "work")
+        float32 cache [Hkv, S, Dh] (position pos written); work: float32 [work_floats(...)].
+        bits 4 | 8: a packed KV cache's layer (mixqrt.kv): kc, vc its float16 stores, pk its blocks;
+        position pos is written in f16, the block it completes is packed, and the attention is
+        kv_attention's (the same bits as the op-by-op path); blocks: its packed blocks."""
+        _f32c(x, "x"); _f32c(work, "work")
         cdef int D = self.D, Hq = self.Hq, Hkv = self.Hkv, Dh = self.Dh, ni = self.inter, nq = Hq * Dh
         if x.size != D:
             raise ValueError(f"DecodeLayer.run: x has {x.size} values, the layer takes {D}")
+        cdef mq_kvatt ka
+        cdef _kv_arg karg
+        cdef uint16_t *k16 = NULL
+        cdef uint16_t *v16 = NULL
+        cdef uint8_t *ppk = NULL
+        cdef int NB = 0, d
+        cdef size_t o16
+        if bits:
+            if blocks is None:
+                raise ValueError("DecodeLayer.run: a packed cache layer needs its blocks")
+            _kv_fill(&ka, 1, Hq, Dh, kc, vc, blocks, pos, bits, 0, "DecodeLayer.run")
+            if ka.Hkv != Hkv or ka.Dh != Dh:
+                raise ValueError(f"DecodeLayer.run: the packed cache is [{ka.Hkv}, S, {ka.Dh}], the layer has {Hkv} x {Dh}")
+            k16 = <uint16_t*>ka.kf; v16 = <uint16_t*>ka.vf; ppk = <uint8_t*>ka.pk; NB = ka.S // 64
+        else:
+            _f32c(kc, "k cache"); _f32c(vc, "v cache")
         if kc.ndim != 3 or vc.ndim != 3 or kc.shape[0] != Hkv or kc.shape[2] != Dh \
                 or vc.shape[0] != Hkv or vc.shape[1] != kc.shape[1] or vc.shape[2] != Dh:
             raise ValueError(f"DecodeLayer.run: caches must be float32 [{Hkv}, S, {Dh}]")
@@ -130,7 +149,7 @@ cdef class DecodeLayer:
         if <size_t>work.size < _work_floats(D, self.nqkv, nq, ni):
             raise ValueError("DecodeLayer.run: workspace too small")
         cdef float *px = <float*>_ptr(x)
-        cdef float *pk = <float*>_ptr(kc)
+        cdef float *pk = <float*>_ptr(kc)       # (a packed layer: unused, its stores are k16 / v16)
         cdef float *pv = <float*>_ptr(vc)
         cdef float *h = <float*>_ptr(work)
         cdef float *qkv = h + D
@@ -150,12 +169,24 @@ cdef class DecodeLayer:
                 for i in range(self.nqkv):
                     qkv[i] = qkv[i] + self.qkv_bias[i]
             mq_rope(qkv, &p64, 1, Hq + Hkv, Dh, self.theta)
-            for hh in range(Hkv):
-                memcpy(pk + (<size_t>hh * S + pos) * Dh, qkv + nq + hh * Dh, <size_t>Dh * 4)
-                memcpy(pv + (<size_t>hh * S + pos) * Dh, qkv + nq + (Hkv + hh) * Dh, <size_t>Dh * 4)
-            aa.q = qkv; aa.k = pk; aa.v = pv; aa.f16 = 0; aa.T = 1; aa.Hq = Hq; aa.Hkv = Hkv; aa.Dh = Dh
-            aa.S = S; aa.pos0 = pos; aa.out = att
-            mq_pool_run_n(_att_task, &aa, Hq, 1, threads)
+            if bits:
+                for hh in range(Hkv):
+                    o16 = (<size_t>hh * S + pos) * Dh
+                    for d in range(Dh):
+                        k16[o16 + d] = mq_f32_to_f16(qkv[nq + hh * Dh + d])
+                        v16[o16 + d] = mq_f32_to_f16(qkv[nq + (Hkv + hh) * Dh + d])
+                if (pos + 1) % 64 == 0 and pos >= 127:        # block pos // 64 (>= 1) is complete
+                    mq_kv_pack(k16, v16, S, Dh, Hkv, pos // 64, pos // 64 + 1, bits, ppk, NB)
+                ka.q = qkv; ka.out = att
+                karg.seqs = &ka; karg.nseq = 1; karg.Hkv = Hkv; karg.chunk = 0
+                mq_pool_run_n(_kv_task, &karg, Hkv, 1, threads)
+            else:
+                for hh in range(Hkv):
+                    memcpy(pk + (<size_t>hh * S + pos) * Dh, qkv + nq + hh * Dh, <size_t>Dh * 4)
+                    memcpy(pv + (<size_t>hh * S + pos) * Dh, qkv + nq + (Hkv + hh) * Dh, <size_t>Dh * 4)
+                aa.q = qkv; aa.k = pk; aa.v = pv; aa.f16 = 0; aa.T = 1; aa.Hq = Hq; aa.Hkv = Hkv; aa.Dh = Dh
+                aa.S = S; aa.pos0 = pos; aa.out = att
+                mq_pool_run_n(_att_task, &aa, Hq, 1, threads)
             rc |= _mm1(&self.w[1], att, o, threads)
             _gap(&self.w[2], pf_bytes, threads)
             for i in range(D):

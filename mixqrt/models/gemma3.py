@@ -126,10 +126,18 @@ class Model(qwen2.Model):
         q *= np.float32(a.query_pre_attn_scalar ** -0.5 * math.sqrt(dh))   # the op scales by 1/sqrt(Dh)
         return q, qk[:, hq:], qkv[:, nq + nkv:].reshape(t, hkv, dh)
 
+    def kv_windows(self) -> list:
+        return [self._window(li) for li in range(self.args.num_hidden_layers)]
+
     def attend(self, li, q, cache, pos0, out=None):
+        if getattr(cache, "packed", False):
+            return cache.attend(li, q, pos0, out)
         return ops.attention(q, cache.keys[li], cache.values[li], pos0, out, window=self._window(li))
 
     def attend_batch(self, li, q, caches, pos, out):
+        if getattr(caches[0], "packed", False):
+            ops.kv_attention_batch(q, caches, li, pos, out=out)
+            return
         w = self._window(li)
         if w is None or all(int(p) + 1 <= w for p in pos):
             return super().attend_batch(li, q, caches, pos, out)

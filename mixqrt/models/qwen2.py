@@ -15,12 +15,15 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.platform import tuning
-from mixqrt.cache import DEFAULT_KV_TYPE, KVCache, kv_type_of_dtype, make_kv_cache
+from mixqrt.cache import KVCache, kv_type_of_dtype, make_kv_cache
 from mixqrt.errors import GenerationError, ModelError
+from mixqrt.kv.packed import PackedKVCache
 from mixqrt.limits import check_config_limits
 from mixqrt.models import spec
 from mixqrt.models.arch import Arch, find as find_arch, register
 from mixqrt.models.base import tensor_shape, to_f32
+
+KV_CACHES = (KVCache, PackedKVCache)
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 
@@ -219,7 +222,9 @@ class Model:
     layer_class = Layer                    # a subclass with more fields sets these three together
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
-    kv_type = DEFAULT_KV_TYPE      # the KV cache's type (mixqrt.cache.KV_TYPES); an instance may set its own
+    # the KV cache's type (mixqrt.cache.KV_TYPES): a bare graph computes exactly (f32); a Pipeline sets
+    # its own (DEFAULT_KV_TYPE unless told otherwise), as does `mixqrt ppl --kv-type`
+    kv_type = "f32"
 
     def __init__(self, args: ModelArgs, weights: dict, generation_config: dict | None = None):
         self._setup(args, generation_config)
@@ -377,7 +382,8 @@ class Model:
         """Steady-state KV bytes per cached token of kv_type (default self.kv_type), K and V, all layers."""
         from mixqrt.cache import kv_bytes_per_token
         a = self.args
-        return kv_bytes_per_token(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
+        return kv_bytes_per_token(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+                                  self.kv_windows())
 
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens, cache: KVCache | None = None, pos0: int | None = None, *,
@@ -433,10 +439,13 @@ class Model:
         the last layer's FFN then runs on that row alone (its attention still writes every row's K/V),
         as llama.cpp's prompt processing does; the other rows of the result are not final."""
         x = self.embed(ids)                                                     # [t, D]
-        if ids.size == 1 and ops.FUSED_DECODE and cache.dtype == np.float32:
+        if ids.size == 1 and ops.FUSED_DECODE and (cache.dtype == np.float32 or getattr(cache, "fusable", False)):
             fused = self.fused_layers()
             if fused is not None:                      # one native call per layer, same bits
-                ops.run_decode_layers(fused, x, cache.keys, cache.values, pos0)
+                if cache.dtype == np.float32:
+                    ops.run_decode_layers(fused, x, cache.keys, cache.values, pos0)
+                else:                                  # a packed cache without windowed layers
+                    ops.run_decode_layers(fused, x, cache.kf, cache.vf, pos0, cache.pk, cache.bits)
                 cache.advance(pos0 + 1)
                 return x
         positions = self.positions(pos0, ids.size)
@@ -510,7 +519,7 @@ class Model:
         if len({id(c) for c in caches}) != len(caches):
             raise GenerationError("decode_batch: two sequences share one KV cache")
         for c in caches:
-            if not isinstance(c, KVCache):
+            if not isinstance(c, KV_CACHES):
                 raise GenerationError(f"decode_batch: caches must be KVCache objects, got {type(c).__name__}")
             c.check_room(c.offset, 1)
         return ids, caches
@@ -523,7 +532,7 @@ class Model:
         if prefill is not None:
             p_ids, p_cache = prefill
             p_ids = self.check_tokens(p_ids)
-            if not isinstance(p_cache, KVCache) or any(p_cache is c for c in caches):
+            if not isinstance(p_cache, KV_CACHES) or any(p_cache is c for c in caches):
                 raise GenerationError("decode_batch: prefill wants its own KVCache, not one of the decoding sequences'")
             p_cache.check_room(p_cache.offset, p_ids.size)
             p0, p_n = p_cache.offset, p_ids.size
@@ -611,11 +620,16 @@ class Model:
 
     def attend(self, li: int, q: np.ndarray, cache: KVCache, pos0: int, out=None) -> np.ndarray:
         """Layer li's attention of q [T, Hq, Dh] (positions pos0..) over its cache -> [T, Hq, Dh]."""
+        if getattr(cache, "packed", False):
+            return cache.attend(li, q, pos0, out)
         return ops.attention(q, cache.keys[li], cache.values[li], pos0, out)
 
     def attend_batch(self, li: int, q: np.ndarray, caches: list, pos: np.ndarray, out: np.ndarray) -> None:
         """Layer li's attention of one decode query per sequence (q [B, Hq, Dh], row b at pos[b] on
         caches[b]) into out [B, Hq, Dh]."""
+        if getattr(caches[0], "packed", False):
+            ops.kv_attention_batch(q, caches, li, pos, out=out)
+            return
         ops.attention_batch(q, [c.keys[li] for c in caches], [c.values[li] for c in caches], pos, out=out)
 
     def ffn_in(self, li: int, x: np.ndarray) -> np.ndarray:

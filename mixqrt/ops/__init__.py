@@ -29,7 +29,7 @@ import types
 
 from mixqrt.ops import ref  # noqa: F401
 from mixqrt.ops.attention import (  # noqa: F401
-    _attention_blas, _attention_window, attention, attention_batch,
+    _attention_blas, _attention_window, attention, attention_batch, kv_attention, kv_attention_batch,
 )
 from mixqrt.ops.elementwise import (  # noqa: F401
     _router_f32, gelu_tanh_mul, hadamard, rmsnorm, rope, rope_freqs, router_logits, silu_mul, softmax,

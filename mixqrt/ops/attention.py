@@ -137,5 +137,49 @@ def attention_batch(q, k_caches, v_caches, positions, out=None) -> np.ndarray:
         raise KernelError(str(e)) from None
 
 
+# ----------------------------------------------------------------------------- the packed KV cache
+# kv_attention below this many keys x rows stays on the calling thread (one pool dispatch costs more)
+KV_POOL_MIN = 512
+
+
+def kv_attention(q, kf, vf, pk, pos0: int, bits: int, window: int | None = None, out=None) -> np.ndarray:
+    """Causal GQA attention of q [T, Hq, Dh] (positions pos0..) over one layer of a packed KV cache
+    (mixqrt.kv): kf, vf [Hkv, S, Dh] float16 stores, pk [Hkv, S/64, block_bytes] uint8 packed blocks or
+    None (f16 only), bits 4 | 8, window: sliding window or None -> [T, Hq, Dh]. Each row is exactly
+    a one-row call at its position (the kernel's reference: mixqrt.kv.ref.attention)."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    if out is None or not (out.flags.c_contiguous and out.dtype == np.float32):
+        out = np.empty_like(q)
+    if q.ndim != 3:
+        raise KernelError(f"kv_attention: q {q.shape} wants [T, Hq, Dh]")
+    threads = _parts() if q.shape[0] * (pos0 + q.shape[0]) >= KV_POOL_MIN else 1
+    try:
+        return _ops.kv_attention(q, kf, vf, pk, int(pos0), int(bits), int(window or 0), out, threads)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def kv_attention_batch(q, caches, layer: int, positions, out=None) -> np.ndarray:
+    """One decode query per sequence on its own packed cache (mixqrt.kv.PackedKVCache, one kv type):
+    q [B, Hq, Dh], query b at positions[b] on caches[b]'s layer `layer` -> [B, Hq, Dh]; row b is
+    exactly caches[b].attend(layer, q[b:b+1], positions[b])."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    pos = [int(p) for p in positions]
+    if q.ndim != 3 or len(pos) != q.shape[0] or len(caches) != len(pos):
+        raise KernelError(f"kv_attention_batch: q {q.shape}, {len(caches)} caches, {len(pos)} positions")
+    bits = {c.bits for c in caches}
+    if len(bits) != 1:
+        raise KernelError("kv_attention_batch: the caches are of different KV types")
+    if out is None:
+        out = np.empty_like(q)
+    threads = _parts() if sum(pos) + len(pos) >= ATTN_BATCH_POOL_MIN else 1
+    try:
+        return _ops.kv_attention_batch(q, [c.kf[layer] for c in caches], [c.vf[layer] for c in caches],
+                                       [c.pk[layer] for c in caches], pos, bits.pop(),
+                                       [c.windows[layer] or 0 for c in caches], out, threads)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
 if _ops is None:  # kernels not built: the numpy reference serves attention
     attention = ops_ref.attention  # noqa: F811

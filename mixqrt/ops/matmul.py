@@ -258,9 +258,10 @@ def decode_layer(weights, in_norm, post_norm, qkv_bias, o_bias, eps, theta, hq, 
         raise KernelError(str(e)) from None
 
 
-def run_decode_layers(layers, x, keys, values, pos: int) -> np.ndarray:
+def run_decode_layers(layers, x, keys, values, pos: int, blocks=None, bits: int = 0) -> np.ndarray:
     """x [1, D] float32 through the fused layers at position pos; keys[i], values[i]: layer i's float32
-    cache [Hkv, S, Dh] (position pos is written). x is updated in place and returned."""
+    cache [Hkv, S, Dh] (position pos is written), or with bits 4 | 8 a packed cache's float16 stores
+    and blocks[i] its packed blocks (mixqrt.kv). x is updated in place and returned."""
     if not layers:
         return x
     l0 = layers[0]
@@ -268,6 +269,10 @@ def run_decode_layers(layers, x, keys, values, pos: int) -> np.ndarray:
                     dtype=np.float32)
     xr = x.reshape(-1)
     parts, pf = _parts(), GAP_PREFETCH_BYTES
+    if bits:
+        for L, kc, vc, pk in zip(layers, keys, values, blocks):
+            L.run(xr, kc, vc, pos, work, parts, pf, pk, bits)
+        return x
     for L, kc, vc in zip(layers, keys, values):
         L.run(xr, kc, vc, pos, work, parts, pf)
     return x

@@ -198,10 +198,10 @@ def row_losses(w: np.ndarray, wq: np.ndarray, h, step: int = 8192) -> np.ndarray
     hs = h if isinstance(h, Hessian) else Hessian.full(h)
     out = np.zeros(w.shape[0], dtype=np.float64)
     for (c0, c1), hb in zip(hs.spans, hs.blocks):
-        hf = hb.astype(np.float32)
-        for r in range(0, w.shape[0], step):
-            e = (w[r:r + step, c0:c1] - wq[r:r + step, c0:c1]).astype(np.float32)
-            out[r:r + step] += np.einsum("ij,ij->i", e @ hf, e, dtype=np.float64)
+        hf = hb.astype(np.float64)
+        for r in range(0, w.shape[0], step):      # float64: a row's loss does not depend on the slab (see _gptq_rows)
+            e = (w[r:r + step, c0:c1] - wq[r:r + step, c0:c1]).astype(np.float64)
+            out[r:r + step] += np.einsum("ij,ij->i", e @ hf, e)
     return out
 
 
@@ -276,6 +276,7 @@ def _gptq_rows(w, fmt, hs, facs, header_importance) -> np.ndarray:
     dd = np.zeros((n, nb), dtype=np.float16)
     mm = np.zeros((n, nb), dtype=np.float16) if fmt not in ("q6", "q8") else None
     for (s0, s1), (u, hd) in zip(hs.spans, facs):
+        u64 = u.astype(np.float64)
         for c0 in range(s0, s1, g):
             c1, b = min(s1, c0 + g), c0 // g
             blk = W[:, c0:c1]                    # a view: updated in place below
@@ -293,7 +294,11 @@ def _gptq_rows(w, fmt, hs, facs, header_importance) -> np.ndarray:
                 if j + 1 < c1 - c0:
                     blk[:, j + 1:] -= np.outer(e, u[jj, jj + 1:c1 - s0])
             if c1 < s1:
-                W[:, c1:s1] -= err @ u[c0 - s0:c1 - s0, c1 - s0:]
+                # in float64: the products of float32 values are exact and the sums' rounding no
+                # longer reaches float32, so a row's update does not depend on how many rows the
+                # product has (OpenBLAS 0.3.31's sgemm sums a row differently for different row
+                # counts: the row slabs would give other bytes)
+                W[:, c1:s1] -= (err.astype(np.float64) @ u64[c0 - s0:c1 - s0, c1 - s0:]).astype(F32)
     return np.frombuffer(layout.assemble(fmt, (n, k), layout.Parts(codes=codes, d=dd, m=mm)), dtype=np.uint8)
 
 

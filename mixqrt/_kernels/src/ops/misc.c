@@ -15,6 +15,7 @@ MQ_DECL(void, mq_softmax_rows_, (float *x, int rows, int n, int fast))
 MQ_DECL(void, mq_softmax_causal_, (float *x, int n, int T, int pos0, int r0, int r1))
 MQ_DECL(void, mq_attention_, (const float *q, const void *k, const void *v, int kv_f16, float *out, int T,
                               int Hq, int Hkv, int Dh, int S, int pos0, int h0, int h1, float *scratch))
+MQ_DECL(void, mq_kvattn_, (const mq_kvatt *a, int kh, int r0, int r1, float *scratch))
 
 #if defined(__x86_64__)
 #define MQ_DISPATCH(name, ...) do { int isa_ = mq_isa_get(); \
@@ -38,6 +39,8 @@ void mq_attention(const float *q, const void *k, const void *v, int kv_f16, floa
                   int Dh, int S, int pos0, int h0, int h1, float *scratch) {
     MQ_DISPATCH(mq_attention_, q, k, v, kv_f16, out, T, Hq, Hkv, Dh, S, pos0, h0, h1, scratch);
 }
+
+void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch) { MQ_DISPATCH(mq_kvattn_, a, kh, r0, r1, scratch); }
 
 void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta) {
     int half = Dh / 2;

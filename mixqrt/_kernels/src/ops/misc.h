@@ -24,4 +24,26 @@ void mq_attention(const float *q, const void *k, const void *v, int kv_f16, floa
 #define MQ_ATT_TP 8
 #define MQ_ATT_SCRATCH(S, Dh, T) ((size_t)((T) < 1 ? 1 : (T) < MQ_ATT_TP ? (T) : MQ_ATT_TP) * MQ_ATT_GB * ((size_t)(S) + 16) \
                                   + 2 * (size_t)(Dh) + 16)
+/* Attention over the packed KV cache (kvattn_impl.h, reference mixqrt/kv/ref.py). kf, vf: f16 keys /
+ * values [Hkv, S, Dh] (the positions a row reads in f16: block 0 and its own partial block, or every
+ * position without a packed store); pk: packed blocks [Hkv, S / 64, block_bytes] or NULL; rows t read
+ * positions 0 .. pos0 + t (window > 0: the last `window` of them). S a multiple of 64, Dh a multiple of
+ * 32 and <= 256. */
+typedef struct {
+    const float *q;          /* [T, Hq, Dh] */
+    float *out;              /* [T, Hq, Dh] */
+    const uint16_t *kf, *vf;
+    const uint8_t *pk;
+    int T, Hq, Hkv, Dh, S, pos0, bits, window, block_bytes;
+} mq_kvatt;
+#define MQ_KV_TR 8           /* rows of a tile (each block read once per tile) */
+#define MQ_KV_GB 16          /* query heads of one KV head per pass */
+#define MQ_KV_BLOCK_BYTES(Dh, bits) (4 * (Dh) + 2 * (64 * (Dh) * (bits) / 8) + 4 * 64)
+#define MQ_KV_SCRATCH_FLOATS(Dh) ((size_t)MQ_KV_TR * (2 * MQ_KV_GB + (size_t)MQ_KV_GB * (Dh)) + MQ_KV_GB * 64 + 256 \
+                                  + (MQ_KV_GB * 256 + MQ_KV_GB * 256 * 4 + MQ_KV_GB * 64) / 4 + 64)
+/* KV head kh, rows [r0, r1); scratch MQ_KV_SCRATCH_FLOATS(Dh) floats */
+void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch);
+/* pack blocks [b0, b1) of every head from the f16 stores into pk [Hkv, NB, block_bytes] */
+void mq_kv_pack(const uint16_t *kf, const uint16_t *vf, int S, int Dh, int Hkv, int b0, int b1, int bits,
+                uint8_t *pk, int NB);
 #endif

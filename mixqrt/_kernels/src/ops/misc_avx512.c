@@ -1,2 +1,3 @@
 #define MQ_SFX avx512
 #include "misc_impl.h"
+#include "kvattn_impl.h"

@@ -1,0 +1,386 @@
+/* Attention over the packed KV cache (mixqrt/kv): one source compiled per tier after misc_impl.h
+ * (misc_generic.c, misc_avx2.c, misc_avx512.c), so it shares that file's exp and dot. The numpy
+ * reference, operation for operation, is mixqrt/kv/ref.py: read its docstring for the format and
+ * the arithmetic. Integer sums are exact; every float operation is the reference's, in its order
+ * (no FMA contraction: -ffp-contract=off), so every tier gives the same bits.
+ *
+ * Work is one KV head and a range of query rows: every query head of the KV head's group reads each
+ * block of K and V once per row, and a tile of up to MQ_KV_TR rows reads each block once per tile
+ * (the block stays in L1 while the tile's rows use it). */
+
+
+/* sum of n <= 64 floats (x holds zeros up to 64) in the reference's sum16 order */
+static inline float MQ_FN(kv_sum16_)(const float *x) {
+#if defined(__AVX512F__)
+    __m512 a = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)),
+                                           _mm512_loadu_ps(x + 32)), _mm512_loadu_ps(x + 48));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    float r[4];
+    _mm_storeu_ps(r, q);
+    return (r[0] + r[2]) + (r[1] + r[3]);
+#else
+    float a[16];
+    for (int l = 0; l < 16; l++) a[l] = ((x[l] + x[l + 16]) + x[l + 32]) + x[l + 48];
+    for (int l = 0; l < 8; l++) a[l] += a[l + 8];
+    for (int l = 0; l < 4; l++) a[l] += a[l + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+#endif
+}
+
+/* p[i] = fexp(max(x[i] - mx, -87)) for 64 values (the reference's probabilities; x - mx <= 0) */
+static inline void MQ_FN(kv_exp64_)(const float *x, float mx, float *p) {
+    int i = 0;
+#if defined(MQ_XV)
+    for (; i + MQ_XV <= 64; i += MQ_XV)
+        MQ_XSTORE(p + i, MQ_FN(fexp_v_)(MQ_XCLAMP(MQ_XSUB(MQ_XLOAD(x + i), MQ_X1(mx)))));
+#endif
+    for (; i < 64; i++) {
+        float v = x[i] - mx;
+        v = v < MQ_EXP_LO ? MQ_EXP_LO : v;
+        p[i] = MQ_FN(fexp_)(v);
+    }
+}
+
+/* ---- small vector helpers: the same values on every tier (conversions and roundings are exact /
+ * round-to-nearest-even in all of them; max is order-free) */
+static inline void MQ_FN(kv_cvt16_)(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = mq_f16_to_f32(src[i]);
+}
+
+/* y = a * b (n a multiple of 16), returns max |y| (0 if none is larger) */
+static inline float MQ_FN(kv_mul_absmax_)(const float *a, const float *b, float *y, int n) {
+    float m = 0.0f;
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 mv = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i));
+        _mm512_storeu_ps(y + i, v);
+        mv = _mm512_max_ps(mv, _mm512_abs_ps(v));
+    }
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; i < n; i++) {
+        y[i] = a[i] * b[i];
+        const float v = y[i] < 0 ? -y[i] : y[i];
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+/* out[i] = rint(x[i] * s) as a byte (|x[i] * s| <= 127, or 0 .. 255 unsigned) */
+static inline void MQ_FN(kv_round8_)(const float *x, float s, uint8_t *out, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; i + 16 <= n; i += 16)
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), sv))));
+#endif
+    for (; i < n; i++) out[i] = (uint8_t)(int)nearbyintf(x[i] * s);
+}
+
+static inline float MQ_FN(kv_max_)(const float *x, int n) {
+    int i = 0;
+    float m = x[0];
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        for (i = 16; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+        m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* The online-softmax step shared by both block kinds: s [g][64] scores of n positions (the rest is
+ * ignored) -> s holds p (zeros past n), alpha[j] the old sums' factor; m, l updated. */
+static inline void MQ_FN(kv_probs_)(float *s, int g, int n, float *m, float *l, float *alpha) {
+    for (int j = 0; j < g; j++) {
+        float *sj = s + (size_t)j * 64;
+        const float bm = MQ_FN(kv_max_)(sj, n);
+        const float mn = m[j] > bm ? m[j] : bm;
+        if (m[j] == -INFINITY) alpha[j] = 0.0f;
+        else {
+            float d = m[j] - mn;
+            d = d < MQ_EXP_LO ? MQ_EXP_LO : d;
+            alpha[j] = MQ_FN(fexp_)(d);
+        }
+        for (int t = n; t < 64; t++) sj[t] = mn;   /* exp(0) = 1 below, zeroed after */
+        MQ_FN(kv_exp64_)(sj, mn, sj);
+        for (int t = n; t < 64; t++) sj[t] = 0.0f;
+        l[j] = l[j] * alpha[j] + MQ_FN(kv_sum16_)(sj);
+        m[j] = mn;
+    }
+}
+
+/* ---- f16 positions [0, n) of one block (n <= 64): k, v point at the first one's row */
+static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *k, const uint16_t *v, int n,
+                                 float scale, float *m, float *l, float *acc, float *sc, float *row) {
+    for (int t = 0; t < n; t++) {
+        MQ_FN(kv_cvt16_)(k + (size_t)t * Dh, row, Dh);
+        for (int j = 0; j < g; j++) sc[(size_t)j * 64 + t] = MQ_FN(dotf_)(q + (size_t)j * Dh, row, Dh) * scale;
+    }
+    float alpha[MQ_KV_GB];
+    MQ_FN(kv_probs_)(sc, g, n, m, l, alpha);
+    for (int j = 0; j < g; j++) {
+        float *aj = acc + (size_t)j * Dh;
+        for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j];
+    }
+    for (int t = 0; t < n; t++) {
+        MQ_FN(kv_cvt16_)(v + (size_t)t * Dh, row, Dh);
+        for (int j = 0; j < g; j++) {
+            const float p = sc[(size_t)j * 64 + t];
+            float *aj = acc + (size_t)j * Dh;
+            for (int d = 0; d < Dh; d++) aj[d] = aj[d] + p * row[d];
+        }
+    }
+}
+
+/* ---- the integer sums of a packed block, per tier:
+ * kv_kdot_: isum[j][t] = sum_c q8[j][c] code(t, c) for the block's 64 positions
+ * kv_vdot_: iv[j][d]   = sum_t p8[j][t] code(t, d) */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+static void MQ_FN(kv_kdot_)(const int8_t *q8, int g, int Dh, const uint8_t *kc, int bits, int32_t *isum) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int j0 = 0; j0 < g; j0 += 8) {
+        const int gn = g - j0 < 8 ? g - j0 : 8;
+        for (int s = 0; s < 4; s++) {                    /* 16 positions */
+            __m512i a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_si512();
+            if (bits == 4) {
+                const uint8_t *p = kc + (size_t)s * (Dh / 8) * 64;
+                for (int mm = 0; mm < Dh / 8; mm++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(p + (size_t)mm * 64));
+                    const __m512i lo = _mm512_and_si512(x, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), lo4);
+                    for (int j = 0; j < 8; j++) {
+                        if (j >= gn) break;
+                        const int8_t *qj = q8 + (size_t)(j0 + j) * Dh + 8 * mm;
+                        int32_t w0, w1;
+                        memcpy(&w0, qj, 4); memcpy(&w1, qj + 4, 4);
+                        a[j] = _mm512_dpbusd_epi32(a[j], lo, _mm512_set1_epi32(w0));
+                        a[j] = _mm512_dpbusd_epi32(a[j], hi, _mm512_set1_epi32(w1));
+                    }
+                }
+            } else {
+                const uint8_t *p = kc + (size_t)s * (Dh / 4) * 64;
+                for (int c4 = 0; c4 < Dh / 4; c4++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(p + (size_t)c4 * 64));
+                    for (int j = 0; j < 8; j++) {
+                        if (j >= gn) break;
+                        int32_t w;
+                        memcpy(&w, q8 + (size_t)(j0 + j) * Dh + 4 * c4, 4);
+                        a[j] = _mm512_dpbusd_epi32(a[j], x, _mm512_set1_epi32(w));
+                    }
+                }
+            }
+            for (int j = 0; j < gn; j++) _mm512_storeu_si512((void *)(isum + (size_t)(j0 + j) * 64 + 16 * s), a[j]);
+        }
+    }
+}
+
+static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc, int bits, int32_t *iv) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int j0 = 0; j0 < g; j0 += 8) {
+        const int gn = g - j0 < 8 ? g - j0 : 8;
+        for (int c32 = 0; c32 < Dh / 32; c32++) {        /* 32 channels: two vectors per head */
+            __m512i a[8][2];
+            for (int j = 0; j < 8; j++) a[j][0] = a[j][1] = _mm512_setzero_si512();
+            for (int u = 0; u < 16; u++) {               /* 4 positions */
+                __m512i x0, x1;
+                if (bits == 4) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(vc + ((size_t)u * (Dh / 32) + c32) * 64));
+                    x0 = _mm512_and_si512(x, lo4);
+                    x1 = _mm512_and_si512(_mm512_srli_epi16(x, 4), lo4);
+                } else {
+                    x0 = _mm512_loadu_si512((const void *)(vc + ((size_t)u * (Dh / 16) + 2 * c32) * 64));
+                    x1 = _mm512_loadu_si512((const void *)(vc + ((size_t)u * (Dh / 16) + 2 * c32 + 1) * 64));
+                }
+                for (int j = 0; j < 8; j++) {
+                    if (j >= gn) break;
+                    int32_t w;
+                    memcpy(&w, p8 + (size_t)(j0 + j) * 64 + 4 * u, 4);
+                    const __m512i pw = _mm512_set1_epi32(w);
+                    if (bits == 4) {       /* probabilities 0..255 unsigned, codes 0..15 signed */
+                        a[j][0] = _mm512_dpbusd_epi32(a[j][0], pw, x0);
+                        a[j][1] = _mm512_dpbusd_epi32(a[j][1], pw, x1);
+                    } else {               /* codes 0..255 unsigned, probabilities 0..127 signed */
+                        a[j][0] = _mm512_dpbusd_epi32(a[j][0], x0, pw);
+                        a[j][1] = _mm512_dpbusd_epi32(a[j][1], x1, pw);
+                    }
+                }
+            }
+            for (int j = 0; j < gn; j++) {
+                _mm512_storeu_si512((void *)(iv + (size_t)(j0 + j) * Dh + 32 * c32), a[j][0]);
+                _mm512_storeu_si512((void *)(iv + (size_t)(j0 + j) * Dh + 32 * c32 + 16), a[j][1]);
+            }
+        }
+    }
+}
+#else
+/* portable: the codes unpacked to bytes [64][Dh] (position-major), then plain integer loops */
+static void MQ_FN(kv_unpack_k_)(const uint8_t *kc, int Dh, int bits, uint8_t *out) {
+    for (int t = 0; t < 64; t++)
+        for (int c = 0; c < Dh; c++) {
+            const int s = t / 16, tt = t % 16;
+            uint8_t b;
+            if (bits == 4) b = (uint8_t)((kc[((size_t)s * (Dh / 8) + c / 8) * 64 + tt * 4 + c % 4] >> (4 * ((c % 8) / 4))) & 15);
+            else b = kc[((size_t)s * (Dh / 4) + c / 4) * 64 + tt * 4 + c % 4];
+            out[(size_t)t * Dh + c] = b;
+        }
+}
+
+static void MQ_FN(kv_unpack_v_)(const uint8_t *vc, int Dh, int bits, uint8_t *out) {
+    for (int t = 0; t < 64; t++)
+        for (int d = 0; d < Dh; d++) {
+            const int u = t / 4, j = t % 4;
+            uint8_t b;
+            if (bits == 4) b = (uint8_t)((vc[((size_t)u * (Dh / 32) + d / 32) * 64 + (d % 16) * 4 + j] >> (4 * ((d % 32) / 16))) & 15);
+            else b = vc[((size_t)u * (Dh / 16) + d / 16) * 64 + (d % 16) * 4 + j];
+            out[(size_t)t * Dh + d] = b;
+        }
+}
+
+static void MQ_FN(kv_kdot_)(const int8_t *q8, int g, int Dh, const uint8_t *kc, int bits, int32_t *isum) {
+    uint8_t codes[64 * 256];
+    MQ_FN(kv_unpack_k_)(kc, Dh, bits, codes);
+    for (int j = 0; j < g; j++)
+        for (int t = 0; t < 64; t++) {
+            int32_t s = 0;
+            const uint8_t *cr = codes + (size_t)t * Dh;
+            const int8_t *qj = q8 + (size_t)j * Dh;
+            for (int c = 0; c < Dh; c++) s += (int32_t)qj[c] * (int32_t)cr[c];
+            isum[(size_t)j * 64 + t] = s;
+        }
+}
+
+static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc, int bits, int32_t *iv) {
+    uint8_t codes[64 * 256];
+    MQ_FN(kv_unpack_v_)(vc, Dh, bits, codes);
+    for (int j = 0; j < g; j++) {
+        int32_t *o = iv + (size_t)j * Dh;
+        for (int d = 0; d < Dh; d++) o[d] = 0;
+        for (int t = 0; t < 64; t++) {
+            const int32_t p = p8[(size_t)j * 64 + t];
+            const uint8_t *cr = codes + (size_t)t * Dh;
+            for (int d = 0; d < Dh; d++) o[d] += p * (int32_t)cr[d];
+        }
+    }
+}
+#endif
+
+/* ---- one packed block for one row's g heads */
+static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t *blk, int bits, float scale,
+                                    float *m, float *l, float *acc, float *sc, float *row, void *iscr) {
+    const uint16_t *ks = (const uint16_t *)blk, *km = ks + Dh;
+    const uint8_t *kc = blk + 4 * (size_t)Dh;
+    const uint8_t *vb = kc + (size_t)64 * Dh * bits / 8;
+    const uint16_t *vs = (const uint16_t *)vb, *vm = vs + 64;
+    const uint8_t *vc = vb + 4 * 64;
+    const float pmax = bits == 8 ? 127.0f : 255.0f;
+    int8_t *q8 = (int8_t *)iscr;                              /* [g][Dh] */
+    int32_t *isum = (int32_t *)(q8 + (size_t)MQ_KV_GB * 256);  /* [g][64], then [g][Dh] */
+    uint8_t *p8 = (uint8_t *)(isum + (size_t)MQ_KV_GB * 256);  /* [g][64] */
+    float kmin[256], kscale[256], vsc[64], vmn[64], d8[MQ_KV_GB], cst[MQ_KV_GB];
+    MQ_FN(kv_cvt16_)(ks, kscale, Dh);
+    MQ_FN(kv_cvt16_)(km, kmin, Dh);
+    MQ_FN(kv_cvt16_)(vs, vsc, 64);
+    MQ_FN(kv_cvt16_)(vm, vmn, 64);
+    for (int j = 0; j < g; j++) {
+        const float *qj = q + (size_t)j * Dh;
+        const float a = MQ_FN(kv_mul_absmax_)(qj, kscale, row, Dh);
+        cst[j] = MQ_FN(dotf_)(qj, kmin, Dh);
+        int8_t *qo = q8 + (size_t)j * Dh;
+        if (a > 0.0f) {
+            MQ_FN(kv_round8_)(row, 127.0f / a, (uint8_t *)qo, Dh);
+            d8[j] = a / 127.0f;
+        } else {
+            memset(qo, 0, (size_t)Dh);
+            d8[j] = 0.0f;
+        }
+    }
+    MQ_FN(kv_kdot_)(q8, g, Dh, kc, bits, isum);
+    for (int j = 0; j < g; j++)
+        for (int t = 0; t < 64; t++)
+            sc[(size_t)j * 64 + t] = ((float)isum[(size_t)j * 64 + t] * d8[j] + cst[j]) * scale;
+    float alpha[MQ_KV_GB], e8[MQ_KV_GB], vsum[MQ_KV_GB];
+    MQ_FN(kv_probs_)(sc, g, 64, m, l, alpha);
+    for (int j = 0; j < g; j++) {
+        const float *pj = sc + (size_t)j * 64;
+        const float b = MQ_FN(kv_mul_absmax_)(pj, vsc, row, 64);     /* p' >= 0 */
+        uint8_t *po = p8 + (size_t)j * 64;
+        if (b > 0.0f) {
+            MQ_FN(kv_round8_)(row, pmax / b, po, 64);
+            e8[j] = b / pmax;
+        } else {
+            for (int t = 0; t < 64; t++) po[t] = 0;
+            e8[j] = 0.0f;
+        }
+        for (int t = 0; t < 64; t++) row[t] = pj[t] * vmn[t];
+        vsum[j] = MQ_FN(kv_sum16_)(row);
+    }
+    MQ_FN(kv_vdot_)(p8, g, Dh, vc, bits, isum);
+    for (int j = 0; j < g; j++) {
+        float *aj = acc + (size_t)j * Dh;
+        const int32_t *ij = isum + (size_t)j * Dh;
+        for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j] + ((float)ij[d] * e8[j] + vsum[j]);
+    }
+}
+
+/* Rows [r0, r1) of KV head kh (all its query heads, in passes of MQ_KV_GB); see misc.h. */
+void MQ_FN(mq_kvattn_)(const mq_kvatt *a, int kh, int r0, int r1, float *scratch) {
+    const int Dh = a->Dh, g = a->Hq / a->Hkv, G = 64;
+    const float scale = (float)(1.0 / sqrt((double)Dh));
+    const size_t nb = (size_t)(a->S / G), bb = (size_t)a->block_bytes;
+    const uint16_t *kf = a->kf + (size_t)kh * a->S * Dh, *vf = a->vf + (size_t)kh * a->S * Dh;
+    const uint8_t *pk = a->pk ? a->pk + (size_t)kh * nb * bb : NULL;
+    /* scratch: per tile row: m, l [GB], acc [GB][Dh]; then sc [GB][64], row [256], integer scratch */
+    const size_t per_row = 2 * MQ_KV_GB + (size_t)MQ_KV_GB * Dh;
+    float *sc = scratch + (size_t)MQ_KV_TR * per_row;
+    float *row = sc + (size_t)MQ_KV_GB * 64;
+    void *iscr = (void *)(row + 256);
+    for (int j0 = 0; j0 < g; j0 += MQ_KV_GB) {
+        const int gn = g - j0 < MQ_KV_GB ? g - j0 : MQ_KV_GB;
+        for (int t0 = r0; t0 < r1; t0 += MQ_KV_TR) {
+            const int tn = r1 - t0 < MQ_KV_TR ? r1 - t0 : MQ_KV_TR;
+            int bmin = 1 << 30, bmax = 0;
+            for (int r = 0; r < tn; r++) {
+                float *st = scratch + (size_t)r * per_row;
+                for (int j = 0; j < gn; j++) { st[j] = -INFINITY; st[MQ_KV_GB + j] = 0.0f; }
+                memset(st + 2 * MQ_KV_GB, 0, sizeof(float) * (size_t)gn * Dh);
+                const int n = a->pos0 + t0 + r + 1;
+                const int lo = a->window > 0 && n > a->window ? n - a->window : 0;
+                bmin = lo / G < bmin ? lo / G : bmin;
+                bmax = (n - 1) / G > bmax ? (n - 1) / G : bmax;
+            }
+            for (int b = bmin; b <= bmax; b++)
+                for (int r = 0; r < tn; r++) {
+                    const int n = a->pos0 + t0 + r + 1;
+                    const int lo = a->window > 0 && n > a->window ? n - a->window : 0;
+                    const int i0 = b * G > lo ? b * G : lo, i1 = (b + 1) * G < n ? (b + 1) * G : n;
+                    if (i1 <= i0) continue;
+                    float *st = scratch + (size_t)r * per_row;
+                    const float *q = a->q + ((size_t)(t0 + r) * a->Hq + (size_t)kh * g + j0) * Dh;
+                    if (pk && b >= 1 && b < n / G)
+                        MQ_FN(kv_packed_block_)(q, gn, Dh, pk + (size_t)b * bb, a->bits, scale, st, st + MQ_KV_GB,
+                                                st + 2 * MQ_KV_GB, sc, row, iscr);
+                    else
+                        MQ_FN(kv_f16_block_)(q, gn, Dh, kf + (size_t)i0 * Dh, vf + (size_t)i0 * Dh, i1 - i0, scale,
+                                             st, st + MQ_KV_GB, st + 2 * MQ_KV_GB, sc, row);
+                }
+            for (int r = 0; r < tn; r++) {
+                const float *st = scratch + (size_t)r * per_row;
+                float *o = a->out + ((size_t)(t0 + r) * a->Hq + (size_t)kh * g + j0) * Dh;
+                for (int j = 0; j < gn; j++)
+                    for (int d = 0; d < Dh; d++) o[(size_t)j * Dh + d] = st[2 * MQ_KV_GB + (size_t)j * Dh + d] / st[MQ_KV_GB + j];
+            }
+        }
+    }
+}

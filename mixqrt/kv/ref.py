@@ -1,0 +1,282 @@
+"""The numpy reference of the packed KV cache: the block format, the packer and the attention over
+it, operation for operation as the C kernels (src/ops/kvattn_impl.h) compute them, so that every ISA
+tier is compared against this module bit for bit (tests/test_kv.py).
+
+The format (``q4``: BITS = 4, ``q8``: BITS = 8), per layer, per KV head, per block of G = 64 positions:
+
+    kscale [Dh] f16, kmin [Dh] f16     keys per channel over the block's 64 positions (KIVI):
+                                       k[t, c] ~ kscale[c] * code + kmin[c], codes 0 .. 2^BITS - 1
+    kcodes                             G x Dh codes, laid out for a 4-byte integer dot whose 16 lanes
+                                       are 16 positions (see k_layout)
+    vscale [G] f16, vmin [G] f16       values per position over the head's Dh channels:
+                                       v[t, d] ~ vscale[t] * code + vmin[t]
+    vcodes                             G x Dh codes, laid out for a 4-byte integer dot whose 16 lanes
+                                       are 16 channels (see v_layout)
+
+Block 0 (the first 64 positions: the attention sink) is never packed, and the block a row's own
+position falls in is read in f16 by that row: a position's K/V are first stored in f16, a block is
+packed when its 64th position is written, and row p (n = p + 1 keys) reads block 0 and the partial
+block n // G in f16, blocks 1 .. n // G - 1 packed. What a row reads depends on its position only,
+so a prompt's rows equal single decode steps bit for bit.
+
+Attention per row and query head, blocks in order with an online softmax (m, l, acc):
+  f16 block (positions i0 .. i1-1):  s_t = dot(q, k_t) * scale                (dotf: 16 lanes, tree)
+  packed block:  q'_c = q_c * kscale_c; C = dot(q, kmin); a = max|q'|;
+                 q8_c = rint(q'_c * (127 / a)), d = a / 127;  s_t = (float(sum_c q8_c code_tc) * d + C) * scale
+  m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
+  l = l * alpha + sum16(p)
+  f16 block:     acc_d = acc_d * alpha + (p_t * v_td, added in position order)
+  packed block:  p'_t = p_t * vscale_t; b = max p'; p8_t = rint(p'_t * (PMAX / b)), e = b / PMAX
+                 acc_d = acc_d * alpha + (float(sum_t p8_t vcode_td) * e + sum16(p_t * vmin_t))
+  out = acc / l
+"""
+from __future__ import annotations
+
+import numpy as np
+
+G = 64                      # positions per block
+EXP_LO = np.float32(-87.0)
+F32 = np.float32
+
+
+def pmax_of(bits: int) -> int:
+    """Levels of a quantized probability: 8-bit values take signed probabilities (0..127) against
+    unsigned codes, 4-bit values unsigned probabilities (0..255) against codes that fit a signed byte."""
+    return 127 if bits == 8 else 255
+
+
+def block_bytes(dh: int, bits: int) -> int:
+    """Bytes of one packed block of one KV head."""
+    return 4 * dh + G * dh * bits // 8 + 4 * G + G * dh * bits // 8
+
+
+def offsets(dh: int, bits: int) -> dict:
+    nk = G * dh * bits // 8
+    return {"kscale": 0, "kmin": 2 * dh, "kcodes": 4 * dh, "vscale": 4 * dh + nk, "vmin": 4 * dh + nk + 2 * G,
+            "vcodes": 4 * dh + nk + 4 * G}
+
+
+def check_head_dim(dh: int) -> None:
+    if dh % 32 or dh < 32:
+        raise ValueError(f"packed KV needs a head_dim that is a multiple of 32, got {dh}")
+
+
+# ----------------------------------------------------------------------------- float helpers
+def f16r(x) -> np.ndarray:
+    """float32 -> f16 -> float32 (round to nearest even)."""
+    return np.asarray(x, F32).astype(np.float16).astype(F32)
+
+
+def fexp(x) -> np.ndarray:
+    """The kernels' exp (misc_impl.h fexp_): Cody-Waite + degree-6 polynomial, float32 step by step."""
+    x = np.asarray(x, F32)
+    n = np.rint(x * F32(1.44269504088896341))
+    r = x - n * F32(0.693359375)
+    r = r - n * F32(-2.12194440e-4)
+    p = np.full_like(x, F32(1.9875691500E-4))
+    for c in (1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2, 1.6666665459E-1, 5.0000001201E-1):
+        p = p * r + F32(c)
+    p = (p * (r * r) + r) + F32(1.0)
+    scale = ((n.astype(np.int32) + 127) << 23).astype(np.int32).view(F32)
+    return (p * scale).astype(F32)
+
+
+def sum16(x) -> np.float32:
+    """Sum of the last axis as the kernels add it: 16 lanes (value i to lane i % 16, in order), then
+    the lanes' tree: 8 + 8, 4 + 4, then (r0 + r2) + (r1 + r3)."""
+    x = np.asarray(x, F32)
+    n = x.shape[-1]
+    pad = (-n) % 16
+    if pad:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), F32)], -1)
+    lanes = np.zeros(x.shape[:-1] + (16,), F32)
+    for i in range(0, x.shape[-1], 16):
+        lanes = lanes + x[..., i:i + 16]
+    h = lanes[..., :8] + lanes[..., 8:]
+    q = h[..., :4] + h[..., 4:]
+    return (q[..., 0] + q[..., 2]) + (q[..., 1] + q[..., 3])
+
+
+def dotf(a, b) -> np.float32:
+    """misc_impl.h dotf_: products, then sum16."""
+    return sum16(np.asarray(a, F32) * np.asarray(b, F32))
+
+
+# ----------------------------------------------------------------------------- layouts
+def k_layout(codes: np.ndarray, bits: int) -> np.ndarray:
+    """codes [G, Dh] (position, channel) -> the packed key bytes. 8 bits: per 16 positions s and 4
+    channels c4, 64 bytes: byte 4 t + j = code(16 s + t, 4 c4 + j). 4 bits: per 16 positions and 8
+    channels m, 64 bytes: low nibble code(16 s + t, 8 m + j), high nibble code(16 s + t, 8 m + 4 + j)."""
+    g, dh = codes.shape
+    c = codes.astype(np.uint8).reshape(g // 16, 16, dh // 4, 4)                # [s, t, c4, j]
+    if bits == 8:
+        return c.transpose(0, 2, 1, 3).reshape(-1).copy()                       # [s, c4, t, j]
+    c = c.reshape(g // 16, 16, dh // 8, 2, 4)                                    # [s, t, m, half, j]
+    b = c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)                               # [s, t, m, j]
+    return b.transpose(0, 2, 1, 3).reshape(-1).copy()
+
+
+def k_unlayout(raw: np.ndarray, dh: int, bits: int) -> np.ndarray:
+    raw = np.asarray(raw, np.uint8)
+    if bits == 8:
+        return raw.reshape(G // 16, dh // 4, 16, 4).transpose(0, 2, 1, 3).reshape(G, dh).astype(np.int32)
+    b = raw.reshape(G // 16, dh // 8, 16, 4).transpose(0, 2, 1, 3)                # [s, t, m, j]
+    lo, hi = b & 15, b >> 4
+    return np.stack([lo, hi], 3).reshape(G, dh).astype(np.int32)
+
+
+def v_layout(codes: np.ndarray, bits: int) -> np.ndarray:
+    """codes [G, Dh] -> the packed value bytes. 8 bits: per 4 positions u and 16 channels c16, 64
+    bytes: byte 4 d + j = code(4 u + j, 16 c16 + d). 4 bits: per 4 positions and 32 channels m, 64
+    bytes: low nibble code(4 u + j, 32 m + d), high nibble code(4 u + j, 32 m + 16 + d)."""
+    g, dh = codes.shape
+    c = codes.astype(np.uint8).reshape(g // 4, 4, dh // 16, 16)                 # [u, j, c16, d]
+    if bits == 8:
+        return c.transpose(0, 2, 3, 1).reshape(-1).copy()                       # [u, c16, d, j]
+    c = c.reshape(g // 4, 4, dh // 32, 2, 16)                                    # [u, j, m, half, d]
+    b = c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)                               # [u, j, m, d]
+    return b.transpose(0, 2, 3, 1).reshape(-1).copy()
+
+
+def v_unlayout(raw: np.ndarray, dh: int, bits: int) -> np.ndarray:
+    raw = np.asarray(raw, np.uint8)
+    if bits == 8:
+        return raw.reshape(G // 4, dh // 16, 16, 4).transpose(0, 3, 1, 2).reshape(G, dh).astype(np.int32)
+    b = raw.reshape(G // 4, dh // 32, 16, 4).transpose(0, 3, 1, 2)               # [u, j, m, d]
+    lo, hi = b & 15, b >> 4
+    return np.stack([lo, hi], 3).reshape(G, dh).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- the packer
+def _range_codes(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, qmax: int):
+    """(scale f16, min f16, codes) of x against per-group lo/hi (broadcast)."""
+    sc = f16r((hi - lo) / F32(qmax))
+    mn = f16r(lo)
+    inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
+    codes = np.clip(np.rint((x - mn) * inv), 0, qmax).astype(np.int32)
+    return sc, mn, codes
+
+
+def pack_block(k: np.ndarray, v: np.ndarray, bits: int) -> np.ndarray:
+    """One block of one head: k, v [G, Dh] (f16 values as float32) -> block_bytes(Dh, bits) bytes."""
+    k = np.asarray(k, F32)
+    v = np.asarray(v, F32)
+    dh = k.shape[1]
+    qmax = (1 << bits) - 1
+    ks, km, kc = _range_codes(k, k.min(0, keepdims=True), k.max(0, keepdims=True), qmax)
+    vs, vm, vc = _range_codes(v, v.min(1, keepdims=True), v.max(1, keepdims=True), qmax)
+    o = offsets(dh, bits)
+    out = np.zeros(block_bytes(dh, bits), np.uint8)
+    out[o["kscale"]:o["kmin"]] = ks.reshape(-1).astype(np.float16).view(np.uint8)
+    out[o["kmin"]:o["kcodes"]] = km.reshape(-1).astype(np.float16).view(np.uint8)
+    out[o["kcodes"]:o["vscale"]] = k_layout(kc, bits)
+    out[o["vscale"]:o["vmin"]] = vs.reshape(-1).astype(np.float16).view(np.uint8)
+    out[o["vmin"]:o["vcodes"]] = vm.reshape(-1).astype(np.float16).view(np.uint8)
+    out[o["vcodes"]:] = v_layout(vc, bits)
+    return out
+
+
+def unpack_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
+    """-> (kscale [Dh], kmin [Dh], kcodes [G, Dh], vscale [G], vmin [G], vcodes [G, Dh])."""
+    o = offsets(dh, bits)
+    raw = np.asarray(raw, np.uint8)
+    h = lambda a, b: raw[o[a]:o[b]].view(np.float16).astype(F32)     # noqa: E731
+    return (h("kscale", "kmin"), h("kmin", "kcodes"), k_unlayout(raw[o["kcodes"]:o["vscale"]], dh, bits),
+            h("vscale", "vmin"), h("vmin", "vcodes"), v_unlayout(raw[o["vcodes"]:], dh, bits))
+
+
+def dequant_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
+    """-> (k [G, Dh], v [G, Dh]) float32, what the packed block stands for."""
+    ks, km, kc, vs, vm, vc = unpack_block(raw, dh, bits)
+    return kc.astype(F32) * ks + km, vc.astype(F32) * vs[:, None] + vm[:, None]
+
+
+# ----------------------------------------------------------------------------- attention
+class _State:
+    def __init__(self, g: int, dh: int):
+        self.m = np.full(g, -np.inf, F32)
+        self.l = np.zeros(g, F32)
+        self.acc = np.zeros((g, dh), F32)
+
+    def probs(self, s: np.ndarray):
+        """s [g, n] scores of one block -> (alpha [g], p [g, n]); updates m."""
+        m_new = np.maximum(self.m, s.max(1))
+        first = np.isneginf(self.m)
+        alpha = np.where(first, F32(0.0), fexp(np.maximum(np.where(first, F32(0.0), self.m - m_new), EXP_LO))).astype(F32)
+        p = fexp(np.maximum(s - m_new[:, None], EXP_LO))
+        self.m = m_new
+        self.l = self.l * alpha + sum16(p)
+        return alpha, p
+
+
+def _f16_block(st, q, kf, vf, scale):
+    """kf, vf [n, Dh] float32 (f16 values) of positions in one block."""
+    s = (sum16(q[:, None, :] * kf[None, :, :]) * scale).astype(F32)          # [g, n]
+    alpha, p = st.probs(s)
+    out = st.acc * alpha[:, None]
+    for t in range(kf.shape[0]):                                             # position order
+        out = out + p[:, t:t + 1] * vf[t][None, :]
+    st.acc = out.astype(F32)
+
+
+def _packed_block(st, q, raw, dh, bits, scale):
+    ks, km, kc, vs, vm, vc = unpack_block(raw, dh, bits)
+    qs = q * ks[None, :]                                                     # [g, Dh]
+    c = dotf(q, km[None, :])                                                 # [g]
+    a = np.abs(qs).max(1)
+    safe = np.where(a > 0, a, F32(1.0))
+    q8 = np.where(a[:, None] > 0, np.rint(qs * (F32(127.0) / safe)[:, None]), 0).astype(np.int32)
+    d = np.where(a > 0, a / F32(127.0), F32(0.0)).astype(F32)
+    isum = q8 @ kc.T                                                         # [g, G] exact
+    s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
+    alpha, p = st.probs(s)
+    pm = pmax_of(bits)
+    ps = p * vs[None, :]                                                     # [g, G]
+    b = ps.max(1)
+    safe = np.where(b > 0, b, F32(1.0))
+    p8 = np.where(b[:, None] > 0, np.rint(ps * (F32(pm) / safe)[:, None]), 0).astype(np.int32)
+    e = np.where(b > 0, b / F32(pm), F32(0.0)).astype(F32)
+    vsum = sum16(p * vm[None, :])                                            # [g]
+    iv = p8 @ vc                                                             # [g, Dh] exact
+    st.acc = (st.acc * alpha[:, None] + (iv.astype(F32) * e[:, None] + vsum[:, None])).astype(F32)
+
+
+def attend_row(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed, n: int, bits: int,
+               window: int | None = None) -> np.ndarray:
+    """One row's attention for one KV head's query heads.
+
+    q [g, Dh] float32; kf, vf [>= n, Dh] the f16 keys/values of every position (float32 values; only
+    those the row reads in f16 need be right); packed: callable b -> block bytes (or None: f16 only,
+    as a windowed layer or an f16 cache); n keys (the row sits at position n - 1); window: the row
+    reads positions n - window .. n - 1 only (f16 only)."""
+    g, dh = q.shape
+    scale = F32(1.0 / np.sqrt(dh))
+    st = _State(g, dh)
+    lo = 0 if window is None else max(0, n - window)
+    nfull = n // G
+    for b in range(lo // G, (n + G - 1) // G):
+        i0, i1 = max(b * G, lo), min((b + 1) * G, n)
+        if packed is not None and 1 <= b < nfull:
+            _packed_block(st, q, packed(b), dh, bits, scale)
+        else:
+            _f16_block(st, q, kf[i0:i1], vf[i0:i1], scale)
+    return (st.acc / st.l[:, None]).astype(F32)
+
+
+def attention(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed_blocks, pos0: int, bits: int,
+              window: int | None = None) -> np.ndarray:
+    """q [T, Hq, Dh] at positions pos0..; kf, vf [Hkv, S, Dh] f16 values; packed_blocks [Hkv, NB,
+    block_bytes] uint8 or None -> out [T, Hq, Dh] float32."""
+    t, hq, dh = q.shape
+    hkv = kf.shape[0]
+    g = hq // hkv
+    out = np.empty((t, hq, dh), F32)
+    kf = np.asarray(kf, F32)
+    vf = np.asarray(vf, F32)
+    for r in range(t):
+        n = pos0 + r + 1
+        for h in range(hkv):
+            pk = None if packed_blocks is None else (lambda b, h=h: packed_blocks[h, b])
+            out[r, h * g:(h + 1) * g] = attend_row(np.asarray(q[r, h * g:(h + 1) * g], F32), kf[h], vf[h], pk, n,
+                                                   bits, window)
+    return out
