@@ -112,6 +112,8 @@ LLAMA_SPEC = {"plain": [],
               # the -nNmM settings use mixqrt's sizes (3-token n-grams, 8 drafts) and smaller
               "ngram-simple-n3m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                                     "--spec-ngram-simple-size-m", "8"],
+              "ngram-simple-n3m16": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                     "--spec-ngram-simple-size-m", "16"],
               "ngram-simple-n2m4": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
                                     "--spec-ngram-simple-size-m", "4"],
               "ngram-map-k-n3m8": ["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "3",

@@ -15,6 +15,7 @@ import mmap
 import numpy as np
 
 from mixqrt.errors import GenerationError
+from mixqrt.kv import check_room
 
 
 def _lazy_zeros(n: int, dtype) -> np.ndarray:
@@ -56,14 +57,7 @@ class KVCache:
         self.offset = 0                          # positions filled
 
     # ------------------------------------------------------------------ writes
-    def check_room(self, pos0: int, n: int) -> None:
-        """Raise GenerationError unless positions pos0 .. pos0+n-1 fit and follow the filled ones."""
-        if pos0 < 0 or pos0 > self.offset:
-            raise GenerationError(f"cannot write at position {pos0}: the cache holds {self.offset} positions "
-                                  f"(writes must start at or before the first empty position)")
-        if pos0 + n > self.max_len:
-            raise GenerationError(f"KV cache overflow: writing {n} token(s) at position {pos0} needs "
-                                  f"{pos0 + n} positions, the cache holds at most {self.max_len}")
+    check_room = check_room                    # the rule of every KV cache (mixqrt.kv.check_room)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
         """Store k, v ([T, Hkv, Dh]) at positions pos0 .. pos0+T-1 of `layer`."""
@@ -126,7 +120,9 @@ class KVCache:
 # 4 or 8 bits with f16 scales; the attention sink and a row's own partial block read in f16; the
 # format and arithmetic in mixqrt/kv/ref.py, the measurements in docs/long-context.md).
 KV_TYPES = ("f32", "f16", "q8", "q4")
-DEFAULT_KV_TYPE = "q4"           # the Pipeline's, the Engine's and the command line's default
+# the Pipeline's, the Engine's and the command line's default: q8, because q4 (half its bytes) lost
+# more than llama.cpp's q8_0 cache at 8k tokens (docs/long-context.md); q4 stays for capacity
+DEFAULT_KV_TYPE = "q8"
 _FLOAT_KV = {"f32": np.float32, "f16": np.float16}
 _PACKED_BITS = {"q8": 8, "q4": 4}
 

@@ -175,10 +175,14 @@ def cmd_generate(a):
         raise SystemExit("mixqrt generate: --suffix (fill-in-the-middle) and --chat do not go together")
     if not a.chat:
         sys.stdout.write(prompt)   # echo the prompt, as llama.cpp does, so the output reads whole
+    kw = _sampling_kwargs(a)
+    if a.prediction is not None:
+        with open(a.prediction, encoding="utf-8") as f:
+            kw["prediction"] = f.read()
     if a.suffix is not None:       # fill-in-the-middle: the prompt is the text before the cursor
-        pieces = pipe.stream_infill(prompt, a.suffix, **_sampling_kwargs(a))
+        pieces = pipe.stream_infill(prompt, a.suffix, **kw)
     else:
-        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **_sampling_kwargs(a))
+        pieces = pipe.stream(prompt if not a.chat else [{"role": "user", "content": prompt}], **kw)
     for r in _prefill_progress(pipe, pieces, a.quiet):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -403,6 +407,10 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     _add_model(s, optional=True)
     s.add_argument("-p", "--prompt", default=None, help="prompt text (default: read stdin)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    s.add_argument("--prediction", default=None, metavar="FILE",
+                   help="text the reply is expected to repeat (the file being edited): drafts are copied from it "
+                        "first (OpenAI's `prediction`; speculative decoding, the output unchanged; "
+                        "docs/speculative.md)")
     s.add_argument("--suffix", default=None, metavar="TEXT",
                    help="fill in the middle: the prompt is the text before the cursor, TEXT the text after it "
                         "(the model's FIM tokens; llama.cpp's /infill prompt, docs/completion.md)")

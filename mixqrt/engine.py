@@ -42,7 +42,7 @@ from mixqrt.grammar import compile_async, grammar_from_response_format
 from mixqrt.limits import context_window
 from mixqrt.platform.perf import peak_rss_bytes
 from mixqrt.params import MAX_N, SamplingParams, as_params
-from mixqrt.speculative import MAX_DRAFT, Speculation
+from mixqrt.speculative import MAX_DRAFT, CopyDrafter, Speculation, exact_rows, prediction_ids
 from mixqrt.validate import integer, number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
@@ -72,6 +72,29 @@ class EngineBusy(GenerationError):
 
 
 # ============================================================================ request (consumer side)
+class _VerifyRows:
+    """The logits of a verify forward's rows, by pieces: the body runs on every row at once, the
+    lm_head on PIECE rows at a time as the acceptance walk reaches them (a walk that stops at draft
+    3 of 40 never pays the other rows' logits). Each row is the single step's logits bit for bit
+    (speculative.exact_rows bounds the rows)."""
+
+    PIECE = 8
+
+    def __init__(self, model, toks: list[int], kv):
+        ids = model.check_tokens(np.asarray(toks, dtype=np.int64))
+        kv.check_room(kv.offset, ids.size)
+        self.model = model
+        self.h = model.forward_hidden(ids, kv, kv.offset)             # [k+1, D]
+        self.lo = self.hi = 0
+        self.logits = None
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not self.lo <= i < self.hi:
+            self.lo, self.hi = i, min(len(self.h), i + self.PIECE)
+            self.logits = self.model.head(self.h[self.lo:self.hi])
+        return self.logits[i - self.lo]
+
+
 class Request:
     """A submitted request: iterate it (blocking or ``async for``) for GenerationResponse pieces.
 
@@ -91,6 +114,7 @@ class Request:
         self.cached_tokens = 0
         self.cache_salt, self.cache_prompt = None, True
         self.draft_k: int | None = None     # drafts per speculative step (None: the drafter's k)
+        self.prediction = None              # token ids the drafter copies from first (None: the prompt)
         self.draft_tokens = 0               # drafted for this request / accepted by the target
         self.accepted_draft_tokens = 0
         self.finish_reason: str | None = None
@@ -264,6 +288,8 @@ class Engine:
             raise GenerationError(f"speculative must be a drafter (mixqrt.speculative.make_drafter), "
                                   f"got {type(speculative).__name__}")
         self.drafter = speculative
+        self._copy_drafter = None       # for requests with a prediction when there is no drafter
+        self._verify_rows = None        # the most rows one verify may carry and stay exact (exact_rows)
         self._cond = threading.Condition()
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
@@ -302,6 +328,10 @@ class Engine:
         max_slots.
         draft_k: drafts per speculative step for this request (None: the drafter's own k; 0: no
         speculation; larger values are capped at speculative.MAX_DRAFT).
+        prediction: the text the reply is expected to repeat (token ids, or a string encoded without
+        a template; OpenAI's `prediction`, e.g. the file being edited): the copy drafter
+        (speculative.CopyDrafter) drafts from it before the prompt, also on an engine without a
+        drafter or with a draft model. The output stays the model's own.
         cache_salt: the prompt cache only shares K/V between requests with the same salt (None is
         a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
         K/V nor leaves this request's behind.
@@ -316,6 +346,7 @@ class Engine:
         p = as_params(params, **kwargs)
         buffer = integer("buffer", buffer, lo=1)
         draft_k = None if p.draft_k is None else min(p.draft_k, MAX_DRAFT)
+        prediction = prediction_ids(p.prediction, self.tokenizer, self.model.args.vocab_size)
         if p.n > self.max_slots:
             raise RequestError("n", f"n must be an integer in [1, {min(MAX_N, self.max_slots)}] (at most {MAX_N} "
                                     f"and the engine's max_slots), got {p.n!r}")
@@ -335,7 +366,7 @@ class Engine:
                                  f"(max_queue={self.max_queue}); retry later")
             req = Request(self, seqs, buffer)
             req.cache_salt, req.cache_prompt = p.cache_salt, p.cache_prompt
-            req.draft_k = draft_k
+            req.draft_k, req.prediction = draft_k, prediction
             self._n["requests"] += 1
             if grammar is None:
                 self._queue.append(req)
@@ -545,9 +576,12 @@ class Engine:
                 lead = _Slot(req, entry, n)
                 self._slots.append(lead)        # first: whatever fails below, the request is a slot to fail
                 self._slots += [_Slot(req, None, 0, i, lead) for i in range(1, req.n)]
-                if self.drafter is not None and req.draft_k != 0 and req.n == 1:
+                drafter = self.drafter
+                if req.prediction is not None and not isinstance(drafter, CopyDrafter):
+                    drafter = self._copy_drafter = self._copy_drafter or CopyDrafter()   # copies it
+                if drafter is not None and req.draft_k != 0 and req.n == 1:
                     try:
-                        lead.spec = Speculation(self.drafter, self.max_context, req.draft_k)
+                        lead.spec = Speculation(drafter, self.max_context, req.draft_k, source=req.prediction)
                     except Exception:  # noqa: BLE001 — no drafter state (memory): decode plainly
                         lead.spec = None
             prefill = next((s for s in self._slots if s.tok is None and s.leader is None), None)
@@ -755,17 +789,20 @@ class Engine:
         the accepted drafts and the target's own next token, roll the KV back past the rest
         (mixqrt.speculative). False when nothing was drafted: the caller runs a plain step."""
         sp, seq, kv = s.spec, s.seq, s.entry.kv
-        k = min(sp.next_k(), seq.budget - seq.n_gen - 1, kv.max_len - seq.n)
+        if self._verify_rows is None:
+            self._verify_rows = exact_rows(self.model)
+        k = min(sp.next_k(), seq.budget - seq.n_gen - 1, kv.max_len - seq.n, self._verify_rows - 1)
         drafts: list[int] = []
         done = None
         try:
             t0 = time.perf_counter()
             if k > 0:
                 drafts = sp.drafter.propose(sp.state, seq.history[:seq.n], k)[:k]
+                drafts = drafts[:sp.length(len(drafts))]
             if not drafts:
                 return False
             t1 = time.perf_counter()
-            rows = self.model(np.asarray([s.tok] + drafts, dtype=np.int64), kv)      # [k+1, V]
+            rows = _VerifyRows(self.model, [s.tok] + drafts, kv)     # the body on k+1 rows, logits by pieces
             now = time.perf_counter()
             sp.record_times(len(drafts), t1 - t0, len(drafts) + 1, now - t1)
             accepted = 0

@@ -174,6 +174,14 @@ def _do_sample(name, v):
     return boolean(name, v)
 
 
+def _prediction(name, v):
+    from mixqrt.speculative import prediction_text
+    try:
+        return prediction_text(v)
+    except RequestError as e:
+        raise RequestError(name, str(e)) from None
+
+
 # ---------------------------------------------------------------------------- HTTP spellings unlike the Python ones
 def _wire_logprobs(kind, spelling, v) -> dict:
     """Chat: logprobs true/false (top_logprobs apart). Completions: logprobs=k, the top k too."""
@@ -312,6 +320,10 @@ for _p in (
           openai=(("parallel_tool_calls", ("chat",)),)),
     Param("draft_k", None, lambda name, v: integer(name, v, lo=0),
           "drafts per speculative step (None: the drafter's; 0: off; capped at speculative.MAX_DRAFT)"),
+    Param("prediction", None, _prediction,
+          "text the reply is expected to repeat (the file being edited): the copy drafter drafts from it first; "
+          "OpenAI's {'type': 'content', 'content': str or text parts}, a string or token ids",
+          openai=("prediction",)),
     Param("cache_salt", None, lambda name, v: string(name, v, MAX_CACHE_SALT),
           "requests share cached prompt K/V only with the same salt", openai=("cache_salt",),
           wire=_wire_cache_salt),

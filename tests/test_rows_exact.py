@@ -77,6 +77,22 @@ def test_interleaved_gemm_rows_equal_single_rows(tier, fmt, k):
     x = rng.standard_normal((41, k)).astype(np.float32)
     assert_rows_are_single_rows(w, x, [18, 24, 41])
     assert_rows_are_single_rows(w, x[:8], [2, 3, 5, 8])
+    before_max = _ops.set_few_max_t(None)
+    try:
+        _ops.set_few_max_t(0)                       # 9+ rows through the GEMM too
+        assert_rows_are_single_rows(w, x, [9, 18, 24, 41])
+    finally:
+        _ops.set_few_max_t(before_max)
+
+
+@pytest.mark.parametrize("fmt", X_FMTS)
+def test_interleaved_verify_rows_equal_single_rows(tier, fmt):
+    """9-65 rows (a speculative verify of up to 64 drafts): on AVX-512 the few-row kernels over L2 row
+    blocks, the rows in groups of 2-8 (_ops.set_few_max_t); every T, on a matrix of several blocks."""
+    rng = np.random.default_rng(11)
+    w = weight(fmt, 640, 1088, rng)
+    x = rng.standard_normal((65, 1088)).astype(np.float32)
+    assert_rows_are_single_rows(w, x, [9, 10, 16, 17, 23, 33, 47, 63, 64, 65])
 
 
 @pytest.mark.parametrize("fmt", ["q3p", "q3u", "q4", "q6", "q8", "q2c"])

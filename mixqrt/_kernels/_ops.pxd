@@ -43,6 +43,7 @@ cdef extern from "mq_ops.h" nogil:
     int mq_set_float_mv(int on)
     int mq_set_q6_fold(int on)
     int mq_set_q2c_mv(int on)
+    int mq_set_few_max_t(int t)
     int mq_set_mv_xpf(int on)
     void mq_set_float_pf(size_t nbytes)
     void mq_set_q3x_prefetch(size_t nbytes)

@@ -37,6 +37,15 @@ def set_mv_xpf(on=None):
     return bool(mq_set_mv_xpf(-1 if on is None else (1 if on else 0)))
 
 
+def set_few_max_t(t=None):
+    """AVX-512 products of 9 up to t rows on the interleaved formats (q4x, q6x, q3x; a speculative verify
+    of up to 64 drafts) through the few-row kernels over L2-sized blocks of weight rows, the rows in
+    groups of 2-8 (default 64; 0: through the GEMM, whose per-call tile unpack costs about a decode
+    step whatever the row count). The same bits either way (every row the T = 1 row). t=None only
+    queries. Returns the previous value."""
+    return mq_set_few_max_t(-1 if t is None else max(0, int(t)))
+
+
 def set_q2c_mv(on=None):
     """AVX-512 decode of q2c (the routed experts' gate/up and embedding tables of the 2356 family)
     through mv_q2c, whole 128-weight blocks of 4 rows with one broadcast load and one level lookup

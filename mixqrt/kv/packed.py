@@ -26,7 +26,7 @@ import mmap
 import numpy as np
 
 from mixqrt.errors import GenerationError
-from mixqrt.kv import ref
+from mixqrt.kv import check_room, ref
 
 G = ref.G
 KEEP = 2          # complete blocks kept in f16 behind the newest (rollbacks of < KEEP * 64 positions stay exact)
@@ -102,13 +102,7 @@ class PackedKVCache:
         self._wfreed = [0] * self.num_layers   # windowed layers: f16 blocks [0, n) given back
 
     # ------------------------------------------------------------------ writes
-    def check_room(self, pos0: int, n: int) -> None:
-        if pos0 < 0 or pos0 > self.offset:
-            raise GenerationError(f"cannot write at position {pos0}: the cache holds {self.offset} positions "
-                                  f"(writes must start at or before the first empty position)")
-        if pos0 + n > self.max_len:
-            raise GenerationError(f"KV cache overflow: writing {n} token(s) at position {pos0} needs "
-                                  f"{pos0 + n} positions, the cache holds at most {self.max_len}")
+    check_room = check_room                    # the rule of every KV cache (mixqrt.kv.check_room)
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int) -> None:
         """Store k, v ([T, Hkv, Dh] float32) at positions pos0 .. pos0+T-1 of `layer` (f16), and pack

@@ -67,6 +67,9 @@ SWITCHES: tuple[Switch, ...] = (
            "set_mv_xpf"),
     Switch("MIXQRT_Q2C_MV", 1, "bool", "AVX-512 q2c decode by whole blocks of 4 rows, mv_q2c (0: the generic "
            "unpack path)", "C: _ops.set_q2c_mv", "set_q2c_mv"),
+    Switch("MIXQRT_FEW_MAX_T", 64, "count", "AVX-512 q4x / q6x / q3x products of 9 up to this many rows (a "
+           "speculative verify) by the few-row kernels over L2-sized row blocks, the rows in groups of 2-8 "
+           "(0: through the GEMM); the same bits", "C: _ops.set_few_max_t", "set_few_max_t"),
     Switch("MIXQRT_FLOAT_MV", 0, "bool", "AVX-512 4-row prefetched decode of f32 / f16 / bf16 weights (1) or "
            "one row at a time (0)", "C: _ops.set_float_mv", "set_float_mv"),
     Switch("MIXQRT_FLOAT_PF", 2048, "bytes", "in-row prefetch distance of MIXQRT_FLOAT_MV's 4-row path "

@@ -105,6 +105,7 @@ int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1) {
 #if defined(__x86_64__)
 void mq_set_gemm_min_t(int t) { mq_avx512_set_gemm_min_t(t); }
 int mq_set_lean_mv(int on) { return mq_avx512_set_lean_mv(on); }
+int mq_set_few_max_t(int t) { return mq_avx512_set_few_max_t(t); }
 int mq_set_float_mv(int on) { return mq_avx512_set_float_mv(on); }
 int mq_set_q6_fold(int on) { return mq_avx512_set_q6_fold(on); }
 int mq_set_q2c_mv(int on) { return mq_avx512_set_q2c_mv(on); }
@@ -114,6 +115,7 @@ void mq_set_float_pf(size_t nbytes) { mq_avx512_set_float_pf(nbytes); }
 /* the tier files compile to nothing off x86: their tuning knobs still exist (and do nothing) */
 void mq_set_gemm_min_t(int t) { (void)t; }
 int mq_set_lean_mv(int on) { (void)on; return 0; }
+int mq_set_few_max_t(int t) { (void)t; return 0; }
 int mq_set_float_mv(int on) { (void)on; return 0; }
 int mq_set_q6_fold(int on) { (void)on; return 0; }
 int mq_set_q2c_mv(int on) { (void)on; return 0; }

@@ -91,6 +91,43 @@ static void rows_exact(const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
     }
 }
 
+/* ------------------------------------------------------------------ MQ_FEW_T < T <= mq_few_max_t tokens on the
+ * interleaved formats (a speculative verify of up to 64 drafts): the few-token kernels over blocks of rows that
+ * stay in L2, the tokens in groups of 2..8 (as even as they split), each group reading the block the first one
+ * brought in. The weights come from memory once, as in a decode step, and each row is bit for bit the T = 1 row
+ * (the few-token kernels' fold). The VNNI GEMM unpacks every tile for its token groups: from 9 to 64 tokens that
+ * unpack was most of its cost (docs/speculative.md, "Verify cost"). Block edges are multiples of MQ_XROWS rows
+ * from n0, so every group of rows is whole. */
+#ifndef FEW_BLOCK_BYTES
+#define FEW_BLOCK_BYTES (192 << 10)
+#endif
+static int mq_few_max_t = 64;   /* 0 (or <= MQ_FEW_T): T > MQ_FEW_T through the GEMM (MIXQRT_FEW_MAX_T) */
+int mq_avx512_set_few_max_t(int t) { int old = mq_few_max_t; if (t >= 0) mq_few_max_t = t; return old; }
+
+static void few_blocked(mq_avx512_kern few, const ctx_t *cx, const mq_mm_job *j, int n0, int n1) {
+    const mq_act *a = j->a;
+    int rows = (int)(FEW_BLOCK_BYTES / j->row_bytes) / MQ_XROWS * MQ_XROWS;
+    if (rows < MQ_XROWS) rows = MQ_XROWS;
+    const int ng = (j->T + MQ_FEW_T - 1) / MQ_FEW_T;
+    mq_act at = *a;
+    at.il = NULL; at.il_gt = 0;
+    mq_mm_job jt = *j;
+    jt.a = &at; jt.tiles = NULL;
+    for (int b0 = n0; b0 < n1; b0 += rows) {
+        const int b1 = n1 - b0 <= rows ? n1 : b0 + rows;
+        for (int g = 0, t0 = 0; g < ng; g++) {
+            const int nt = j->T / ng + (g < j->T % ng);     /* 2..8 tokens: T > 8 gives ng >= 2 */
+            at.T = jt.T = nt;
+            at.q = a->q + (size_t)t0 * a->kp;
+            at.d = a->d + (size_t)t0 * a->ncp;
+            at.s = a->s + (size_t)t0 * a->ncp;
+            jt.y = j->y + (size_t)t0 * j->ldy;
+            few(cx, &jt, b0, b1);
+            t0 += nt;
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ the tier's entries (kern_avx512.h) */
 void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     if (j->fmt >= MQ_F32) { mq_avx512_float(j, n0, n1); return; }
@@ -99,6 +136,7 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
     ctx_init(&cx, j);
     if (j->T == 1) mv_kernel(j)(&cx, j, n0, n1);
     else if (t->few != NULL && j->T <= MQ_FEW_T) t->few(&cx, j, n0, n1);   /* (the GEMM lost there: 1.2-1.6x) */
+    else if (t->few != NULL && j->T <= mq_few_max_t) few_blocked(t->few, &cx, j, n0, n1);   /* (and 1.3-1.9x here) */
     else if (t->mm != NULL && !gemm_on(j->T)) rows_exact(&cx, j, n0, n1);
     else t->gemm[j->T <= 2 ? 0 : j->T <= 4 ? 1 : 2](&cx, j, n0, n1);
 }
@@ -109,7 +147,7 @@ void mq_mm_rows_avx512(const mq_mm_job *j, int n0, int n1) {
 int mq_gemm_shared_gt_avx512(const mq_mm_job *j) {
     if (j->fmt >= MQ_F32 || j->T <= 4) return 0;
     if (MQ_AVX512_TRAITS[j->fmt].groups)
-        return j->N % MQ_XROWS == 0 && j->T > MQ_FEW_T ? GTT : 0;
+        return j->N % MQ_XROWS == 0 && j->T > MQ_FEW_T && j->T > mq_few_max_t ? GTT : 0;
     return gemm_on(j->T) ? GTT : 0;   /* below: rows_exact */
 }
 

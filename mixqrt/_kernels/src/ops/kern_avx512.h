@@ -13,6 +13,7 @@ int mq_gemm_tiles_build_avx512(const mq_mm_job *j, uint8_t *out, int n0, int n1)
 /* tuning switches (mq_ops.h: mq_set_*) */
 void mq_avx512_set_gemm_min_t(int t);
 int mq_avx512_set_lean_mv(int on);
+int mq_avx512_set_few_max_t(int t);
 int mq_avx512_set_q6_fold(int on);
 int mq_avx512_set_q2c_mv(int on);
 int mq_avx512_set_mv_xpf(int on);

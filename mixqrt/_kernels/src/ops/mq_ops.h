@@ -42,6 +42,8 @@ int mq_gemm_tiles_build(const mq_mm_job *j, uint8_t *out, int n0, int n1);
  * setters take on < 0 as a query and return the previous state. */
 void mq_set_gemm_min_t(int t);  /* row formats: the AVX-512 GEMM for T >= t (t <= 0: never); default 18 */
 int mq_set_lean_mv(int on);    /* lean decode path for q3p/q4/q3u/q6 (default on) */
+int mq_set_few_max_t(int t);   /* q4x/q6x/q3x products of 9..t rows by the few-row kernels over L2 row blocks
+                                  (default 64; 0: the GEMM); t < 0 queries */
 int mq_set_mv_xpf(int on);    /* q4x / q6x decode software prefetch into L2 (default on) */
 int mq_set_q2c_mv(int on);    /* q2c decode by mv_q2c (default on) */
 int mq_set_q6_fold(int on);    /* q6 short-row decode by mv_q6f (default on) */
