@@ -126,9 +126,6 @@ class Model(qwen2.Model):
         q *= np.float32(a.query_pre_attn_scalar ** -0.5 * math.sqrt(dh))   # the op scales by 1/sqrt(Dh)
         return q, qk[:, hq:], qkv[:, nq + nkv:].reshape(t, hkv, dh)
 
-    def kv_windows(self) -> list:
-        return [self._window(li) for li in range(self.args.num_hidden_layers)]
-
     def attend(self, li, q, cache, pos0, out=None):
         if getattr(cache, "packed", False):
             return cache.attend(li, q, pos0, out)
