@@ -90,11 +90,9 @@ class _Rows:
 def bidirectional_attention(q, k, v, window: int | None = None) -> np.ndarray:
     """Every query sees every key (window: only keys within window // 2 positions either side,
     llama.cpp's symmetric sliding window). q [T, Hq, Dh], k / v [T, Hkv, Dh] -> [T, Hq, Dh]."""
-    t, hq, dh = q.shape
-    hkv = k.shape[1]
-    g = hq // hkv
+    from mixqrt.ops.attention import block_attention
+    t = q.shape[0]
     out = np.empty_like(q, dtype=np.float32)
-    scale = np.float32(1.0 / np.sqrt(dh))
     pos = np.arange(t)
     half = None if window is None else int(window) // 2
     for s0 in range(0, t, _ATT_BLOCK):
@@ -104,16 +102,7 @@ def bidirectional_attention(q, k, v, window: int | None = None) -> np.ndarray:
         if half is not None:
             d = pos[lo:hi][None, :] - pos[s0:s1, None]
             mask = (d < -half) | (d > half)
-        for h in range(hkv):
-            kh, vh = k[lo:hi, h], v[lo:hi, h]                                # [keys, Dh]
-            qh = q[s0:s1, h * g:(h + 1) * g].transpose(1, 0, 2)             # [g, b, Dh]
-            sc = (qh @ kh.T) * scale
-            if mask is not None:
-                sc[:, mask] = -np.inf
-            sc -= sc.max(axis=-1, keepdims=True)
-            np.exp(sc, out=sc)
-            sc /= sc.sum(axis=-1, keepdims=True)
-            out[s0:s1, h * g:(h + 1) * g] = (sc @ vh).transpose(1, 0, 2)
+        block_attention(q[s0:s1], k[lo:hi].transpose(1, 0, 2), v[lo:hi].transpose(1, 0, 2), mask, out[s0:s1])
     return out
 
 

@@ -92,25 +92,32 @@ def _attention_window(q, k_cache, v_cache, pos0, window, out):
                          np.ascontiguousarray(v_cache[:, lo:pos0 + 1]), pos0 - lo, out)
     if out is None:
         out = np.empty_like(q)
-    hq, dh, hkv = q.shape[1], q.shape[2], k_cache.shape[0]
-    g = hq // hkv
-    scale = np.float32(1.0 / np.sqrt(dh))
     for s0 in range(0, t, 128):
         s1 = min(t, s0 + 128)
         p = pos0 + np.arange(s0, s1)                                    # the block's positions
         lo, hi = max(0, int(p[0]) - window + 1), int(p[-1]) + 1
         kp = np.arange(lo, hi)
         mask = (kp[None, :] > p[:, None]) | (kp[None, :] <= p[:, None] - window)     # [b, keys]
-        for h in range(hkv):
-            kh = np.asarray(k_cache[h, lo:hi], dtype=np.float32)
-            vh = np.asarray(v_cache[h, lo:hi], dtype=np.float32)
-            qh = q[s0:s1, h * g:(h + 1) * g].transpose(1, 0, 2)          # [g, b, Dh]
-            sc = (qh @ kh.T) * scale                                    # [g, b, keys]
+        block_attention(q[s0:s1], k_cache[:, lo:hi], v_cache[:, lo:hi], mask, out[s0:s1])
+    return out
+
+
+def block_attention(q, k, v, mask, out) -> np.ndarray:
+    """Numpy attention of a block of queries q [b, Hq, Dh] over keys / values k, v [Hkv, n, Dh] (any
+    float dtype), mask [b, n] True where a key is hidden (None: none) -> out [b, Hq, Dh] (written)."""
+    hkv, g = k.shape[0], q.shape[1] // k.shape[0]
+    scale = np.float32(1.0 / np.sqrt(q.shape[2]))
+    for h in range(hkv):
+        kh = np.asarray(k[h], dtype=np.float32)
+        vh = np.asarray(v[h], dtype=np.float32)
+        qh = q[:, h * g:(h + 1) * g].transpose(1, 0, 2)                  # [g, b, Dh]
+        sc = (qh @ kh.T) * scale                                        # [g, b, keys]
+        if mask is not None:
             sc[:, mask] = -np.inf
-            sc -= sc.max(axis=-1, keepdims=True)
-            np.exp(sc, out=sc)
-            sc /= sc.sum(axis=-1, keepdims=True)
-            out[s0:s1, h * g:(h + 1) * g] = (sc @ vh).transpose(1, 0, 2)
+        sc -= sc.max(axis=-1, keepdims=True)
+        np.exp(sc, out=sc)
+        sc /= sc.sum(axis=-1, keepdims=True)
+        out[:, h * g:(h + 1) * g] = (sc @ vh).transpose(1, 0, 2)
     return out
 
 
