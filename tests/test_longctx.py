@@ -265,6 +265,11 @@ class PackedStub(BlockTrimCache):
         self._rows(b, b + 1)[...] = data.view(self.dtype).reshape(self._rows(0, 1).shape)
         self.offset = (b + 1) * self.BLOCK
 
+    def copy_from(self, src, n: int) -> int:
+        for b in range(min(n // self.BLOCK, src.exportable_blocks())):
+            self.import_block(b, src.export_block(b))
+        return self.offset
+
     def export_tail(self, b: int) -> np.ndarray:
         assert b == self.offset // self.BLOCK and self.offset % self.BLOCK
         return np.ascontiguousarray(self.stacked[:, :, b * self.BLOCK:self.offset]).view(np.uint8).reshape(-1)
@@ -316,11 +321,12 @@ def test_block_tree_bound_and_order():
     per = 64 * 4 + 2 * 64 * 4 * 4 + BLOCK_OVERHEAD
     assert t.bytes == 4 * per and t.leaves == 4
     n, path = t.match(None, toks, limit=255)
-    assert n == 192 and len(path) == 3
+    # 3 whole blocks match, no partial one: the last is recomputed (the rows after it read it in f16)
+    assert n == 128 and len(path) == 2
     fresh = PackedStub(1, 1, 4, 512)
-    assert t.copy_into(path, fresh) == 192 and np.array_equal(fresh.stacked[:, :, :192], kv.stacked[:, :, :192])
+    assert t.copy_into(path, fresh) == 128 and np.array_equal(fresh.stacked[:, :, :128], kv.stacked[:, :, :128])
     t.evict(2 * per)                                      # the deepest blocks go first: the chain stays whole
-    assert t.match(None, toks)[0] == 128 and t.evictions == 2
+    assert t.match(None, toks)[0] == 64 and t.evictions == 2
     t.clear()
     assert t.bytes == 0 and not t.roots and len(t) == 0
 

@@ -292,6 +292,11 @@ class BlockTree:
             self.blocks.move_to_end(blk.key)
         if best is not None:
             path.append((best, rows))
+        elif len(path) >= 2:
+            # no partial block: the rows after the last whole block read it in f16 (the packed
+            # cache's RECENT rule), which only a partial-block entry carries: recompute it
+            path.pop()
+            n -= self.block
         return n + rows, path
 
     @staticmethod
@@ -493,8 +498,7 @@ class PromptCache:
         the copy holds kv.offset <= n rows, the caller writes the rest again."""
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), src.salt, src.store, src.reserve)
         if self.packed:
-            for b in range(min(n // self.tree.block, src.kv.exportable_blocks())):
-                entry.kv.import_block(b, src.kv.export_block(b))
+            entry.kv.copy_from(src.kv, n)
             entry.hwm = entry.kv.offset
         elif not self.shareable:
             pass                                # nothing to copy: the caller writes all n rows
