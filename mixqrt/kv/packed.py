@@ -121,6 +121,8 @@ class PackedKVCache:
         if self.pk[layer] is not None and 1 <= self.first_f16(pos0 + 1) < self.freed_upto:
             raise GenerationError(f"cannot write position {pos0}: block {self.first_f16(pos0 + 1)}'s f16 rows, "
                                   f"which its row reads, were released")
+        if self.pk[layer] is not None and ref.rotates_values(self.bits):
+            v = ref.fwht(v)                    # q4: a packed layer's values are stored rotated
         self.kf[layer][:, pos0:pos0 + t] = k.transpose(1, 0, 2)
         self.vf[layer][:, pos0:pos0 + t] = v.transpose(1, 0, 2)
         self.hwm = max(self.hwm, pos0 + t)

@@ -32,9 +32,10 @@ halved the 4-bit cache's loss for nothing: those f16 rows are resident anyway; d
 
 Attention per row and query head, blocks in order with an online softmax (m, l, acc):
   f16 block (positions i0 .. i1-1):  s_t = dot(q, k_t) * scale                (dotf: 16 lanes, tree)
-  packed block:  q'_c = q_c * kscale_c; C = dot(q, kmin); a = max|q'|;            (q4: per sub-block,
+  packed block:  q'_c = q_c * kscale_c; a = max|q'|;            (q4: per sub-block,
                  q8_c = rint(q'_c * (127 / a)), d = a / 127;                       its scale and min)
-                 C += sum16(q'_c - q8_c * d) * (2^BITS - 1) / 2      (the rounding error at the middle code)
+                 C = sum16(q_c * kmin_c + (q'_c - q8_c * d) * (2^BITS - 1) / 2)   (+ the rounding error at the middle code)
+                     - sum16(q'_c^2) * (scale / 24)                              (- the keys' noise bias, _q8_query)
                  s_t = (float(sum_c q8_c code_tc) * d + C) * scale
   m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
   l = l * alpha + sum16(p)
@@ -82,6 +83,32 @@ def offsets(dh: int, bits: int) -> dict:
                 "vcodes": ka + nk + 2 * G}
     return {"kscale": 0, "kmin": 2 * dh, "kcodes": 4 * dh, "vscale": 4 * dh + nk, "vmin": 4 * dh + nk + 2 * G,
             "vcodes": 4 * dh + nk + 4 * G}
+
+
+def fwht(x) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard transform of the last axis in blocks of its largest power-of-two
+    divisor n (all of it for head dims 64, 128, 256), float32 butterflies (pairs i, i + h for h = 1,
+    2, 4, ...), then times 1/sqrt(n) (kvpack.c mq_kv_fwht). Its own inverse up to rounding. q4 stores a
+    layer's values rotated by it, and its attention rotates the output back."""
+    x = np.array(x, F32, copy=True)
+    shape = x.shape
+    n = shape[-1] & -shape[-1]
+    x = x.reshape(*shape[:-1], shape[-1] // n, n)
+    h = 1
+    while h < n:
+        y = x.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :] = a + b
+        y[..., 1, :] = a - b
+        x = y.reshape(x.shape)
+        h *= 2
+    return (x * F32(1.0 / np.sqrt(n))).astype(F32).reshape(shape)
+
+
+def rotates_values(bits: int) -> bool:
+    """q4 keeps a packed layer's values Hadamard-rotated (f16 rows and packed blocks alike): rotated
+    values are near-normal, which NF4's levels fit; the rows' outputs are rotated back."""
+    return bits == 4
 
 
 def check_head_dim(dh: int) -> None:
@@ -302,18 +329,23 @@ def _f16_block(st, q, kf, vf, scale):
     st.acc = out.astype(F32)
 
 
-def _q8_query(q, sc, mn, bits):
+def _q8_query(q, sc, mn, bits, scale):
     """The query against keys of per-channel scale sc and min mn: (q8 [g, Dh] int, d [g], c [g]) with
     dot(q, k_t) ~ sum_c q8_c code_tc * d + c. c also takes the query's rounding error r_c times the
-    codes' middle ((2^bits - 1) / 2): what is left of the rounding error is sum_c r_c (code_tc - middle)."""
+    codes' middle ((2^bits - 1) / 2): what is left of the rounding error is sum_c r_c (code_tc - middle).
+    And c takes off the keys' rounding noise's bias: a score with noise of variance v (uniform
+    rounding: v = sum_c (q_c sc_c)^2 / 12) weighs exp(v / 2) more on average, which over thousands of
+    packed keys against f16 recent ones would shift the attention to the old ones; so each packed
+    score is lowered by scale^2 v / 2 (c by scale * sum_c q'_c^2 / 24)."""
     qs = q * sc[None, :]                                                     # [g, Dh]
-    c = dotf(q, mn[None, :])                                                 # [g]
+    ss = sum16(qs * qs)                                                      # [g]
     a = np.abs(qs).max(1)
     safe = np.where(a > 0, a, F32(1.0))
     q8 = np.where(a[:, None] > 0, np.rint(qs * (F32(127.0) / safe)[:, None]), 0).astype(np.int32)
     d = np.where(a > 0, a / F32(127.0), F32(0.0)).astype(F32)
     r = (qs - q8.astype(F32) * d[:, None]).astype(F32)
-    c = (c + sum16(r) * F32(((1 << bits) - 1) / 2)).astype(F32)
+    c = sum16(q * mn[None, :] + r * F32(((1 << bits) - 1) / 2))              # [g]
+    c = (c - ss * (scale / F32(24.0))).astype(F32)
     return q8, d, c
 
 
@@ -322,11 +354,11 @@ def _packed_block(st, q, raw, dh, bits, scale):
     if bits == 4:
         s = np.empty((q.shape[0], G), F32)
         for i in range(NSUB):
-            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]), bits)
+            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]), bits, scale)
             isum = q8 @ kc[i * SUB:(i + 1) * SUB].T                            # [g, SUB] exact
             s[:, i * SUB:(i + 1) * SUB] = (isum.astype(F32) * d[:, None] + c[:, None]) * scale
     else:
-        q8, d, c = _q8_query(q, ks, km, bits)
+        q8, d, c = _q8_query(q, ks, km, bits, scale)
         isum = q8 @ kc.T                                                     # [g, G] exact
         s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
     alpha, p = st.probs(s)
@@ -364,7 +396,8 @@ def attend_row(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed, n: int, bi
             _packed_block(st, q, packed(b), dh, bits, scale)
         else:
             _f16_block(st, q, kf[i0:i1], vf[i0:i1], scale)
-    return (st.acc / st.l[:, None]).astype(F32)
+    out = (st.acc / st.l[:, None]).astype(F32)
+    return fwht(out) if packed is not None and rotates_values(bits) else out
 
 
 def attention(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed_blocks, pos0: int, bits: int,

@@ -285,24 +285,53 @@ static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc,
 }
 #endif
 
+/* row[i] = q[i] * mn[i] + (row[i] - q8[i] * d) * mid (n a multiple of 16): the terms of the constant */
+static inline void MQ_FN(kv_cterms_)(float *row, const float *q, const float *mn, const int8_t *q8, float d, float mid,
+                                     int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(mid);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q8 + i))));
+        const __m512 r = _mm512_sub_ps(_mm512_loadu_ps(row + i), _mm512_mul_ps(qf, dv));
+        _mm512_storeu_ps(row + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(mn + i)),
+                                                _mm512_mul_ps(r, mv)));
+    }
+#endif
+    for (; i < n; i++) row[i] = q[i] * mn[i] + (row[i] - (float)q8[i] * d) * mid;
+}
+
+/* sc[t] = ((float)isum[t] * d + c) * scale for n positions (n a multiple of 16) */
+static inline void MQ_FN(kv_scores_)(const int32_t *isum, float d, float c, float scale, float *sc, int n) {
+    int t = 0;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c), sv = _mm512_set1_ps(scale);
+    for (; t + 16 <= n; t += 16) {
+        const __m512 x = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(isum + t)));
+        _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(x, dv), cv), sv));
+    }
+#endif
+    for (; t < n; t++) sc[t] = ((float)isum[t] * d + c) * scale;
+}
+
 /* ---- the query against keys of per-channel scale sc and min mn (ref._q8_query) */
 static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const float *sc, const float *mn, float *row,
-                                       int8_t *q8, float *d8, float *cst, float mid, const float *ones) {
+                                       int8_t *q8, float *d8, float *cst, float mid, const float *ones, float scale) {
+    const float bias = scale / 24.0f;                  /* the keys' noise bias (ref._q8_query) */
     for (int j = 0; j < g; j++) {
         const float *qj = q + (size_t)j * Dh;
         const float a = MQ_FN(kv_mul_absmax_)(qj, sc, row, Dh);
-        const float c = MQ_FN(dotf_)(qj, mn, Dh);
+        const float ss = MQ_FN(dotf_)(row, row, Dh);
         int8_t *qo = q8 + (size_t)j * Dh;
         if (a > 0.0f) {
             MQ_FN(kv_round8_)(row, 127.0f / a, (uint8_t *)qo, Dh);
             d8[j] = a / 127.0f;
-            for (int i = 0; i < Dh; i++) row[i] = row[i] - (float)qo[i] * d8[j];   /* the rounding error */
-            cst[j] = c + MQ_FN(dotf_)(row, ones, Dh) * mid;
         } else {
-            memset(qo, 0, (size_t)Dh);
+            for (int i = 0; i < Dh; i++) qo[i] = 0;
             d8[j] = 0.0f;
-            cst[j] = c + 0.0f * mid;
         }
+        MQ_FN(kv_cterms_)(row, qj, mn, qo, d8[j], mid, Dh);             /* + the rounding error */
+        cst[j] = MQ_FN(dotf_)(row, ones, Dh) - ss * bias;
     }
 }
 
@@ -337,18 +366,16 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
                 sscale[c] = (kscale[c] * (float)((ai[c] >> 4) + 1)) * 0.0625f;
                 smin[c] = kmin[c] + kscale[c] * (float)(ai[c] & 15);
             }
-            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i], mid, ones);
+            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i], mid, ones, scale);
         }
     } else {
-        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0], mid, ones);
+        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0], mid, ones, scale);
         for (int j = 0; j < g; j++) { d8[1][j] = d8[0][j]; cst[1][j] = cst[0][j]; }
     }
     MQ_FN(kv_kdot_)(q8, q8b, g, Dh, kc, bits, isum);
     for (int j = 0; j < g; j++)
-        for (int t = 0; t < 64; t++) {
-            const int i = t >= 32;
-            sc[(size_t)j * 64 + t] = ((float)isum[(size_t)j * 64 + t] * d8[i][j] + cst[i][j]) * scale;
-        }
+        for (int i = 0; i < 2; i++)                                    /* positions 0..31, 32..63 */
+            MQ_FN(kv_scores_)(isum + (size_t)j * 64 + 32 * i, d8[i][j], cst[i][j], scale, sc + (size_t)j * 64 + 32 * i, 32);
     float alpha[MQ_KV_GB], e8[MQ_KV_GB], vsum[MQ_KV_GB];
     MQ_FN(kv_probs_)(sc, g, 64, m, l, alpha);
     for (int j = 0; j < g; j++) {
@@ -422,8 +449,10 @@ void MQ_FN(mq_kvattn_)(const mq_kvatt *a, int kh, int r0, int r1, float *scratch
             for (int r = 0; r < tn; r++) {
                 const float *st = scratch + (size_t)r * per_row;
                 float *o = a->out + ((size_t)(t0 + r) * a->Hq + (size_t)kh * g + j0) * Dh;
-                for (int j = 0; j < gn; j++)
+                for (int j = 0; j < gn; j++) {
                     for (int d = 0; d < Dh; d++) o[(size_t)j * Dh + d] = st[2 * MQ_KV_GB + (size_t)j * Dh + d] / st[MQ_KV_GB + j];
+                    if (pk && a->bits == 4) mq_kv_fwht(o + (size_t)j * Dh, Dh);     /* q4 values are rotated */
+                }
             }
         }
     }

@@ -94,6 +94,22 @@ static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
                 (uint8_t)(vc[(size_t)t * Dh + d] << (4 * ((d % 32) / 16)));
 }
 
+void mq_kv_fwht(float *x, int dh) {
+    const int n = dh & -dh;                         /* blocks of dh's largest power-of-two divisor */
+    const float s = (float)(1.0 / sqrt((double)n));
+    for (int o = 0; o < dh; o += n) {
+        float *y = x + o;
+        for (int h = 1; h < n; h *= 2)
+            for (int i = 0; i < n; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        for (int i = 0; i < n; i++) y[i] = y[i] * s;
+    }
+}
+
 void mq_kv_pack(const uint16_t *kf, const uint16_t *vf, int S, int Dh, int Hkv, int b0, int b1, int bits,
                 uint8_t *pk, int NB) {
     const int G = 64, qmax = (1 << bits) - 1;

@@ -51,6 +51,9 @@ typedef struct {
 /* KV head kh, rows [r0, r1); scratch MQ_KV_SCRATCH_FLOATS(Dh) floats */
 void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch);
 /* pack blocks [b0, b1) of every head from the f16 stores into pk [Hkv, NB, block_bytes] */
+/* in place: the orthonormal Walsh-Hadamard transform of dh floats in blocks of dh's largest power-of-two
+ * divisor (kv/ref.py fwht); q4 keeps a packed layer's values rotated by it */
+void mq_kv_fwht(float *x, int dh);
 void mq_kv_pack(const uint16_t *kf, const uint16_t *vf, int S, int Dh, int Hkv, int b0, int b1, int bits,
                 uint8_t *pk, int NB);
 #endif
