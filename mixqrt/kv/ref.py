@@ -35,7 +35,6 @@ Attention per row and query head, blocks in order with an online softmax (m, l, 
   packed block:  q'_c = q_c * kscale_c; a = max|q'|;            (q4: per sub-block,
                  q8_c = rint(q'_c * (127 / a)), d = a / 127;                       its scale and min)
                  C = sum16(q_c * kmin_c + (q'_c - q8_c * d) * (2^BITS - 1) / 2)   (+ the rounding error at the middle code)
-                     - sum16(q'_c^2) * (scale / 24)                              (- the keys' noise bias, _q8_query)
                  s_t = (float(sum_c q8_c code_tc) * d + C) * scale
   m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
   l = l * alpha + sum16(p)
@@ -329,23 +328,17 @@ def _f16_block(st, q, kf, vf, scale):
     st.acc = out.astype(F32)
 
 
-def _q8_query(q, sc, mn, bits, scale):
+def _q8_query(q, sc, mn, bits):
     """The query against keys of per-channel scale sc and min mn: (q8 [g, Dh] int, d [g], c [g]) with
     dot(q, k_t) ~ sum_c q8_c code_tc * d + c. c also takes the query's rounding error r_c times the
-    codes' middle ((2^bits - 1) / 2): what is left of the rounding error is sum_c r_c (code_tc - middle).
-    And c takes off the keys' rounding noise's bias: a score with noise of variance v (uniform
-    rounding: v = sum_c (q_c sc_c)^2 / 12) weighs exp(v / 2) more on average, which over thousands of
-    packed keys against f16 recent ones would shift the attention to the old ones; so each packed
-    score is lowered by scale^2 v / 2 (c by scale * sum_c q'_c^2 / 24)."""
+    codes' middle ((2^bits - 1) / 2): what is left of the rounding error is sum_c r_c (code_tc - middle)."""
     qs = q * sc[None, :]                                                     # [g, Dh]
-    ss = sum16(qs * qs)                                                      # [g]
     a = np.abs(qs).max(1)
     safe = np.where(a > 0, a, F32(1.0))
     q8 = np.where(a[:, None] > 0, np.rint(qs * (F32(127.0) / safe)[:, None]), 0).astype(np.int32)
     d = np.where(a > 0, a / F32(127.0), F32(0.0)).astype(F32)
     r = (qs - q8.astype(F32) * d[:, None]).astype(F32)
     c = sum16(q * mn[None, :] + r * F32(((1 << bits) - 1) / 2))              # [g]
-    c = (c - ss * (scale / F32(24.0))).astype(F32)
     return q8, d, c
 
 
@@ -354,11 +347,11 @@ def _packed_block(st, q, raw, dh, bits, scale):
     if bits == 4:
         s = np.empty((q.shape[0], G), F32)
         for i in range(NSUB):
-            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]), bits, scale)
+            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]), bits)
             isum = q8 @ kc[i * SUB:(i + 1) * SUB].T                            # [g, SUB] exact
             s[:, i * SUB:(i + 1) * SUB] = (isum.astype(F32) * d[:, None] + c[:, None]) * scale
     else:
-        q8, d, c = _q8_query(q, ks, km, bits, scale)
+        q8, d, c = _q8_query(q, ks, km, bits)
         isum = q8 @ kc.T                                                     # [g, G] exact
         s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
     alpha, p = st.probs(s)

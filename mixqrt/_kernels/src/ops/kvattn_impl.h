@@ -316,12 +316,10 @@ static inline void MQ_FN(kv_scores_)(const int32_t *isum, float d, float c, floa
 
 /* ---- the query against keys of per-channel scale sc and min mn (ref._q8_query) */
 static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const float *sc, const float *mn, float *row,
-                                       int8_t *q8, float *d8, float *cst, float mid, const float *ones, float scale) {
-    const float bias = scale / 24.0f;                  /* the keys' noise bias (ref._q8_query) */
+                                       int8_t *q8, float *d8, float *cst, float mid, const float *ones) {
     for (int j = 0; j < g; j++) {
         const float *qj = q + (size_t)j * Dh;
         const float a = MQ_FN(kv_mul_absmax_)(qj, sc, row, Dh);
-        const float ss = MQ_FN(dotf_)(row, row, Dh);
         int8_t *qo = q8 + (size_t)j * Dh;
         if (a > 0.0f) {
             MQ_FN(kv_round8_)(row, 127.0f / a, (uint8_t *)qo, Dh);
@@ -331,7 +329,7 @@ static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const floa
             d8[j] = 0.0f;
         }
         MQ_FN(kv_cterms_)(row, qj, mn, qo, d8[j], mid, Dh);             /* + the rounding error */
-        cst[j] = MQ_FN(dotf_)(row, ones, Dh) - ss * bias;
+        cst[j] = MQ_FN(dotf_)(row, ones, Dh);
     }
 }
 
@@ -366,10 +364,10 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
                 sscale[c] = (kscale[c] * (float)((ai[c] >> 4) + 1)) * 0.0625f;
                 smin[c] = kmin[c] + kscale[c] * (float)(ai[c] & 15);
             }
-            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i], mid, ones, scale);
+            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i], mid, ones);
         }
     } else {
-        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0], mid, ones, scale);
+        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0], mid, ones);
         for (int j = 0; j < g; j++) { d8[1][j] = d8[0][j]; cst[1][j] = cst[0][j]; }
     }
     MQ_FN(kv_kdot_)(q8, q8b, g, Dh, kc, bits, isum);
