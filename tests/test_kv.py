@@ -237,8 +237,13 @@ def test_blocks_export_and_import():
         for i in range(3):
             bare.import_block(i, a.export_block(i))
         assert bare.offset == 192
-        with pytest.raises(GenerationError, match="block 2's f16 rows"):   # rows after it read block 2 in f16
-            bare.write(0, *rng.standard_normal((2, 1, 2, 64)).astype(np.float32), 192)
+        assert bare.freed_upto == 3                                  # block 2 came packed only
+        k1, v1 = rng.standard_normal((2, 1, 2, 64)).astype(np.float32)
+        bare.write(0, k1, v1, 192)                                   # rows after it read block 2 in f16:
+        assert bare.freed_upto == 2                                  # its rows come back dequantized
+        dk, dv = packed.ref.dequant_block(bare.pk[0][1, 2], 64, 4)
+        assert np.array_equal(bare.kf[0][1, 128:192], dk.astype(np.float16))
+        assert np.array_equal(bare.vf[0][1, 128:192], dv.astype(np.float16))
         b = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
         assert b.copy_from(a, 195) == 192                           # whole blocks, and block 2's f16 rows
         a.trim(8)

@@ -292,11 +292,6 @@ class BlockTree:
             self.blocks.move_to_end(blk.key)
         if best is not None:
             path.append((best, rows))
-        elif len(path) >= 2:
-            # no partial block: the rows after the last whole block read it in f16 (the packed
-            # cache's RECENT rule), which only a partial-block entry carries: recompute it
-            path.pop()
-            n -= self.block
         return n + rows, path
 
     @staticmethod

@@ -19,7 +19,9 @@ is read from f16; if its f16 pages were given back already, the trim goes down t
 speculative step drafts at most 16) stay bit-exact; a deeper one refills the f16 rows of the RECENT
 blocks before the new end from their packed bytes (dequantized: close, not bit-identical to the
 first pass). The prompt cache's partial-block entries carry the f16 rows of the RECENT whole blocks
-before them (export_tail), so a cached prefix reads exactly what a cold prefill read.
+before them (export_tail), so a prefix cached with its partial block reads exactly what a cold
+prefill read; a prefix of whole blocks alone (a prompt that leaves a cached one mid-way) gets those
+rows back from the packed bytes on its first write, as a deep rollback does.
 
 A sliding-window layer (Gemma 3's local layers) keeps f16 only and gives back the f16 pages of
 blocks its window has left, so it holds about its window.
@@ -118,9 +120,16 @@ class PackedKVCache:
             raise GenerationError(f"KV cache overflow: position {pos0 + t - 1} >= max_len {self.max_len}")
         if self.windows[layer] is None and 1 <= pos0 // G < self.freed_upto and pos0 % G:
             raise GenerationError(f"cannot rewrite position {pos0}: its block's f16 rows were released")
-        if self.pk[layer] is not None and 1 <= self.first_f16(pos0 + 1) < self.freed_upto:
-            raise GenerationError(f"cannot write position {pos0}: block {self.first_f16(pos0 + 1)}'s f16 rows, "
-                                  f"which its row reads, were released")
+        lo = self.first_f16(pos0 + 1)
+        if self.pk[layer] is not None and 1 <= lo < self.freed_upto:
+            # rows from pos0 read blocks lo .. in f16 that came without them (whole blocks from a prompt
+            # cache, a deep rollback): they get them back from their packed bytes
+            hi = min(pos0 // G, self.freed_upto)
+            if hi > self.packed_upto:
+                raise GenerationError(f"cannot write position {pos0}: block {lo}'s f16 rows, which its row "
+                                      f"reads, were released and it is not packed")
+            self._refill16(lo, hi)
+            self.freed_upto = lo
         if self.pk[layer] is not None and ref.rotates_values(self.bits):
             v = ref.fwht(v)                    # q4: a packed layer's values are stored rotated
         self.kf[layer][:, pos0:pos0 + t] = k.transpose(1, 0, 2)
@@ -281,17 +290,15 @@ class PackedKVCache:
 
     def copy_from(self, src: "PackedKVCache", n: int) -> int:
         """Fill this empty cache with src's first rows, up to n, in whole blocks (packed bytes, and
-        the f16 rows of the RECENT whole blocks before the end that the next row reads) -> rows held.
-        Fewer when src gave back those f16 rows already (then only block 0)."""
+        the f16 rows of the RECENT whole blocks before the end that the next row reads, where src still
+        holds them) -> rows held."""
         if self.offset:
             raise GenerationError("copy_from: the cache is not empty")
         nb = min(int(n) // G, src.exportable_blocks())
-        if nb >= 2 and self.first_f16(nb * G + 1) < src.freed_upto:
-            nb = 1
         for b in range(nb):
             self.import_block(b, src.export_block(b))
         lo = self.first_f16(nb * G + 1) * G
-        if nb >= 2 and lo < nb * G:
+        if nb >= 2 and lo < nb * G and lo // G >= src.freed_upto:   # (else the next write refills them)
             for li in range(self.num_layers):
                 self.kf[li][:, lo:nb * G] = src.kf[li][:, lo:nb * G]
                 self.vf[li][:, lo:nb * G] = src.vf[li][:, lo:nb * G]
