@@ -34,7 +34,7 @@ Attention per row and query head, blocks in order with an online softmax (m, l, 
   f16 block (positions i0 .. i1-1):  s_t = dot(q, k_t) * scale                (dotf: 16 lanes, tree)
   packed block:  q'_c = q_c * kscale_c; a = max|q'|;            (q4: per sub-block,
                  q8_c = rint(q'_c * (127 / a)), d = a / 127;                       its scale and min)
-                 C = sum16(q_c * kmin_c + (q'_c - q8_c * d) * (2^BITS - 1) / 2)   (+ the rounding error at the middle code)
+                 C = dot(q, kmin)
                  s_t = (float(sum_c q8_c code_tc) * d + C) * scale
   m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
   l = l * alpha + sum16(p)
@@ -328,17 +328,15 @@ def _f16_block(st, q, kf, vf, scale):
     st.acc = out.astype(F32)
 
 
-def _q8_query(q, sc, mn, bits):
+def _q8_query(q, sc, mn):
     """The query against keys of per-channel scale sc and min mn: (q8 [g, Dh] int, d [g], c [g]) with
-    dot(q, k_t) ~ sum_c q8_c code_tc * d + c. c also takes the query's rounding error r_c times the
-    codes' middle ((2^bits - 1) / 2): what is left of the rounding error is sum_c r_c (code_tc - middle)."""
+    dot(q, k_t) ~ sum_c q8_c code_tc * d + c."""
     qs = q * sc[None, :]                                                     # [g, Dh]
+    c = dotf(q, mn[None, :])                                                 # [g]
     a = np.abs(qs).max(1)
     safe = np.where(a > 0, a, F32(1.0))
     q8 = np.where(a[:, None] > 0, np.rint(qs * (F32(127.0) / safe)[:, None]), 0).astype(np.int32)
     d = np.where(a > 0, a / F32(127.0), F32(0.0)).astype(F32)
-    r = (qs - q8.astype(F32) * d[:, None]).astype(F32)
-    c = sum16(q * mn[None, :] + r * F32(((1 << bits) - 1) / 2))              # [g]
     return q8, d, c
 
 
@@ -347,11 +345,11 @@ def _packed_block(st, q, raw, dh, bits, scale):
     if bits == 4:
         s = np.empty((q.shape[0], G), F32)
         for i in range(NSUB):
-            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]), bits)
+            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]))
             isum = q8 @ kc[i * SUB:(i + 1) * SUB].T                            # [g, SUB] exact
             s[:, i * SUB:(i + 1) * SUB] = (isum.astype(F32) * d[:, None] + c[:, None]) * scale
     else:
-        q8, d, c = _q8_query(q, ks, km, bits)
+        q8, d, c = _q8_query(q, ks, km)
         isum = q8 @ kc.T                                                     # [g, G] exact
         s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
     alpha, p = st.probs(s)

@@ -285,22 +285,6 @@ static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc,
 }
 #endif
 
-/* row[i] = q[i] * mn[i] + (row[i] - q8[i] * d) * mid (n a multiple of 16): the terms of the constant */
-static inline void MQ_FN(kv_cterms_)(float *row, const float *q, const float *mn, const int8_t *q8, float d, float mid,
-                                     int n) {
-    int i = 0;
-#if defined(__AVX512F__)
-    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(mid);
-    for (; i + 16 <= n; i += 16) {
-        const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q8 + i))));
-        const __m512 r = _mm512_sub_ps(_mm512_loadu_ps(row + i), _mm512_mul_ps(qf, dv));
-        _mm512_storeu_ps(row + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(mn + i)),
-                                                _mm512_mul_ps(r, mv)));
-    }
-#endif
-    for (; i < n; i++) row[i] = q[i] * mn[i] + (row[i] - (float)q8[i] * d) * mid;
-}
-
 /* sc[t] = ((float)isum[t] * d + c) * scale for n positions (n a multiple of 16) */
 static inline void MQ_FN(kv_scores_)(const int32_t *isum, float d, float c, float scale, float *sc, int n) {
     int t = 0;
@@ -316,10 +300,11 @@ static inline void MQ_FN(kv_scores_)(const int32_t *isum, float d, float c, floa
 
 /* ---- the query against keys of per-channel scale sc and min mn (ref._q8_query) */
 static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const float *sc, const float *mn, float *row,
-                                       int8_t *q8, float *d8, float *cst, float mid, const float *ones) {
+                                       int8_t *q8, float *d8, float *cst) {
     for (int j = 0; j < g; j++) {
         const float *qj = q + (size_t)j * Dh;
         const float a = MQ_FN(kv_mul_absmax_)(qj, sc, row, Dh);
+        cst[j] = MQ_FN(dotf_)(qj, mn, Dh);
         int8_t *qo = q8 + (size_t)j * Dh;
         if (a > 0.0f) {
             MQ_FN(kv_round8_)(row, 127.0f / a, (uint8_t *)qo, Dh);
@@ -328,8 +313,6 @@ static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const floa
             for (int i = 0; i < Dh; i++) qo[i] = 0;
             d8[j] = 0.0f;
         }
-        MQ_FN(kv_cterms_)(row, qj, mn, qo, d8[j], mid, Dh);             /* + the rounding error */
-        cst[j] = MQ_FN(dotf_)(row, ones, Dh);
     }
 }
 
@@ -348,9 +331,7 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
     int32_t *isum = (int32_t *)(q8 + 2 * (size_t)MQ_KV_GB * 256);  /* [g][64], then [g][Dh] */
     uint8_t *p8 = (uint8_t *)(isum + (size_t)MQ_KV_GB * 256);      /* [g][64] */
     float kmin[256], kscale[256], smin[256], sscale[256], vsc[64], vmn[64];
-    float d8[2][MQ_KV_GB], cst[2][MQ_KV_GB], ones[256];
-    const float mid = q4 ? 7.5f : 127.5f;
-    for (int c = 0; c < Dh; c++) ones[c] = 1.0f;
+    float d8[2][MQ_KV_GB], cst[2][MQ_KV_GB];
     MQ_FN(kv_cvt16_)(ks, kscale, Dh);
     MQ_FN(kv_cvt16_)(km, kmin, Dh);
     MQ_FN(kv_cvt16_)(vs, vsc, 64);
@@ -364,10 +345,10 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
                 sscale[c] = (kscale[c] * (float)((ai[c] >> 4) + 1)) * 0.0625f;
                 smin[c] = kmin[c] + kscale[c] * (float)(ai[c] & 15);
             }
-            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i], mid, ones);
+            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i]);
         }
     } else {
-        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0], mid, ones);
+        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0]);
         for (int j = 0; j < g; j++) { d8[1][j] = d8[0][j]; cst[1][j] = cst[0][j]; }
     }
     MQ_FN(kv_kdot_)(q8, q8b, g, Dh, kc, bits, isum);
