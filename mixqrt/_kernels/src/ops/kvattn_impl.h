@@ -108,6 +108,7 @@ static inline void MQ_FN(kv_probs_)(float *s, int g, int n, float *m, float *l, 
         const float bm = MQ_FN(kv_max_)(sj, n);
         const float mn = m[j] > bm ? m[j] : bm;
         if (m[j] == -INFINITY) alpha[j] = 0.0f;
+        else if (m[j] == mn) alpha[j] = 1.0f;      /* fexp(0) is exactly 1 (the reference's value) */
         else {
             float d = m[j] - mn;
             d = d < MQ_EXP_LO ? MQ_EXP_LO : d;
@@ -410,7 +411,11 @@ void MQ_FN(mq_kvattn_)(const mq_kvatt *a, int kh, int r0, int r1, float *scratch
                 bmin = lo / G < bmin ? lo / G : bmin;
                 bmax = (n - 1) / G > bmax ? (n - 1) / G : bmax;
             }
-            for (int b = bmin; b <= bmax; b++)
+            for (int b = bmin; b <= bmax; b++) {
+                if (pk && b + MQ_KV_PF <= bmax) {                /* the block MQ_KV_PF ahead, into the cache */
+                    const char *nx = (const char *)(pk + (size_t)(b + MQ_KV_PF) * bb);
+                    for (size_t o = 0; o < bb; o += 64) __builtin_prefetch(nx + o, 0, 3);
+                }
                 for (int r = 0; r < tn; r++) {
                     const int n = a->pos0 + t0 + r + 1;
                     const int lo = a->window > 0 && n > a->window ? n - a->window : 0;
@@ -425,6 +430,7 @@ void MQ_FN(mq_kvattn_)(const mq_kvatt *a, int kh, int r0, int r1, float *scratch
                         MQ_FN(kv_f16_block_)(q, gn, Dh, kf + (size_t)i0 * Dh, vf + (size_t)i0 * Dh, i1 - i0, scale,
                                              st, st + MQ_KV_GB, st + 2 * MQ_KV_GB, sc, row);
                 }
+            }
             for (int r = 0; r < tn; r++) {
                 const float *st = scratch + (size_t)r * per_row;
                 float *o = a->out + ((size_t)(t0 + r) * a->Hq + (size_t)kh * g + j0) * Dh;
