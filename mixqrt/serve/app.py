@@ -33,11 +33,12 @@ from mixqrt.tools import chat_ids
 from mixqrt.serve.guard import Guard, HTTPError, Limits, read_json
 from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response  # noqa: F401  (re-exported)
 from mixqrt.serve.replies import bad_request as _bad_request
+from mixqrt.serve.replies import submission_errors
 from mixqrt.serve.replies import engine_error as _engine_error  # noqa: F401
 from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
 from mixqrt.serve.watch import watch_pipeline
 
-from mixqrt.engine import Engine, EngineBusy
+from mixqrt.engine import Engine
 
 
 class Server:
@@ -85,15 +86,8 @@ class Server:
             body = await read_json(request, self.limits)
             ids, parsed = await run_in_threadpool(self.prepare, kind, body)
             salt = cache_salt(parsed.params.cache_salt, request.headers.get("authorization"), self.limits)
-            try:
+            with submission_errors(GenerationError):
                 req = self.engine.submit(ids, parsed.params.replace(cache_salt=salt))
-            except EngineBusy as e:
-                raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
-                                headers={"Retry-After": "1"}) from None
-            except RequestError as e:
-                raise _bad_request(e) from None
-            except GenerationError as e:
-                raise HTTPError(400, oai.safe_message(e)) from None
         except HTTPError as e:
             self.metrics.request(route, e.status)
             return error_response(e)

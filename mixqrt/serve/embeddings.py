@@ -16,8 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mixqrt import oai
 from mixqrt.embed import check_dimensions, encode_inputs, truncate
-from mixqrt.engine import EngineBusy
-from mixqrt.errors import GenerationError, MixqrtError, RequestError
+from mixqrt.errors import GenerationError, RequestError
 from mixqrt.serve.guard import HTTPError, read_json
 
 
@@ -42,21 +41,14 @@ def _prepare(srv, body):
 
 async def handle(srv, request):
     from mixqrt.serve.replies import SafeJSONResponse, error_response
-    from mixqrt.serve.replies import bad_request as _bad_request
+    from mixqrt.serve.replies import submission_errors
     route = request.url.path
     try:
         srv.check_file()
         body = await read_json(request, srv.limits)
-        try:
+        with submission_errors():
             req, emb, dims, seqs = await run_in_threadpool(_prepare, srv, body)
             fut = srv.engine.embed(seqs, emb)
-        except EngineBusy as e:
-            raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
-                            headers={"Retry-After": "1"}) from None
-        except RequestError as e:
-            raise _bad_request(e) from None
-        except MixqrtError as e:
-            raise HTTPError(400, oai.safe_message(e)) from None
         try:
             vecs = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:

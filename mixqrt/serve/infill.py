@@ -26,8 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from mixqrt import oai
-from mixqrt.engine import EngineBusy
-from mixqrt.errors import GenerationError, MixqrtError, RequestError
+from mixqrt.errors import GenerationError, RequestError
 from mixqrt.fim import build_infill, stop_ids
 from mixqrt.params import UNTIL_FULL
 from mixqrt.serve.guard import HTTPError, read_json
@@ -170,24 +169,17 @@ class _State:
 
 async def handle(srv, request):
     from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response
-    from mixqrt.serve.replies import bad_request as _bad_request
     from mixqrt.serve.replies import engine_error as _engine_error
+    from mixqrt.serve.replies import submission_errors
     route = request.url.path
     t0 = time.perf_counter()
     try:
         srv.check_file()
         body = await read_json(request, srv.limits)
-        try:
+        with submission_errors():
             ids, params, parsed, opts = await run_in_threadpool(_parse, srv, body)
             salt = cache_salt(None, request.headers.get("authorization"), srv.limits)
             req = srv.engine.submit(ids, params.replace(cache_salt=salt))
-        except EngineBusy as e:
-            raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
-                            headers={"Retry-After": "1"}) from None
-        except RequestError as e:
-            raise _bad_request(e) from None
-        except MixqrtError as e:
-            raise HTTPError(400, oai.safe_message(e)) from None
     except HTTPError as e:
         srv.metrics.request(route, e.status)
         return error_response(e)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 
 from starlette.responses import JSONResponse
 
 from mixqrt import oai
-from mixqrt.errors import GenerationError, RequestError
+from mixqrt.errors import GenerationError, MixqrtError, RequestError
 from mixqrt.serve.guard import HTTPError, Limits, api_keys
 
 
@@ -46,3 +47,20 @@ def bad_request(e: RequestError) -> HTTPError:
 def engine_error(e: GenerationError) -> HTTPError:
     """An error a request's iteration raised: a 400 naming the field when it is a RequestError."""
     return bad_request(e) if isinstance(e, RequestError) else HTTPError(400, oai.safe_message(e))
+
+
+@contextmanager
+def submission_errors(invalid=(MixqrtError,)):
+    """A request's admission to the engine, its refusals as HTTP errors: the engine busy -> 503 with
+    Retry-After; a RequestError -> 400 naming its field; any other error of the `invalid` classes ->
+    400 with its (safe) message; anything else propagates."""
+    from mixqrt.engine import EngineBusy
+    try:
+        yield
+    except EngineBusy as e:
+        raise HTTPError(503, f"server busy: {e}; retry later", "server_error", code="server_busy",
+                        headers={"Retry-After": "1"}) from None
+    except RequestError as e:
+        raise bad_request(e) from None
+    except invalid as e:
+        raise HTTPError(400, oai.safe_message(e)) from None
