@@ -60,11 +60,11 @@ def ram_bytes() -> int | None:
 
 
 def machine_info() -> dict:
-    """CPU model, cores, RAM, ISA tier (mixqrt.doctor.report()), load average, date, commit."""
+    """CPU model, cores, RAM, ISA tier (mixqrt.commands.doctor.report()), load average, date, commit."""
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "git_commit": git_commit(),
             "ram_bytes": ram_bytes(), "loadavg": os.getloadavg()}
     try:
-        from mixqrt.doctor import report
+        from mixqrt.commands.doctor import report
         rep = report()
         info.update(cpu_model=rep.get("cpu_model"), cpu_vendor=rep.get("cpu_vendor"), isa=rep.get("isa"),
                     usable_cpus=rep.get("usable_cpus"), logical_cpus=rep.get("logical_cpus"))

@@ -124,7 +124,7 @@ def main():
 HEADER = """\
 # Tokenizer: how mixqrt builds it and how well it agrees with llama.cpp
 
-`mixqrt.tokenizer.Tokenizer` wraps a `tokenizers.Tokenizer` (Rust, fast) and adds what generation
+`mixqrt.generation.tokenizer.Tokenizer` wraps a `tokenizers.Tokenizer` (Rust, fast) and adds what generation
 needs: the end-of-generation id set, the model's chat template, and `StreamDecoder`.
 
 * **HF folders**: `tokenizer.json` as shipped, plus `tokenizer_config.json` (chat_template, bos/eos)

@@ -15,7 +15,7 @@ Systems are `mixqrt:RECIPE[:key=value...]` (key=value pairs go to quantize_model
 whichever takes that keyword; RECIPE may also be a path to a ready .mxq) and `llamacpp:TYPE`.
 Results are cached per task in /tmp/mixqrt-compare/results/, keyed by system, settings, file
 identities and a hash of the mixqrt sources and built extensions; an interrupted run resumes where it
-stopped, `--fresh` measures everything again. Perplexity is mixqrt.evaluate.perplexity for both
+stopped, `--fresh` measures everything again. Perplexity is mixqrt.commands.evaluate.perplexity for both
 systems (llama.cpp's logits are fed through a logits_fn), KL is against mixqrt f32's saved log-probs.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ RECIPE_NOTES = {"f32": "reference", "q8": "INT8 uniform", "q4": "4-bit uniform",
                 "2356-norot": "ablation: no Hadamard rotation (the 2356 of 2026-12-02)"}
 BASE = "mixqrt:f32"
 GOAL_KEYS = ("mixqrt:2356", "mixqrt:" + DEFAULT_RECIPE)   # goals are checked for these and every --extra-recipe
-QUANT_CODE = ("mixqrt/quantize", "mixqrt/formats", "mixqrt/io", "mixqrt/tokenizer.py", "mixqrt/_kernels/src/quant",
+QUANT_CODE = ("mixqrt/quantize", "mixqrt/formats", "mixqrt/io", "mixqrt/generation/tokenizer.py", "mixqrt/_kernels/src/quant",
               "mixqrt/_kernels/_quant.pyx")
 
 
@@ -234,7 +234,7 @@ def ppl_mixqrt(sysm: System, s: dict) -> dict:
     m = LoadedModel(s["path"], threads=s["threads"])
     with open(s["text"], encoding="utf-8") as f:
         text = f.read()
-    from mixqrt.evaluate import encode_text
+    from mixqrt.commands.evaluate import encode_text
     toks, bos = encode_text(m.tokenizer, text)
     return _ppl(lambda ids: m.logits(ids), toks, bos, s)
 
@@ -260,7 +260,7 @@ def ppl_llamacpp(sysm: System, s: dict) -> dict:
 
 
 def _ppl(logits_fn, toks, bos, s) -> dict:
-    from mixqrt.evaluate import perplexity
+    from mixqrt.commands.evaluate import perplexity
 
     def show(i, v):
         print(f"[{i + 1}]{v:.4f}", end=" ", flush=True, file=sys.stderr)
@@ -277,13 +277,13 @@ def _ppl(logits_fn, toks, bos, s) -> dict:
 
 
 def bench_prompt(vocab: int, n: int):
-    """mixqrt.bench's prompt: the same ids for both systems."""
+    """mixqrt.commands.bench's prompt: the same ids for both systems."""
     import numpy as np
     return np.random.default_rng(0).integers(100, min(vocab, 30000), size=n)
 
 
 def speed_mixqrt(sysm: System, s: dict) -> dict:
-    import mixqrt.bench as mb
+    import mixqrt.commands.bench as mb
     from mixqrt.pipeline import LoadedModel
     # the bandwidth is measured once for every system (task 'machine'); skipping bench's own probe
     # also keeps its 1 GiB buffer out of this process's peak RSS
@@ -299,7 +299,7 @@ def speed_mixqrt(sysm: System, s: dict) -> dict:
 
 
 def speed_llamacpp(sysm: System, s: dict) -> dict:
-    """The same loop as mixqrt.bench.bench: warm-up of 32 tokens; per repeat pp (eval of the prompt
+    """The same loop as mixqrt.commands.bench.bench: warm-up of 32 tokens; per repeat pp (eval of the prompt
     after reset), TTFT (eval of the first ttft_prompt tokens + argmax), tg (greedy one-token evals)."""
     import statistics
 
@@ -337,7 +337,7 @@ def speed_llamacpp(sysm: System, s: dict) -> dict:
             tg.append(n_gen / (time.perf_counter() - t))
     g = s["gguf"]
     # weights read per decoded token: all but the embedding table, unless it is also the output
-    # projection (tied: no output.weight), plus the f16 K and V rows attended to (mixqrt.bench counts
+    # projection (tied: no output.weight), plus the f16 K and V rows attended to (mixqrt.commands.bench counts
     # its f32 cache the same way, at the same context length)
     weights = g["tensor_bytes"] - (g["token_embd_bytes"] if g["has_output"] else 0)
     kv = 2 * g["n_layer"] * g["n_kv_head"] * g["head_dim"] * 2 * (n_ttft + n_gen // 2)
@@ -347,7 +347,7 @@ def speed_llamacpp(sysm: System, s: dict) -> dict:
 
 
 def bandwidth(sysm: System, s: dict) -> dict:
-    from mixqrt.bench import measure_bandwidth
+    from mixqrt.commands.bench import measure_bandwidth
     return {"read_bandwidth_bytes_s": measure_bandwidth(int(s["threads"])), "threads": s["threads"]}
 
 
@@ -534,7 +534,7 @@ def measure(a, systems: list[System], info: dict) -> dict:
             r = runner.run(s, "speed", st, key)
             results[s.key]["speed"] = r
         # the honest bound: the probe, or the best effective rate any system reached in this run
-        from mixqrt.bench import honest_bound
+        from mixqrt.commands.bench import honest_bound
         probe = info.get("read_bandwidth_bytes_s")
         eff = [r["tg_tok_s"] * r["decode_bytes_per_token"] for r in (results[s.key].get("speed") or {} for s in systems)
                if "error" not in r and r.get("tg_tok_s") and r.get("decode_bytes_per_token")]

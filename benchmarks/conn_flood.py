@@ -4,7 +4,7 @@ new address wait for its answer while 500 half-sent requests from 10 addresses k
     flock /work/bench.lock python benchmarks/conn_flood.py                       # this checkout
     flock /work/bench.lock python benchmarks/conn_flood.py --src /path/to/other  # e.g. main before
 
-Starts a server (the tests' tiny model, f32, uvicorn through mixqrt.serve.cli.uvicorn_config:
+Starts a server (the tests' tiny model, f32, uvicorn through mixqrt.serving.server.cli.uvicorn_config:
 the server's own limits) in a child process running the mixqrt of --src, floods it with
 mixqrt.testing.flood (--flood half-sent requests from --addresses loopback addresses, each
 reopened as soon as the server closes it), then sends --requests real requests one after another,
@@ -33,8 +33,8 @@ sys.path.insert(0, sys.argv[1])
 os.environ["MIXQRT_CACHE"] = os.path.join(sys.argv[2], "cache")
 import uvicorn
 from mixqrt.pipeline import Pipeline
-from mixqrt.serve.app import create_app
-from mixqrt.serve.cli import uvicorn_config
+from mixqrt.serving.server.app import create_app
+from mixqrt.serving.server.cli import uvicorn_config
 from mixqrt.testing.tiny import make_tiny_hf_model
 pipe = Pipeline(make_tiny_hf_model(os.path.join(sys.argv[2], "hf")), recipe="f32", progress=False, offline=True,
                 max_context=256)

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import machine_info, read_concurrently, update_doc, window_rates, write_json  # noqa: E402
 
-from mixqrt.engine import Engine  # noqa: E402
-from mixqrt.generate import stream_generate  # noqa: E402
+from mixqrt.generation.engine import Engine  # noqa: E402
+from mixqrt.generation.generate import stream_generate  # noqa: E402
 from mixqrt.pipeline import LoadedModel  # noqa: E402
 
 TOPICS = ["a binary search tree", "quicksort", "a web server", "unit tests", "a hash map", "matrix multiplication",

@@ -182,7 +182,7 @@ def tokens_for(model: Model, text: str, n: int) -> tuple[np.ndarray, str]:
         tok = open_source(str(model.path)).tokenizer
         ids = tok.encode(text)[:n]
         if len(ids) == n:
-            return np.array(ids), "mixqrt.tokenizer (from the GGUF)"
+            return np.array(ids), "mixqrt.generation.tokenizer (from the GGUF)"
     except Exception:  # noqa: BLE001 - the tokenizer is another module; fall back to greedy
         pass
     vocab = {bytes(model.r.fields["tokenizer.ggml.tokens"].parts[i]).decode("utf-8", "replace"): j

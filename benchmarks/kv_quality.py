@@ -1,5 +1,5 @@
 """What a KV cache type costs in quality at depth (issue 41): KL divergence on long WikiText-2 windows
-and the pass-key retrieval check. Works for every mixqrt KV type (mixqrt.cache.KV_TYPES).
+and the pass-key retrieval check. Works for every mixqrt KV type (mixqrt.models.kv_cache.KV_TYPES).
 
     python benchmarks/kv_quality.py kl --ctx 8192,16384 --kv-types f16,q8,q4 --lock LOCKFILE
     python benchmarks/kv_quality.py passkey --lengths 4096,8192,16384,28672 --kv-types f32,f16,q4
@@ -172,7 +172,7 @@ def passkey_prompt(tok, length: int, frac: float, key: int) -> list[int]:
 def cmd_passkey(a) -> None:
     import numpy as np
 
-    from mixqrt.engine import Engine
+    from mixqrt.generation.engine import Engine
     from mixqrt.pipeline import LoadedModel
     lengths = [int(x) for x in a.lengths.split(",")]
     fracs = [i / a.positions for i in range(a.positions)]

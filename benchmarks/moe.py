@@ -201,7 +201,7 @@ def main(argv=None) -> int:
                          "runs already in --work (same vocabulary) and project the full 24-layer model's decode "
                          "and prefill per runtime into docs/moe.md's moe-projection table (labelled projected)")
     a = ap.parse_args(argv)
-    from mixqrt.resolve import DEFAULT_RECIPE
+    from mixqrt.quantize.names import DEFAULT_RECIPE
     recipe = a.recipe or DEFAULT_RECIPE
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

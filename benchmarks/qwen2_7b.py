@@ -377,7 +377,7 @@ def machine() -> dict:
     except OSError:
         pass
     try:
-        from mixqrt.doctor import report
+        from mixqrt.commands.doctor import report
         d = report()
         info["isa"] = d.get("isa") or d.get("isa_tier")
     except Exception as e:       # the doctor is nice to have, not needed

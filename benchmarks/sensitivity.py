@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mixqrt.evaluate import log_softmax  # noqa: E402
+from mixqrt.commands.evaluate import log_softmax  # noqa: E402
 from mixqrt.io import open_source  # noqa: E402
 from mixqrt.models import get_model_class  # noqa: E402
 from mixqrt.formats import dequantize, layout, quantize  # noqa: E402

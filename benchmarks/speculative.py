@@ -44,7 +44,7 @@ EDIT_TASKS = ["Add type hints to every function in this code and return the whol
               "Add a one-line docstring to every function that lacks one and return the whole code.",
               "Rewrite the first for loop in this code as a list comprehension where possible and "
               "return the whole code."]
-EDIT_SOURCES = ["mixqrt/speculative.py", "mixqrt/io/atomic.py", "mixqrt/limits.py", "mixqrt/chat_template.py"]
+EDIT_SOURCES = ["mixqrt/generation/speculative.py", "mixqrt/io/atomic.py", "mixqrt/models/config_limits.py", "mixqrt/generation/chat_template.py"]
 FREE = ["def quicksort(arr):", "What is the difference between a process and a thread?",
         "Explain what a mutex is, in three sentences.", "Write a Python function that checks if a string "
         "is a palindrome."]

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from _common import provenance, update_doc, write_json  # noqa: E402
 
-from mixqrt.speculative import expected_tokens  # noqa: E402
+from mixqrt.generation.speculative import expected_tokens  # noqa: E402
 
 KS = range(1, 9)
 

@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--docs", action="store_true")
     a = ap.parse_args(argv)
-    from mixqrt.engine import Engine
+    from mixqrt.generation.engine import Engine
     from mixqrt.pipeline import LoadedModel
     lm = LoadedModel(a.model)
     eng = Engine(lm, max_slots=a.clients, kv_cache_bytes=0)

@@ -75,7 +75,7 @@ def machine_lines() -> str:
 
 
 def run_bench(loaded, nt: int, shape: tuple, probe_bytes: int) -> dict:
-    from mixqrt.bench import bench
+    from mixqrt.commands.bench import bench
     n_prompt, n_gen, reps = shape
     return bench(loaded, threads=(nt,), n_prompt=n_prompt, n_gen=n_gen, ttft_prompt=min(128, n_prompt),
                  repeats=reps, probe_bytes=probe_bytes, probes=1, progress=False)[0]

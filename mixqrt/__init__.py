@@ -10,9 +10,9 @@ def __getattr__(name):  # lazy: importing mixqrt stays cheap
         from mixqrt import pipeline
         return getattr(pipeline, name)
     if name == "SamplingParams":
-        from mixqrt import params
+        from mixqrt.generation import params
         return params.SamplingParams
     if name in ("Engine", "EngineBusy"):
-        from mixqrt import engine
+        from mixqrt.generation import engine
         return getattr(engine, name)
     raise AttributeError(f"module 'mixqrt' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import os
 import sys
 
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
-from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
+from mixqrt.generation.speculative import add_speculative_arguments, speculative_kwargs
 
 
 def _add_model(p, optional=False):
@@ -28,7 +28,7 @@ LONG_WINDOW = 2048      # mixqrt ppl: windows longer than this get the scored ha
 
 def _add_kv_type(p, default: str | None = None):
     """--kv-type; default: what the command uses when it is not given (help text only)."""
-    from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
+    from mixqrt.models.kv_cache import DEFAULT_KV_TYPE, KV_TYPES
     p.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
                    help=f"KV cache type: {', '.join(KV_TYPES)} (default {default or DEFAULT_KV_TYPE}; "
                         f"docs/long-context.md)")
@@ -46,7 +46,7 @@ def _add_sampling(p):
     p.add_argument("--ctx", type=int, default=None,
                    help="context length (default: the model's own, e.g. 32768 for Qwen2.5; KV pages are "
                         "resident only as a sequence grows)")
-    from mixqrt.limits import parse_bytes
+    from mixqrt.models.config_limits import parse_bytes
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None, metavar="N",
                    help="bound of the KV cache's bytes (512MiB, 2GiB...; default: a quarter of the memory available)")
     _add_kv_type(p)
@@ -74,7 +74,7 @@ def _pipeline(a):
 
 
 def cmd_doctor(a):
-    from mixqrt.doctor import format_pages, format_report, model_pages, report
+    from mixqrt.commands.doctor import format_pages, format_report, model_pages, report
     info = report()
     if a.model:
         info["model_pages"] = model_pages(a.model, recache=a.recache)
@@ -153,7 +153,7 @@ def cmd_imatrix(a):
 
 
 def cmd_inspect(a):
-    from mixqrt.inspect import inspect_model
+    from mixqrt.commands.inspect_model import inspect_model
     print(inspect_model(a.model, placement=a.placement, as_json=a.json, recipe=a.recipe, kv_type=a.kv_type))
 
 
@@ -264,7 +264,7 @@ def cmd_chat(a):
 
 
 def cmd_ppl(a):
-    from mixqrt.evaluate import encode_text, perplexity
+    from mixqrt.commands.evaluate import encode_text, perplexity
     from mixqrt.pipeline import load
     m = load(a.model, a.recipe, threads=a.threads, offline=True if a.offline else None, progress=not a.quiet)
     if a.kv_type is not None:
@@ -302,7 +302,7 @@ def cmd_ppl(a):
 
 
 def cmd_bench(a):
-    from mixqrt.bench import bench, format_rows
+    from mixqrt.commands.bench import bench, format_rows
     from mixqrt.pipeline import load
     try:
         threads = [int(t) for t in a.threads.split(",") if t.strip()]
@@ -467,7 +467,7 @@ def build_parser(with_serve: bool = True) -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_bench)
 
     if with_serve:
-        from mixqrt.serve import add_serve_parser
+        from mixqrt.serving.server import add_serve_parser
         add_serve_parser(sub)
     return p
 

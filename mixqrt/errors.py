@@ -26,7 +26,7 @@ class KernelError(MixqrtError):
 
 
 class RequestError(GenerationError):
-    """A bad or unsupported request field (mixqrt.oai): ``field`` names it, OpenAI's error "param"
+    """A bad or unsupported request field (mixqrt.serving.protocol): ``field`` names it, OpenAI's error "param"
     (HTTP 400); ``code`` is OpenAI's error code where one applies ("context_length_exceeded")."""
 
     def __init__(self, field: str | None, message: str, code: str | None = None):

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
-from mixqrt.limits import context_window
-from mixqrt.params import UNTIL_FULL, SamplingParams, as_params
-from mixqrt.resolve import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
+from mixqrt.models.config_limits import context_window
+from mixqrt.generation.params import UNTIL_FULL, SamplingParams, as_params
+from mixqrt.quantize.names import DEFAULT_RECIPE, Resolved, cached_mxq_path, demo_model_path, resolve
 
 
 class LoadedModel:
@@ -52,7 +52,7 @@ class LoadedModel:
         self.recipe = meta.get("recipe", {}).get("name")
         self._tokenizer = None          # built on first use: ~0.1-0.3 s and ~100 MiB for a 151k vocabulary
         self._tokenizer_lock = threading.Lock()
-        from mixqrt.limits import check_generation_config, check_values
+        from mixqrt.models.config_limits import check_generation_config, check_values
         self.generation_config = check_generation_config(dict(meta.get("generation_config") or {}),
                                                          f"{path}: generation_config")
         check_values(dict(meta.get("config") or {}), f"{path}: config")
@@ -83,7 +83,7 @@ class LoadedModel:
         if self._tokenizer is None:
             with self._tokenizer_lock:
                 if self._tokenizer is None:
-                    from mixqrt.tokenizer import Tokenizer
+                    from mixqrt.generation.tokenizer import Tokenizer
                     self._tokenizer = Tokenizer.from_meta(self.meta)
         return self._tokenizer
 
@@ -116,9 +116,9 @@ class LoadedModel:
             yield m(ids[s:min(ids.size - 1, s + rows)], cache, s)
 
     def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
-        """A mixqrt.embed.Embedder with the file's embedding settings (pooling, normalization,
+        """A mixqrt.generation.embed.Embedder with the file's embedding settings (pooling, normalization,
         attention, dense projections), each overridable."""
-        from mixqrt.embed import Embedder
+        from mixqrt.generation.embed import Embedder
         return Embedder(self.model, self.meta.get("embedding"), tensors=self.file.tensors, pooling=pooling,
                         normalize=normalize, **kw)
 
@@ -174,28 +174,28 @@ class Pipeline:
         """draft: a smaller model with the same tokenizer (anything Pipeline takes as `model`, or a
         loaded Pipeline / LoadedModel) that drafts draft_k tokens per step, quantized with
         draft_recipe; lookup: k for prompt-lookup drafting instead (no extra model). Either turns
-        on speculative decoding in the engine (mixqrt.speculative, docs/speculative.md).
+        on speculative decoding in the engine (mixqrt.generation.speculative, docs/speculative.md).
         weights_in_memory: read the .mxq into private memory instead of mapping it (what `mixqrt
         serve` does: a file replaced or truncated under the server cannot change or fault it).
         max_context: the context (default: the model's own, e.g. 32768 for Qwen2.5); the KV cache's
         pages become resident as a sequence grows, bounded by the engine's kv_cache_bytes.
-        kv_type: the KV cache's type, one of mixqrt.cache.KV_TYPES (default DEFAULT_KV_TYPE)."""
+        kv_type: the KV cache's type, one of mixqrt.models.kv_cache.KV_TYPES (default DEFAULT_KV_TYPE)."""
         self.path = prepare(model, recipe, offline=offline, progress=progress)
-        # every generation's default response_format (mixqrt.grammar); a call's own argument wins
+        # every generation's default response_format (mixqrt.generation.grammar); a call's own argument wins
         self.response_format = response_format
         if response_format is not None:
-            from mixqrt.grammar import grammar_from_response_format
+            from mixqrt.generation.grammar import grammar_from_response_format
             grammar_from_response_format(response_format)      # its shape is checked now
         self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
         self.max_context = context_window(self.model.context_length, max_context)
-        from mixqrt.cache import check_kv_type, default_kv_type
+        from mixqrt.models.kv_cache import check_kv_type, default_kv_type
         self.kv_type = check_kv_type(kv_type) if kv_type is not None else default_kv_type(self.model.args.head_dim)
         self.model.kv_bytes_per_token(self.kv_type)      # a type this build cannot make fails here
         self.model.kv_type = self.kv_type                # every cache of this model (generate, logits)
         self.drafter = None
         if draft is not None or lookup is not None:
-            from mixqrt.speculative import make_drafter
+            from mixqrt.generation.speculative import make_drafter
             if draft is not None and not hasattr(draft, "model"):
                 draft = LoadedModel(prepare(draft, draft_recipe, offline=offline, progress=progress))
             self.drafter = make_drafter(lookup, draft, draft_k, target=self.model, target_tokenizer=self.tokenizer)
@@ -207,7 +207,7 @@ class Pipeline:
     @property
     def engine(self):
         """The Engine every generation of this Pipeline goes through (created on first use with
-        the defaults of mixqrt.engine.Engine; ``configure_engine`` replaces it)."""
+        the defaults of mixqrt.generation.engine.Engine; ``configure_engine`` replaces it)."""
         with self._engine_lock:
             if self._engine is None:
                 self._set_engine({})
@@ -223,7 +223,7 @@ class Pipeline:
             return self._engine
 
     def _set_engine(self, kw):
-        from mixqrt.engine import Engine
+        from mixqrt.generation.engine import Engine
         kw.setdefault("speculative", self.drafter)
         self._engine = Engine(self, **kw)
         # the engine thread must not outlive an abandoned Pipeline
@@ -252,7 +252,7 @@ class Pipeline:
         if isinstance(text_or_messages, (list, tuple)) and text_or_messages and all(
                 isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls"))
                 for m in text_or_messages):
-            from mixqrt.tools import chat_ids
+            from mixqrt.generation.tool_calls import chat_ids
             # message text is encoded with special tokens off: only the template emits control tokens
             return chat_ids(self.tokenizer, text_or_messages, tools), True
         raise GenerationError("input must be a prompt string or a non-empty list of chat messages "
@@ -260,12 +260,12 @@ class Pipeline:
 
     def stream(self, text_or_messages, params: SamplingParams | None = None, **kw):
         """Yield GenerationResponse pieces (text, token, finish_reason, tokens/s, TTFT, cached
-        tokens...), generated by the engine. params: the request's options (mixqrt.params:
+        tokens...), generated by the engine. params: the request's options (mixqrt.generation.params:
         max_new_tokens, temperature, stop, n, response_format, tools, ...); keyword arguments
         (transformers' spellings and the others of SamplingParams) build or change them. Leaving
         the loop early cancels the request."""
-        from mixqrt.generate import encode_prompt
-        from mixqrt.tools import check_tool_choice, check_tools
+        from mixqrt.generation.generate import encode_prompt
+        from mixqrt.generation.tool_calls import check_tool_choice, check_tools
 
         p = as_params(params, **kw)
         if p.response_format is None and self.response_format is not None:
@@ -299,9 +299,9 @@ class Pipeline:
     # ------------------------------------------------------------------ fill-in-the-middle
     def infill_ids(self, prefix: str, suffix: str, extra=None, *, prompt: str = "", spm: bool = False,
                    max_new_tokens: int | None = None, n_batch: int | None = None) -> list[int]:
-        """The token ids of a fill-in-the-middle prompt (mixqrt.fim.build_infill: the model's FIM
+        """The token ids of a fill-in-the-middle prompt (mixqrt.generation.fim.build_infill: the model's FIM
         tokens, llama.cpp's repo-level order and trimming; FimError when the model has none)."""
-        from mixqrt.fim import DEFAULT_N_BATCH, build_infill
+        from mixqrt.generation.fim import DEFAULT_N_BATCH, build_infill
         return build_infill(self.tokenizer, prefix, suffix, extra, prompt, n_ctx=self.max_context,
                             n_predict=-1 if max_new_tokens is None else int(max_new_tokens),
                             n_batch=n_batch or DEFAULT_N_BATCH, spm=spm)
@@ -312,7 +312,7 @@ class Pipeline:
         the repository, [{"filename": ..., "text": ...}] (llama.cpp's input_extra); prompt: text
         typed after the prefix. Generation stops at end-of-text or any FIM token; neither is in the
         text. params / kw: the generation options, as for stream()."""
-        from mixqrt.fim import stop_ids
+        from mixqrt.generation.fim import stop_ids
         given = params is not None or "max_new_tokens" in kw or "max_tokens" in kw
         p = as_params(params, **kw)
         if p.tools or p.response_format is not None:
@@ -327,16 +327,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------ embeddings
     def embedder(self, pooling: str | None = None, normalize: bool | None = None, **kw):
-        """mixqrt.embed.Embedder with this model's settings (LoadedModel.embedder)."""
+        """mixqrt.generation.embed.Embedder with this model's settings (LoadedModel.embedder)."""
         return self.loaded.embedder(pooling, normalize, **kw)
 
     def embed(self, texts, *, pooling: str | None = None, normalize: bool | None = None,
               dimensions: int | None = None) -> np.ndarray:
         """Embeddings of a string, a list of strings or a list of token-id lists -> float32 [N, D]
         (pooling "none": a list of [n_i, D] arrays). Pooling and L2 normalization come from the model
-        (mixqrt.embed), each overridable; dimensions truncates (Matryoshka) where the model allows.
+        (mixqrt.generation.embed), each overridable; dimensions truncates (Matryoshka) where the model allows.
         The forwards run on the engine's thread between decode steps (Engine.embed)."""
-        from mixqrt.embed import check_dimensions, truncate
+        from mixqrt.generation.embed import check_dimensions, truncate
         seqs = self.embed_ids(texts)
         emb = self.embedder(pooling, normalize)
         dims = check_dimensions(emb, dimensions)
@@ -345,7 +345,7 @@ class Pipeline:
 
     def embed_ids(self, texts) -> list[list[int]]:
         """Token ids of embedding inputs (text is user text: control-token strings stay text)."""
-        from mixqrt.embed import encode_inputs
+        from mixqrt.generation.embed import encode_inputs
         return encode_inputs(self.tokenizer, texts, max_tokens=self.max_context)
 
     # ------------------------------------------------------------------ files

@@ -5,9 +5,9 @@ import contextlib
 import threading
 import time
 
-from mixqrt.serve.app import create_app
-from mixqrt.serve.cli import uvicorn_config
-from mixqrt.serve.guard import Limits
+from mixqrt.serving.server.app import create_app
+from mixqrt.serving.server.cli import uvicorn_config
+from mixqrt.serving.server.guard import Limits
 
 
 class Running:
@@ -69,7 +69,7 @@ _SERVE_SCRIPT = r"""
 import json, os, sys
 sys.path[:0] = sys.argv[1:3]
 from mixqrt.pipeline import Pipeline
-from mixqrt.serve.guard import Limits
+from mixqrt.serving.server.guard import Limits
 from serve_helpers import running
 from tinymodel import make_tiny_hf_model
 tmp, model, opts = sys.argv[3], sys.argv[4], json.loads(sys.argv[5])

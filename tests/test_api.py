@@ -1,4 +1,4 @@
-"""mixqrt.api: llama-cpp-python / OpenAI shaped results from a Pipeline (a fake one here: no model)."""
+"""mixqrt.serving.api: llama-cpp-python / OpenAI shaped results from a Pipeline (a fake one here: no model)."""
 from __future__ import annotations
 
 import threading
@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from mixqrt.api import RequestError, check_messages, create_chat_completion, create_completion
+from mixqrt.serving.api import RequestError, check_messages, create_chat_completion, create_completion
 from mixqrt.errors import GenerationError
-from mixqrt.params import UNTIL_FULL, SamplingParams
+from mixqrt.generation.params import UNTIL_FULL, SamplingParams
 
 
 @dataclass
-class Resp:                      # the fields of mixqrt.generate.GenerationResponse that the API reads
+class Resp:                      # the fields of mixqrt.generation.generate.GenerationResponse that the API reads
     text: str
     token: int | None
     finish_reason: str | None
@@ -127,7 +127,7 @@ def test_completion_maps_arguments_and_leaves_defaults_to_the_model():
 
 @pytest.mark.parametrize("stop", ["", ["\n", ""]])
 def test_empty_stop_string_is_refused_like_generate(stop):
-    # one rule for both entry points (mixqrt.params.check_stops): an empty stop string is an error naming
+    # one rule for both entry points (mixqrt.generation.params.check_stops): an empty stop string is an error naming
     # "stop", never silently dropped
     with pytest.raises(RequestError, match="non-empty") as e:
         create_completion(FakePipe(), "x", stop=stop)

@@ -263,7 +263,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet="abc é", max_size=24))
 def test_spm_gguf_tokenizer_is_llama_cpps(text):
-    from mixqrt.tokenizer import Tokenizer
+    from mixqrt.generation.tokenizer import Tokenizer
     meta = _spm_meta()
     tok = _SPM.get("tok") or _SPM.setdefault("tok", Tokenizer.from_gguf_metadata(meta))
     assert tok.encode(text, parse_special=False) == _spm_reference(meta, text)

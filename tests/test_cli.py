@@ -111,7 +111,7 @@ def test_bench_peak_rss_excludes_freed_probe_buffer():
     peak is not the probe's 1 GiB (Linux; elsewhere it falls back to ru_maxrss)."""
     import numpy as np
 
-    from mixqrt import bench
+    from mixqrt.commands import bench
     if not bench._reset_peak_rss():
         pytest.skip("/proc/self/clear_refs not writable here")
     big = np.ones(64 << 20, dtype=np.uint8)          # 64 MiB resident, then freed

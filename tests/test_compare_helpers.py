@@ -135,7 +135,7 @@ def test_docs_results_page_has_every_block(tmp_path):
 
 
 def test_speed_mixqrt_runs_bench_without_its_probe(tmp_path):
-    """speed_mixqrt replaces mixqrt.bench's bandwidth probe (measured once per run) by a stub that
+    """speed_mixqrt replaces mixqrt.commands.bench's bandwidth probe (measured once per run) by a stub that
     must take whatever bench() passes it: a stub of the wrong signature failed every mixqrt speed
     task of a comparison run once."""
     from tinymodel import make_tiny_hf_model
@@ -144,7 +144,7 @@ def test_speed_mixqrt_runs_bench_without_its_probe(tmp_path):
     src = make_tiny_hf_model(tmp_path / "hf", arch="llama", tied=False, seed=3)
     out = tmp_path / "m.mxq"
     quantize_model(str(src), "q8", str(out), progress=False, offline=True)
-    import mixqrt.bench as mb
+    import mixqrt.commands.bench as mb
     real = mb.measure_bandwidth
     try:
         r = cl.speed_mixqrt(cl.parse_system("mixqrt:q8"), {"path": str(out), "threads": 1, "n_prompt": 8,

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("hypothesis")
 
 from mixqrt.errors import FormatError  # noqa: E402
-from mixqrt.limits import check_generation_config, check_values  # noqa: E402
+from mixqrt.models.config_limits import check_generation_config, check_values  # noqa: E402
 from mixqrt.testing.config_fuzz import Harness, fuzz  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """The defaults and limits that docs/server.md and the README state, read from their text and compared
 with the code's, so they cannot drift again (docs/server.md once gave a default recipe two recipes
 old). The options table of docs/server.md against `mixqrt serve`'s parser, its request-field bounds
-against mixqrt.params, and the README's default recipe and context."""
+against mixqrt.generation.params, and the README's default recipe and context."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mixqrt import params
+from mixqrt.generation import params
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from mixqrt.serve.cli import add_serve_parser
+    from mixqrt.serving.server.cli import add_serve_parser
     top = argparse.ArgumentParser()
     sub = top.add_subparsers()
     add_serve_parser(sub)
@@ -71,7 +71,7 @@ def test_every_documented_serve_option_exists_and_every_concrete_default_matches
 
 
 def test_defaults_decided_at_run_time_are_stated_as_the_code_decides_them():
-    from mixqrt.limits import context_window
+    from mixqrt.models.config_limits import context_window
     rows = _options_table()
     assert rows["--recipe"].startswith(DEFAULT_RECIPE + " "), rows["--recipe"]
     assert "the model's own" in rows["--ctx"] and context_window(32768) == 32768

@@ -92,7 +92,7 @@ def test_real_qwen_last_token_agrees_with_llamacpp(qwen_gguf_path):
     """The real Qwen2.5-Coder-0.5B in last-token mode: mixqrt's f32 forward of the test GGUF's weights
     against llama.cpp's embedding mode (pooling LAST forced) on an F32 GGUF that llama-quantize made from
     the same file (qwen-real-last.npz; benchmarks/oracle_embeddings.py --real)."""
-    from mixqrt.embed import Embedder
+    from mixqrt.generation.embed import Embedder
     from mixqrt.io import open_source
     from mixqrt.models import load_f32
 

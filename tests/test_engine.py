@@ -1,4 +1,4 @@
-"""mixqrt.engine: continuous batching, chunked prefill, prompt cache, backpressure, cancellation.
+"""mixqrt.generation.engine: continuous batching, chunked prefill, prompt cache, backpressure, cancellation.
 
 On the tiny model (tests/tinymodel.py). With the f32 recipe a batched, chunked or cached run
 computes the same numbers as a single one, so outputs must match exactly. Packed formats with
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from mixqrt.quantize.convert import quantize_model
-from mixqrt.engine import Engine, EngineBusy
+from mixqrt.generation.engine import Engine, EngineBusy
 from mixqrt.errors import GenerationError
-from mixqrt.generate import stream_generate
+from mixqrt.generation.generate import stream_generate
 from mixqrt.pipeline import LoadedModel
 from tinymodel import make_tiny_hf_model
 
@@ -266,7 +266,7 @@ def test_prompt_cache_diverging_prefix_copies_and_identical_prompt(lm32):
 
 
 def test_prompt_cache_lru_eviction_bounded(lm32):
-    from mixqrt.engine_cache import NODE_OVERHEAD, SALT_OVERHEAD
+    from mixqrt.generation.prompt_cache import NODE_OVERHEAD, SALT_OVERHEAD
     with Engine(lm32) as probe:
         row = probe._cache.row_bytes
         running = probe.model.make_cache(probe.max_context).resident_bytes(25)   # pages a request touches
@@ -345,7 +345,7 @@ def test_consumers_on_threads(lm32):
 
 def test_pipeline_and_api_go_through_the_engine(tiny_dir, tmp_path, monkeypatch):
     import mixqrt
-    from mixqrt.api import create_chat_completion
+    from mixqrt.serving.api import create_chat_completion
     monkeypatch.setenv("MIXQRT_CACHE", str(tmp_path / "cache"))
     pipe = mixqrt.Pipeline(str(tiny_dir), recipe="f32", progress=False)
     pipe("hello", max_new_tokens=3, do_sample=False)

@@ -1,4 +1,4 @@
-"""mixqrt.engine_cache: the prompt cache's radix tree (longest prefix = brute force, salts never
+"""mixqrt.generation.prompt_cache: the prompt cache's radix tree (longest prefix = brute force, salts never
 cross, LRU evicts leaves only, lookups do not scan), its memory count against what is allocated,
 KVCache.resident_bytes against the pages the kernel reports, and the Engine's cache_salt /
 cache_prompt. Nothing asserts on time."""
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mixqrt.cache import KVCache
-from mixqrt.engine import Engine
-from mixqrt.engine_cache import NODE_OVERHEAD, SALT_OVERHEAD, PrefixTree, common_prefix
+from mixqrt.models.kv_cache import KVCache
+from mixqrt.generation.engine import Engine
+from mixqrt.generation.prompt_cache import NODE_OVERHEAD, SALT_OVERHEAD, PrefixTree, common_prefix
 from mixqrt.errors import GenerationError
 
 SALTS = [None, "a", "b", "a:b"]

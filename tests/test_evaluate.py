@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mixqrt.errors import FormatError, GenerationError
-from mixqrt.evaluate import log_softmax, perplexity
+from mixqrt.commands.evaluate import log_softmax, perplexity
 
 
 def _fake_model(vocab=11, seed=0):

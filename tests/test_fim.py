@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixqrt.engine import Engine
+from mixqrt.generation.engine import Engine
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_edited_prompt_gives_the_same_tokens_as_a_cold_one(engine):
 
 def test_fim_ids_from_gguf_metadata_win_and_survive_the_mxq(tmp_path):
     from mixqrt.errors import FormatError
-    from mixqrt.fim import fim_tokens
-    from mixqrt.tokenizer import Tokenizer, fim_from_gguf
+    from mixqrt.generation.fim import fim_tokens
+    from mixqrt.generation.tokenizer import Tokenizer, fim_from_gguf
     meta = {"tokenizer.ggml.fim_pre_token_id": 5, "tokenizer.ggml.suffix_token_id": 6,
             "tokenizer.ggml.fim_mid_token_id": 7, "tokenizer.ggml.fim_sep_token_id": 8}
     assert fim_from_gguf(meta, 100) == {"pre": 5, "suf": 6, "mid": 7, "sep": 8}
@@ -68,7 +68,7 @@ def test_fim_ids_from_gguf_metadata_win_and_survive_the_mxq(tmp_path):
 def test_embedding_packs_alternate_with_decode_steps(engine):
     """A large embedding request runs pack by pack on the engine thread between decode steps: a stream
     submitted alongside keeps getting tokens, and the vectors equal the calling-thread ones."""
-    from mixqrt.embed import Embedder
+    from mixqrt.generation.embed import Embedder
     emb = Embedder(engine.model, batch_tokens=64)
     rng = np.random.default_rng(3)
     seqs = [rng.integers(5, 300, size=int(n)) for n in rng.integers(8, 60, size=60)]

@@ -1,4 +1,4 @@
-"""Fill-in-the-middle and embeddings through mixqrt.serve, driven as editors and RAG libraries drive
+"""Fill-in-the-middle and embeddings through mixqrt.serving.server, driven as editors and RAG libraries drive
 them: the official `openai` client's completions.create(prompt=..., suffix=...) and
 embeddings.create(input=[...]) (float and its default base64), a llama.vim-shaped POST /infill (the
 fields llama.vim sends), and hostile inputs (10^5 inputs, a 1 MB string, ids outside the vocabulary,
@@ -55,7 +55,7 @@ def post(srv, path, body, timeout=60):
 
 
 def test_fim_tokens_and_prompt_order(pipe):
-    from mixqrt.fim import fim_tokens
+    from mixqrt.generation.fim import fim_tokens
     t = fim_tokens(pipe.tokenizer)
     assert t.complete and t.rep is not None and t.sep is not None
     ids = pipe.infill_ids("def f(x):\n    return ", "\n\nprint(f(2))\n", [{"filename": "a.py", "text": "x = 1"}])
@@ -65,7 +65,7 @@ def test_fim_tokens_and_prompt_order(pipe):
 
 
 def test_control_token_text_in_user_text_stays_text(pipe):
-    from mixqrt.fim import fim_tokens
+    from mixqrt.generation.fim import fim_tokens
     t = fim_tokens(pipe.tokenizer)
     ids = pipe.infill_ids("a = '<|fim_suffix|><|fim_middle|>'\n", "b = '<|fim_prefix|>'\n",
                           [{"filename": "<|file_sep|>", "text": "<|repo_name|>"}])
@@ -75,7 +75,7 @@ def test_control_token_text_in_user_text_stays_text(pipe):
 
 
 def test_trimming_keeps_llamacpp_budget_and_a_stable_cut(pipe):
-    from mixqrt.fim import CUT_STEP, fim_tokens
+    from mixqrt.generation.fim import CUT_STEP, fim_tokens
     t = fim_tokens(pipe.tokenizer)
     long = "x = 1\n" * 400
     ids = pipe.infill_ids(long, long, n_batch=128)
@@ -88,7 +88,7 @@ def test_trimming_keeps_llamacpp_budget_and_a_stable_cut(pipe):
 
 
 def test_model_without_fim_tokens_is_refused_by_name(tmp_path):
-    from mixqrt.fim import FimError
+    from mixqrt.generation.fim import FimError
     p = tiny_pipeline(tmp_path)
     with pytest.raises(FimError, match="prefix, suffix, middle"):
         p.infill("a", "b")
@@ -179,7 +179,7 @@ def test_hostile_inputs_are_4xx_and_nothing_stalls(srv):
 
 
 def test_infill_needs_the_api_key(tmp_path):
-    from mixqrt.serve.guard import Limits
+    from mixqrt.serving.server.guard import Limits
     own = tiny_pipeline(tmp_path)                  # its own engine: the module's server keeps its one
     add_fim_tokens(own.tokenizer)
     with running(own, Limits(api_key="sk-test")) as r:
@@ -190,7 +190,7 @@ def test_infill_needs_the_api_key(tmp_path):
 
 
 def test_python_api_embedding_and_infill_shapes(pipe):
-    from mixqrt import api
+    from mixqrt.serving import api
     out = api.create_embedding(pipe, ["a b", "c"], encoding_format="float")
     assert out["object"] == "list" and [d["index"] for d in out["data"]] == [0, 1]
     assert out["usage"]["prompt_tokens"] == out["usage"]["total_tokens"] > 0

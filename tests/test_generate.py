@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 
 from mixqrt.errors import GenerationError
-from mixqrt.generate import generate, generate_step, resolve_sampling, stream_generate
+from mixqrt.generation.generate import generate, generate_step, resolve_sampling, stream_generate
 from mixqrt.models import build_model
 from mixqrt.models.qwen2 import ModelArgs
-from mixqrt.sample_utils import make_sampler
+from mixqrt.generation.sampling import make_sampler
 
 from test_model import tiny_config, tiny_weights
 

@@ -1,6 +1,6 @@
 """Grammar and schema bombs (issue 39, item 1): a grammar whose rules or `$ref`s form a long chain
 overflowed the grammar library's recursion and took the whole server down (SIGSEGV). Now the cost
-of a compile is bounded before the library sees the text (mixqrt.grammar.check_cost), and what
+of a compile is bounded before the library sees the text (mixqrt.generation.grammar.check_cost), and what
 the library still does wrong inside the bounds happens in a compile worker process that can die
 alone. The server test runs in a child process, so that a crash is a failure, not a dead pytest."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from mixqrt import grammar as G
+from mixqrt.generation import grammar as G
 from mixqrt.errors import RequestError
 
 

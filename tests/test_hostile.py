@@ -21,7 +21,7 @@ from mixqrt.errors import FormatError, MixqrtError, ModelError
 from mixqrt.io import open_source
 from mixqrt.io.gguf import GGUFSource
 from mixqrt.io.hf import HFSource, SafetensorsFile
-from mixqrt.limits import FLOAT_LIMITS, INT_LIMITS
+from mixqrt.models.config_limits import FLOAT_LIMITS, INT_LIMITS
 
 TESTS = Path(__file__).resolve().parent
 # Subprocesses import the mixqrt this test imported (CI installs it into a venv; the clone's
@@ -166,7 +166,7 @@ def test_gguf_bad_tokenizer_metadata(tmp_path):
     good = make_tiny_gguf(d, tmp_path / "good.gguf")
     with GGUFSource(good) as src:
         meta = dict(src.metadata)
-    from mixqrt.tokenizer import Tokenizer
+    from mixqrt.generation.tokenizer import Tokenizer
     for key, val, words in [("tokenizer.ggml.bos_token_id", 10 ** 6, "bos_token_id"),
                             ("tokenizer.ggml.eos_token_id", "2", "eos_token_id"),
                             ("tokenizer.ggml.merges", np.arange(3), "merges"),
@@ -272,7 +272,7 @@ def test_tokenizer_panic_is_a_typed_error(tmp_path):
     from tokenizers import Tokenizer as HFTok
     from tokenizers import models, pre_tokenizers
 
-    from mixqrt.tokenizer import Tokenizer
+    from mixqrt.generation.tokenizer import Tokenizer
     tk = HFTok(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"(a|a)+b"), behavior="isolated")
     (tmp_path / "tokenizer.json").write_text(tk.to_str())
@@ -280,7 +280,7 @@ def test_tokenizer_panic_is_a_typed_error(tmp_path):
     assert t.encode("ab") == []
     env = dict(os.environ, RUST_BACKTRACE="0")
     code = ("import sys; sys.path[:0] = sys.argv[1:2]\n"
-            "from mixqrt.tokenizer import Tokenizer\nfrom mixqrt.errors import ModelError\n"
+            "from mixqrt.generation.tokenizer import Tokenizer\nfrom mixqrt.errors import ModelError\n"
             f"t = Tokenizer.from_folder({str(tmp_path)!r})\n"
             "try:\n    t.encode('a' * 40 + 'c')\nexcept ModelError as e:\n    print('TYPED', e)\n")
     out = subprocess.run([sys.executable, "-c", code, str(PKG_PARENT)], capture_output=True, text=True,
@@ -488,7 +488,7 @@ def test_truncation_under_a_live_map_is_sigbus_and_atomic_replace_is_not(tmp_pat
 # ------------------------------------------------------------------ typed errors, not Python's own
 @pytest.mark.parametrize("template", [[{"name": "default"}], [{"template": "x"}], ["x"], [{"name": 1, "template": "x"}]])
 def test_chat_template_list_entries_are_checked(tmp_path, template):
-    from mixqrt.tokenizer import Tokenizer
+    from mixqrt.generation.tokenizer import Tokenizer
     d = make_tiny_hf_model(tmp_path / "hf", dtype="f32")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from mixqrt.serve.app import cache_salt  # noqa: E402
-from mixqrt.serve.guard import Guard, Limits  # noqa: E402
+from mixqrt.serving.server.app import cache_salt  # noqa: E402
+from mixqrt.serving.server.guard import Guard, Limits  # noqa: E402
 
 
 def _scope(*auth):
@@ -42,7 +42,7 @@ def test_a_same_size_rewrite_with_the_old_mtime_is_still_seen(tmp_path):
     """Detection does not rest on mtime alone: a rewrite that restores the old mtime moves ctime."""
     import os
 
-    from mixqrt.serve.watch import FileWatch
+    from mixqrt.serving.server.watch import FileWatch
     f = tmp_path / "m.mxq"
     f.write_bytes(b"a" * 4096)
     st = os.stat(f)
@@ -104,7 +104,7 @@ def test_a_stream_the_engine_stops_ends_with_an_error_event_and_done(tmp_path):
     from asgi_helpers import call, sse
     from serve_helpers import tiny_pipeline
 
-    from mixqrt.serve.app import create_app
+    from mixqrt.serving.server.app import create_app
     pipe = tiny_pipeline(tmp_path)
     app = create_app(pipe, model="tiny")
     eng = app.state.server.engine

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from mixqrt.chat_template import TemplateError, render
+from mixqrt.generation.chat_template import TemplateError, render
 from mixqrt.errors import MixqrtError, ModelError
 from mixqrt.testing.tiny import make_tiny_hf_model
-from mixqrt.tokenizer import Tokenizer
+from mixqrt.generation.tokenizer import Tokenizer
 
 MSGS = [{"role": "user", "content": "hi"}]
 BOMBS = {
@@ -99,7 +99,7 @@ def test_server_answers_a_broken_template_with_a_400(tmp_path):
     from asgi_helpers import call
     from serve_helpers import tiny_pipeline
 
-    from mixqrt.serve.app import create_app
+    from mixqrt.serving.server.app import create_app
     pipe = tiny_pipeline(tmp_path)
     app = create_app(pipe, model="tiny")
     try:

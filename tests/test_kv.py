@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mixqrt import cache, ops
+from mixqrt.models import kv_cache as cache
+from mixqrt import ops
 from mixqrt.kv import packed
 from mixqrt.errors import GenerationError, KernelError
 from mixqrt.kv import ref
@@ -252,7 +253,7 @@ def test_blocks_export_and_import():
 def test_block_tree_tails_on_a_packed_cache():
     """The prompt cache keeps a finished sequence's partial last block in f16: a new prompt sharing
     part of it gets whole blocks plus those rows, which read as the original cache's."""
-    from mixqrt.engine_cache import BlockTree
+    from mixqrt.generation.prompt_cache import BlockTree
     rng = np.random.default_rng(10)
     a = packed.PackedKVCache(2, 2, 64, 1024, "q4")
     _fill(a, rng, 150)

@@ -19,22 +19,16 @@ import mixqrt
 ROOT = Path(mixqrt.__file__).parent
 
 LAYERS = [
-    ("platform", ["mixqrt.errors", "mixqrt.limits", "mixqrt._kernels", "mixqrt.platform"]),
-    ("formats", ["mixqrt.formats"]),                   # layout, kmeans, rotation, qtensor, codec
-    ("ops", ["mixqrt.ops"]),                         # pool, matmul, attention, elementwise, probes, ref
-    ("models", ["mixqrt.models", "mixqrt.cache", "mixqrt.kv"]),   # spec, base, the graphs; the KV caches
-    ("io", ["mixqrt.io", "mixqrt.tokenizer", "mixqrt.chat_template",
-            "mixqrt.embed"]),                          # embeddings: pooling, the Embedder (io.gguf reads its settings)
-    ("runtime", ["mixqrt.runtime"]),                   # placement, prefetch, the core-slicing scheduler
-    ("generate", ["mixqrt.validate", "mixqrt.params",    # request values' checks; the one request object
-                  "mixqrt.sample_utils", "mixqrt.generate", "mixqrt.evaluate",
-                  "mixqrt.grammar", "mixqrt.tools", "mixqrt.fim",     # constrained decoding, tool calls
-                  "mixqrt.engine", "mixqrt.engine_cache", "mixqrt.speculative"]),
-    ("quantize", ["mixqrt.quantize"]),                 # recipes and calibration run the model
-    ("pipeline", ["mixqrt.resolve", "mixqrt.pipeline", "mixqrt.bench", "mixqrt.inspect", "mixqrt.doctor"]),
-    ("app", ["mixqrt.oai", "mixqrt.api", "mixqrt.server", "mixqrt.serve", "mixqrt.cli", "mixqrt.__main__",
-             "mixqrt.__init__",
-             "mixqrt.testing"]),             # test models' fetcher, tiny/synthetic models, fuzz, oracle GGUFs
+    ("platform", ["mixqrt.errors", "mixqrt._kernels", "mixqrt.platform"]),   # errors, _kernels, platform/
+    ("formats", ["mixqrt.formats"]),   # layout, kmeans, rotation, qtensor, codec
+    ("ops", ["mixqrt.ops"]),   # pool, matmul, attention, elementwise, probes, ref
+    ("models", ["mixqrt.models", "mixqrt.kv"]),   # spec, base, the graphs; the KV cache (kv_cache), the config bounds (config_limits)
+    ("generation", ["mixqrt.generation"]),   # engine, prompt cache, params, sampling, speculative, grammar, tool calls, tokenizer, ...
+    ("io", ["mixqrt.io"]),   # arena, dispatch, mxq, gguf, hf, hub, source
+    ("runtime", ["mixqrt.runtime"]),   # placement, prefetch, the core-slicing scheduler
+    ("quantize", ["mixqrt.quantize"]),   # recipes and calibration run the model; names: model name -> cached .mxq
+    ("pipeline", ["mixqrt.pipeline", "mixqrt.commands"]),   # Pipeline, load; the bench / evaluate / doctor / inspect commands
+    ("app", ["mixqrt.cli", "mixqrt.__main__", "mixqrt.__init__", "mixqrt.testing", "mixqrt.serving"]),
 ]
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES, KVCache, check_kv_type, kv_bytes_per_token, make_kv_cache
-from mixqrt.engine import Engine
+from mixqrt.models.kv_cache import DEFAULT_KV_TYPE, KV_TYPES, KVCache, check_kv_type, kv_bytes_per_token, make_kv_cache
+from mixqrt.generation.engine import Engine
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
 
 # the tiny model (mixqrt.testing.tiny): 2 layers, 2 KV heads of 16, context 256
@@ -77,7 +77,7 @@ def test_pipeline_and_engine_kv_type(tiny_f32_path):
 
 
 def test_generate_step_kv_type(lm):
-    from mixqrt.generate import generate_step, stream_generate
+    from mixqrt.generation.generate import generate_step, stream_generate
     a = [t for t, _ in generate_step(lm.model, [5, 6, 7], max_tokens=4)]
     b = [t for t, _ in generate_step(lm.model, [5, 6, 7], max_tokens=4, kv_type="f16")]
     assert len(a) == len(b) == 4
@@ -149,7 +149,7 @@ class BlockTrimCache(KVCache):
 
 
 def test_speculation_over_a_cache_that_trims_to_block_starts(lm, monkeypatch):
-    from mixqrt.speculative import make_drafter
+    from mixqrt.generation.speculative import make_drafter
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     with Engine(lm) as plain:
         want, _ = greedy(plain, prompt, n=12)
@@ -164,7 +164,7 @@ def test_speculation_over_a_cache_that_trims_to_block_starts(lm, monkeypatch):
 
 # ------------------------------------------------------------------ ppl in pieces, bench --depth, inspect
 def test_perplexity_pieces_equal_the_whole_window(lm):
-    from mixqrt.evaluate import perplexity
+    from mixqrt.commands.evaluate import perplexity
     toks = np.random.default_rng(0).integers(3, 400, size=256)
     whole = perplexity(lambda ids: lm.logits(ids), toks, ctx=128, progress=False)
     parts = perplexity(None, toks, ctx=128, progress=False,
@@ -178,7 +178,7 @@ def test_perplexity_pieces_equal_the_whole_window(lm):
 
 
 def test_bench_depth(lm):
-    from mixqrt.bench import bench
+    from mixqrt.commands.bench import bench
     rows = bench(lm, threads=(1,), n_prompt=16, n_gen=4, ttft_prompt=8, repeats=1, depth=64, kv_type="f16",
                  progress=False, probe_bytes=1 << 20, probes=1)
     r = rows[0]
@@ -190,7 +190,7 @@ def test_bench_depth(lm):
 
 
 def test_inspect_reports_kv_bytes(tiny_f32_path):
-    from mixqrt.inspect import inspect_model
+    from mixqrt.commands.inspect_model import inspect_model
     text = inspect_model(str(tiny_f32_path), kv_type="f16")
     assert f"KV cache f16: {ROW_F32 // 2:,d} bytes per token" in text
     import json
@@ -288,7 +288,7 @@ def test_packed_prompt_cache_reuses_whole_blocks(lm):
         a.num_hidden_layers, a.num_key_value_heads, a.head_dim, int(max_len or a.max_position_embeddings)))
     try:
         with Engine(lm, kv_cache_bytes=64 << 20) as eng:
-            from mixqrt.engine_cache import BlockTree
+            from mixqrt.generation.prompt_cache import BlockTree
             assert isinstance(eng._cache.tree, BlockTree)
             got1, last1 = greedy(eng, p150)
             got2, last2 = greedy(eng, p150)               # 149 tokens from the cache: 2 whole blocks + the tail
@@ -306,7 +306,7 @@ def test_packed_prompt_cache_reuses_whole_blocks(lm):
 
 
 def test_block_tree_bound_and_order():
-    from mixqrt.engine_cache import BLOCK_OVERHEAD, BlockTree
+    from mixqrt.generation.prompt_cache import BLOCK_OVERHEAD, BlockTree
     kv = PackedStub(1, 1, 4, 512)
     kv.stacked[...] = np.arange(kv.stacked.size, dtype=np.float32).reshape(kv.stacked.shape)
     kv.offset = 256
@@ -463,7 +463,7 @@ def test_eight_16k_slots_fit_one_gib_with_the_default_kv_type():
     """Issue 41's memory goal, by the engine's own accounting: with the default KV type, 8 running
     requests of 16,384 tokens each fit kv_cache_bytes = 1 GiB on Qwen2.5-0.5B's shape (24 layers,
     2 KV heads of 64)."""
-    from mixqrt.engine_cache import PromptCache
+    from mixqrt.generation.prompt_cache import PromptCache
     if DEFAULT_KV_TYPE in ("f32", "f16"):
         pytest.skip("the default KV type is a float one in this build (the packed cache is not in)")
 

@@ -27,7 +27,7 @@ def test_prompt_over_the_kv_bound_is_a_400(pipe):  # noqa: F811
 
 def test_serve_cli_kv_type():
     from mixqrt.cli import build_parser
-    from mixqrt.serve.cli import engine_kwargs
+    from mixqrt.serving.server.cli import engine_kwargs
     a = build_parser().parse_args(["serve", "--kv-type", "f16", "--kv-cache-bytes", "1GiB"])
     kw = engine_kwargs(a)
     assert kw["kv_type"] == "f16" and kw["kv_cache_bytes"] == 1 << 30

@@ -205,7 +205,7 @@ def test_kv_cache_pages_resident_only_when_written():
     """Caches sized for a long context cost only the rows written, even after caches were freed
     (np.zeros through glibc's heap zeroed whole arrays there: a serving process with its prompt
     cache of idle caches grew by gigabytes)."""
-    from mixqrt.cache import KVCache
+    from mixqrt.models.kv_cache import KVCache
     for _ in range(3):                                       # churn: raises glibc's mmap threshold
         KVCache(24, 2, 64, 2048).keys[0][:, :4] = 1.0
     r0, keep = _rss(), []

@@ -4,7 +4,7 @@ generation that should read like code."""
 import numpy as np
 import pytest
 
-from mixqrt.generate import stream_generate
+from mixqrt.generation.generate import stream_generate
 from mixqrt.io import open_source
 from mixqrt.models import build_model
 
@@ -46,8 +46,8 @@ def test_real_qwen_engine_logprobs_equal_the_ppl_log_softmax(qwen_f32):
     """logprobs (issue 31): the engine's per-token logprobs and top_logprobs are a log-softmax of the
     model's logits for the same tokens, computed as `mixqrt ppl` does (a full forward, then
     evaluate.log_softmax), within 1e-4."""
-    from mixqrt.engine import Engine
-    from mixqrt.evaluate import log_softmax
+    from mixqrt.generation.engine import Engine
+    from mixqrt.commands.evaluate import log_softmax
 
     src, _, model = qwen_f32
     ids = src.tokenizer.encode(PROMPT)

@@ -41,7 +41,7 @@ def test_dense_files_keep_cache_line_alignment(tmp_path):
 
 def test_moe_file_runs_and_bench_reports_rss(moe_mxq):
     import mixqrt
-    from mixqrt.bench import bench, format_rows
+    from mixqrt.commands.bench import bench, format_rows
     m = mixqrt.load(str(moe_mxq))
     assert np.isfinite(m.model.logits(np.array([5, 77, 3, 200]))).all()
     rows = bench(m, threads=(1,), n_prompt=16, n_gen=4, ttft_prompt=8,
@@ -55,7 +55,7 @@ def test_moe_file_runs_and_bench_reports_rss(moe_mxq):
         assert r["rss_after_decode_bytes"] > 0 and 0 < r["file_rss_after_decode_bytes"] <= r["file_bytes"] + 2**21
         assert "RSS after warm-up" in format_rows(rows, "moe")
     # decode reads top_k / num_experts of the routed experts' bytes
-    from mixqrt.bench import _weights, decode_bytes_per_token
+    from mixqrt.commands.bench import _weights, decode_bytes_per_token
     w = dict(_weights(m.model))                     # tied: the embedding is read whole as the output head
     routed = sum(t.nbytes for n, t in w.items() if ".mlp.experts." in n)
     rest = sum(t.nbytes for n, t in w.items() if ".mlp.experts." not in n)

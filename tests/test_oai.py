@@ -1,4 +1,4 @@
-"""mixqrt.oai: one request parser and one set of reply shapes for mixqrt.api and mixqrt.serve.
+"""mixqrt.serving.protocol: one request parser and one set of reply shapes for mixqrt.serving.api and mixqrt.serving.server.
 
 Hostile JSON (lone surrogates, huge integers, NaN, deep nesting, wrong types, truncated bodies)
 gets a 400 naming the field; the same request through api.create_* and the server gives the same
@@ -11,9 +11,9 @@ import pytest
 from asgi_helpers import call, sse
 from test_serve import pipe  # noqa: F401 - the module-scoped tiny Pipeline fixture
 
-from mixqrt import api, oai
+from mixqrt.serving import api, protocol as oai
 from mixqrt.errors import MixqrtError, RequestError
-from mixqrt.params import UNTIL_FULL, SamplingParams
+from mixqrt.generation.params import UNTIL_FULL, SamplingParams
 
 pytest.importorskip("starlette")
 
@@ -23,8 +23,8 @@ MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def app(pipe):  # noqa: F811
-    from mixqrt.serve.app import create_app
-    from mixqrt.serve.guard import Limits
+    from mixqrt.serving.server.app import create_app
+    from mixqrt.serving.server.guard import Limits
     a = create_app(pipe, model="tiny", limits=Limits(max_tokens=64))
     yield a
     a.state.server.engine.close()

@@ -331,7 +331,7 @@ def test_read_bandwidth_patterns():
 
 
 def test_honest_bound():
-    from mixqrt.bench import honest_bound
+    from mixqrt.commands.bench import honest_bound
     assert honest_bound(50e9, [40e9, float("nan")]) == (50e9, None)
     bw, note = honest_bound(50e9, [57e9])
     assert bw == 57e9 and "probe is wrong" in note
@@ -339,7 +339,7 @@ def test_honest_bound():
 
 def test_bench_notes_steal_and_small_pages():
     """The bench row notes hypervisor steal (>= 2 %) and weights mostly outside 2 MiB pages."""
-    from mixqrt.bench import format_rows
+    from mixqrt.commands.bench import format_rows
     from mixqrt.platform.perf import cpu_jiffies, steal_fraction
     a = cpu_jiffies()
     assert a is None or (len(a) == 2 and 0 <= a[0] <= a[1])

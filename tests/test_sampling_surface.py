@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixqrt.engine import Engine
+from mixqrt.generation.engine import Engine
 from mixqrt.errors import RequestError
-from mixqrt.evaluate import log_softmax
+from mixqrt.commands.evaluate import log_softmax
 from mixqrt.pipeline import LoadedModel
-from mixqrt.sample_utils import make_logit_bias, make_presence_frequency_penalty, token_logprobs
+from mixqrt.generation.sampling import make_logit_bias, make_presence_frequency_penalty, token_logprobs
 
 NO_EOS = {"eos_token_ids": [], "repetition_penalty": 1.0}   # no eos; the config's 1.05 penalty off
 

@@ -1,4 +1,4 @@
-"""mixqrt.serve over the tiny model, driven by the official `openai` client: every endpoint,
+"""mixqrt.serving.server over the tiny model, driven by the official `openai` client: every endpoint,
 streaming and not, chat and completions, usage (with cached_tokens), /metrics."""
 from __future__ import annotations
 
@@ -105,8 +105,8 @@ def test_metrics(srv):
 def test_serve_parser():
     import argparse
 
-    from mixqrt.serve import add_serve_parser
-    from mixqrt.serve.cli import default_hosts, limits_from_args
+    from mixqrt.serving.server import add_serve_parser
+    from mixqrt.serving.server.cli import default_hosts, limits_from_args
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers(dest="cmd"))
     a = p.parse_args(["serve", "m.mxq", "--port", "9000", "-t", "2", "--api-key", "k", "--max-slots", "4",
@@ -127,8 +127,8 @@ def test_serve_gemm_cache_defaults():
     faster than the tiles: docs/engine.md), for one server and for Ray replicas."""
     import argparse
 
-    from mixqrt.serve import add_serve_parser
-    from mixqrt.serve.cli import engine_kwargs
+    from mixqrt.serving.server import add_serve_parser
+    from mixqrt.serving.server.cli import engine_kwargs
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers(dest="cmd"))
     a = p.parse_args(["serve", "m.mxq"])

@@ -15,7 +15,7 @@ import pytest
 from serve_helpers import running
 from test_serve import pipe  # noqa: F401  (the tiny model's Pipeline)
 
-from mixqrt.serve.guard import Limits
+from mixqrt.serving.server.guard import Limits
 
 pytest.importorskip("starlette")
 openai = pytest.importorskip("openai")
@@ -107,8 +107,8 @@ def test_cache_fields_and_metrics_behind_the_key(pipe):  # noqa: F811
 
 def test_cli_cache_bytes_and_keys(tmp_path, monkeypatch):
     from mixqrt.errors import MixqrtError
-    from mixqrt.serve import add_serve_parser
-    from mixqrt.serve.cli import engine_kwargs, limits_from_args
+    from mixqrt.serving.server import add_serve_parser
+    from mixqrt.serving.server.cli import engine_kwargs, limits_from_args
     p = argparse.ArgumentParser()
     add_serve_parser(p.add_subparsers(dest="cmd"))
     monkeypatch.delenv("MIXQRT_API_KEY", raising=False)

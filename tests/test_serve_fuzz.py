@@ -19,7 +19,7 @@ pytest.importorskip("starlette")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from mixqrt import oai  # noqa: E402
+from mixqrt.serving import protocol as oai  # noqa: E402
 
 CASES = int(os.environ.get("MIXQRT_HTTP_FUZZ", "300"))
 ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
@@ -100,8 +100,8 @@ def requests(draw):
 def app(tmp_path_factory):
     from serve_helpers import tiny_pipeline
 
-    from mixqrt.serve.app import create_app
-    from mixqrt.serve.guard import Limits
+    from mixqrt.serving.server.app import create_app
+    from mixqrt.serving.server.guard import Limits
     pipe = tiny_pipeline(tmp_path_factory.mktemp("fuzz"), max_context=24)
     a = create_app(pipe, model="tiny", limits=Limits(max_tokens=8))
     yield a

@@ -1,4 +1,4 @@
-"""mixqrt.serve under hostile clients, on 127.0.0.1 with the tiny model: limits, forged control
+"""mixqrt.serving.server under hostile clients, on 127.0.0.1 with the tiny model: limits, forged control
 tokens, Host/Origin/API-key checks, bad bodies, 64 connections at once, a client that stops reading."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from serve_helpers import running
 from test_serve import MSGS, pipe  # noqa: F401 - the module-scoped tiny Pipeline fixture
 
-from mixqrt.serve.guard import Limits, escape
+from mixqrt.serving.server.guard import Limits, escape
 from mixqrt.testing.flood import raw_status
 
 pytest.importorskip("starlette")
@@ -149,9 +149,9 @@ def test_api_key(pipe):  # noqa: F811
 
 def test_logs_escape_control_characters(srv, caplog):
     assert escape("/a\r\nFAKE 200\x1b[31m") == "/a\\x0d\\x0aFAKE 200\\x1b[31m"
-    with caplog.at_level(logging.INFO, logger="mixqrt.serve"):
+    with caplog.at_level(logging.INFO, logger="mixqrt.serving.server"):
         request(srv, "GET", "/v1/x%0d%0aFAKE%1b")
-    lines = [r.getMessage() for r in caplog.records if r.name == "mixqrt.serve"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mixqrt.serving.server"]
     assert any("/v1/x\\x0d\\x0aFAKE\\x1b" in m for m in lines), lines
     assert not any("\n" in m or "\x1b" in m for m in lines)
 
@@ -159,7 +159,7 @@ def test_logs_escape_control_characters(srv, caplog):
 
 
 def test_host_header_is_parsed_strictly(pipe):  # noqa: F811
-    from mixqrt.serve.cli import default_hosts
+    from mixqrt.serving.server.cli import default_hosts
     with running(pipe, Limits(allowed_hosts=default_hosts("127.0.0.1"))) as s:
         def get(*hosts):
             lines = "".join(f"Host: {h}\r\n" for h in hosts)
@@ -168,7 +168,7 @@ def test_host_header_is_parsed_strictly(pipe):  # noqa: F811
         assert get("[::1]evil.example") == 400
         assert get("evil.example", "localhost") == 400          # two Host headers: never "the last one wins"
         assert get("localhost", "localhost") == 400
-    from mixqrt.serve.guard import host_name
+    from mixqrt.serving.server.guard import host_name
     assert [host_name(h) for h in ("[::1]", "[::1]:8000", "LocalHost:80", "a_b.internal")] == \
         ["[::1]", "[::1]", "localhost", "a_b.internal"]
     for bad in ("[::1]evil.example", "[::1]:80evil", "[::1", "[nope]", "a b", "x:1:2", "evil.example@x", ""):
@@ -179,9 +179,9 @@ def test_logs_escape_bidi_and_line_separators(srv, caplog):
     assert escape("a\u202eb\u2028c\u2029\u200f\u2066\ufeff\x85") == \
         "a\\u202eb\\u2028c\\u2029\\u200f\\u2066\\ufeff\\x85"
     assert escape("café 日本") == "café 日本"
-    with caplog.at_level(logging.INFO, logger="mixqrt.serve"):
+    with caplog.at_level(logging.INFO, logger="mixqrt.serving.server"):
         request(srv, "GET", "/v1/x%E2%80%AEtxt.exe%E2%80%A8FAKE%E2%81%A6")
-    lines = [r.getMessage() for r in caplog.records if r.name == "mixqrt.serve"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "mixqrt.serving.server"]
     assert any("/v1/x\\u202etxt.exe\\u2028FAKE\\u2066" in m for m in lines), lines
     assert not any(c in m for m in lines for c in "\u202e\u2028\u2066")
 
@@ -275,7 +275,7 @@ def test_a_client_dropping_mid_body_logs_one_line_and_no_traceback(srv, caplog):
     uv = logging.getLogger("uvicorn.error")
     uv.addHandler(catch)
     try:
-        with caplog.at_level(logging.INFO, logger="mixqrt.serve"):
+        with caplog.at_level(logging.INFO, logger="mixqrt.serving.server"):
             c = _hold_half_a_body(srv.port)
             time.sleep(0.3)
             c.close()
@@ -284,7 +284,7 @@ def test_a_client_dropping_mid_body_logs_one_line_and_no_traceback(srv, caplog):
                 time.sleep(0.05)
     finally:
         uv.removeHandler(catch)
-    ours = [r for r in caplog.records if r.name == "mixqrt.serve"]
+    ours = [r for r in caplog.records if r.name == "mixqrt.serving.server"]
     assert [" 499 " in r.getMessage() for r in ours] == [True], [r.getMessage() for r in ours]
     assert not any(r.exc_info for r in records + caplog.records), [r.getMessage() for r in records]
 
@@ -352,7 +352,7 @@ def test_a_stream_nobody_reads_is_cancelled(pipe):  # noqa: F811
     cancelled and its slot freed, while the ASGI call returns."""
     import asyncio
 
-    from mixqrt.serve.app import create_app
+    from mixqrt.serving.server.app import create_app
     app = create_app(pipe, model="tiny", limits=Limits(write_timeout=0.3))
     body = json.dumps({"prompt": "a", "max_tokens": 200, "stream": True, "temperature": 0}).encode()
     sent = []
@@ -396,7 +396,7 @@ _CHANGE_UNDER_SERVER = r"""
 import http.client, json, logging, os, shutil, sys
 sys.path[:0] = sys.argv[1:3]
 from mixqrt.pipeline import Pipeline
-from mixqrt.serve.guard import Limits
+from mixqrt.serving.server.guard import Limits
 from serve_helpers import running
 from tinymodel import make_tiny_hf_model
 logging.basicConfig(level=logging.INFO, format="LOG %(message)s")

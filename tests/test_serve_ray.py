@@ -14,8 +14,8 @@ from test_serve import MSGS, pipe  # noqa: F401 - the module-scoped tiny Pipelin
 
 import mixqrt
 from mixqrt.platform.topology import Node, Topology
-from mixqrt.serve.guard import Limits
-from mixqrt.serve.ray import core_sets
+from mixqrt.serving.server.guard import Limits
+from mixqrt.serving.server.ray import core_sets
 
 
 def test_core_sets():
@@ -39,7 +39,7 @@ def ray_url(pipe):  # noqa: F811
     import ray
     from ray import serve
 
-    from mixqrt.serve.ray import build
+    from mixqrt.serving.server.ray import build
     port = _free_port()
     # Ray puts the driver's working directory on its workers' sys.path: start it where the imported
     # mixqrt lives, so replicas import that one (CI installs it into a venv; the clone has no

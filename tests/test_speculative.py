@@ -1,4 +1,4 @@
-"""Speculative decoding (mixqrt.speculative, Engine._step_speculative) on the tiny model.
+"""Speculative decoding (mixqrt.generation.speculative, Engine._step_speculative) on the tiny model.
 
 With f32 weights, and with packed weights (the kernels give every row of a multi-row product as the
 single-row product, tests/test_rows_exact.py), a forward of k+1 rows gives the logits of k+1 single
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixqrt.engine import Engine
+from mixqrt.generation.engine import Engine
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.pipeline import LoadedModel
 from mixqrt.quantize.convert import quantize_model
-from mixqrt.speculative import MAX_DRAFT, ModelDrafter, NgramDrafter, check_compatible, make_drafter
+from mixqrt.generation.speculative import MAX_DRAFT, ModelDrafter, NgramDrafter, check_compatible, make_drafter
 from tinymodel import make_tiny_hf_model
 
 NO_EOS = {"eos_token_ids": []}
@@ -228,7 +228,7 @@ def test_server_reports_drafts_in_usage_and_metrics(models):
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient
 
-    from mixqrt.serve.app import create_app
+    from mixqrt.serving.server.app import create_app
 
     lm = models["target"]
 
@@ -257,7 +257,7 @@ def test_server_takes_openais_prediction_field(models):
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient
 
-    from mixqrt.serve.app import create_app
+    from mixqrt.serving.server.app import create_app
 
     lm = models["target"]
 
@@ -283,7 +283,7 @@ def test_server_takes_openais_prediction_field(models):
 
 
 def test_adaptive_k_follows_acceptance():
-    from mixqrt.speculative import Speculation, expected_tokens
+    from mixqrt.generation.speculative import Speculation, expected_tokens
     assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
     sp = Speculation(NgramDrafter(8), 64)
     for _ in range(20):
@@ -298,7 +298,7 @@ def test_adaptive_k_follows_acceptance():
 def test_a_draft_models_measured_cost_lowers_k():
     """A draft model whose drafted token costs as much as a target step stops paying: k falls to 0
     even at a high acceptance; a cheap one keeps drafting."""
-    from mixqrt.speculative import Speculation, row_cost
+    from mixqrt.generation.speculative import Speculation, row_cost
     lm_like = type("M", (), {"kind": "draft", "k": 8, "new_state": lambda self, n: None})()
     sp = Speculation(lm_like, 64)
     for _ in range(20):
@@ -364,7 +364,7 @@ def _edit_target(rng, n=300, vocab=(10, 3000), x=5, y=(900, 901), every=23):
 
 def _simulate(drafter, prompt, target, source=None):
     """Greedy speculative decoding against a known output: -> (verify steps, Speculation)."""
-    from mixqrt.speculative import Speculation
+    from mixqrt.generation.speculative import Speculation
     sp = Speculation(drafter, 1 << 16, None, source=source)
     hist, n, steps = list(prompt), 0, 0
     while n < len(target):
@@ -387,7 +387,7 @@ def test_copy_drafter_learns_a_rename_and_drafts_long():
     """The output is the prompt's text with every x renamed y (two tokens): after the first
     occurrence the substitution is learned, later ones are drafted, and the drafts grow past the
     few-row sizes: far fewer verifies than plain prompt lookup needs."""
-    from mixqrt.speculative import CopyDrafter
+    from mixqrt.generation.speculative import CopyDrafter
     src, out = _edit_target(np.random.default_rng(0))
     prompt = [1, 2, 3] + src + [4]
     steps, sp = _simulate(CopyDrafter(8), prompt, out)
@@ -400,7 +400,7 @@ def test_copy_drafter_learns_a_rename_and_drafts_long():
 
 def test_copy_drafter_refused_substitution_is_not_drafted_again():
     """Where the model keeps X although X -> Y was learned, the copy follows it plainly there."""
-    from mixqrt.speculative import CopyDrafter
+    from mixqrt.generation.speculative import CopyDrafter
     d = CopyDrafter(8)
     src = list(range(100, 140))
     st = d.new_state(0, source=src)
@@ -418,7 +418,7 @@ def test_copy_drafter_refused_substitution_is_not_drafted_again():
 def test_copy_drafter_drafts_only_copies(hist, source, k, later):
     """Whatever the history and source, a proposal has at most k tokens, and without learned
     substitutions it is a contiguous run of the source or the history (never past its end)."""
-    from mixqrt.speculative import CopyDrafter
+    from mixqrt.generation.speculative import CopyDrafter
     d = CopyDrafter(8)
     stt = d.new_state(0, source=source or None)
     for h in (hist, hist + later):
@@ -455,7 +455,7 @@ class _Oracle(NgramDrafter):
 def test_long_verifies_are_plain_decoding(models, tmp_path, name, wrong):
     """Verifies of up to 65 rows (17 where row formats would reach the GEMM, speculative.exact_rows)
     give the plain greedy tokens, whether the whole draft is accepted or rejected past row 17."""
-    from mixqrt.speculative import exact_rows
+    from mixqrt.generation.speculative import exact_rows
     if name == "q8":
         hf = make_tiny_hf_model(tmp_path / "q8", arch="qwen2", tied=True, seed=0)
         quantize_model(str(hf), "q8", tmp_path / "q8.mxq", progress=False)
@@ -504,7 +504,7 @@ def test_bad_prediction_is_a_request_error(models, bad):
 @pytest.mark.parametrize("seed", [0, 3])
 def test_copy_drafter_sampling_is_plain_sampling(models, seed):
     """Seeded sampling with the copy drafter and a prediction: the plain draw, token for token."""
-    from mixqrt.speculative import CopyDrafter
+    from mixqrt.generation.speculative import CopyDrafter
     lm = models["target"]
     kw = dict(temperature=0.8, seed=seed)
     want, _, _ = _run(lm, REPEAT, n=40, **kw)
@@ -523,8 +523,8 @@ def test_prediction_on_a_draft_model_engine_copies(models):
 
 
 def test_api_and_pipeline_take_prediction(models):
-    """mixqrt.api (OpenAI's spelling) and Pipeline (a keyword) pass a prediction to the engine."""
-    from mixqrt import api
+    """mixqrt.serving.api (OpenAI's spelling) and Pipeline (a keyword) pass a prediction to the engine."""
+    from mixqrt.serving import api
     from mixqrt.pipeline import Pipeline
     lm = models["target"]
     pipe = Pipeline(str(lm.path), progress=False)

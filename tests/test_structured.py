@@ -1,5 +1,5 @@
 """Structured output and tools without a model run: request shapes, the grammar's operations on
-Qwen's tokenizer, hostile schemas, tool-call parsing and streaming events (mixqrt.grammar, mixqrt.tools)."""
+Qwen's tokenizer, hostile schemas, tool-call parsing and streaming events (mixqrt.generation.grammar, mixqrt.generation.tool_calls)."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mixqrt.errors import RequestError
-from mixqrt.grammar import compile_async, compile_constraint, grammar_from_response_format
-from mixqrt.tools import (ChatReply, ToolStream, check_tool_choice, check_tools, parse_tool_calls,
+from mixqrt.generation.grammar import compile_async, compile_constraint, grammar_from_response_format
+from mixqrt.generation.tool_calls import (ChatReply, ToolStream, check_tool_choice, check_tools, parse_tool_calls,
                           template_messages, tool_grammar)
 
 TOOLS = check_tools([
@@ -250,7 +250,7 @@ def test_engine_mixes_constrained_and_free_slots(tiny_lm):
     compile fails only its own request, from the iteration, naming the field."""
     import re
 
-    from mixqrt.engine import Engine
+    from mixqrt.generation.engine import Engine
     tok = tiny_lm.tokenizer
     ids = tok.encode("def quicksort(xs):")
     with Engine(tiny_lm, max_slots=4) as eng:
@@ -274,7 +274,7 @@ def test_engine_mixes_constrained_and_free_slots(tiny_lm):
 
 
 def test_llama31_form_is_detected_and_forced():
-    from mixqrt.tools import tool_format
+    from mixqrt.generation.tool_calls import tool_format
 
     class Tok:      # the tool part of Llama 3.1's template, as far as detection goes
         chat_template = ('{%- if tools %}Respond in the format {"name": function name, "parameters": '
@@ -294,8 +294,8 @@ def test_speculative_steps_keep_the_grammar(tiny_lm):
     slot's Constraint (masked, then consumed), so accepted drafts never leave the grammar."""
     import re
 
-    from mixqrt.engine import Engine
-    from mixqrt.speculative import make_drafter
+    from mixqrt.generation.engine import Engine
+    from mixqrt.generation.speculative import make_drafter
     tok = tiny_lm.tokenizer
     ids = tok.encode("ab-ab-ab-ab-ab-ab-ab-ab")
     with Engine(tiny_lm, max_slots=2, speculative=make_drafter(lookup=4)) as eng:

@@ -1,4 +1,4 @@
-"""mixqrt.resolve.assemble (the demo model's and the test models' one assembly path) and
+"""mixqrt.quantize.names.assemble (the demo model's and the test models' one assembly path) and
 mixqrt.testing: parts from installed distributions or from downloaded wheels, sha256-verified,
 atomic, nothing left behind on a mismatch."""
 import hashlib
@@ -6,9 +6,9 @@ import zipfile
 
 import pytest
 
-import mixqrt.resolve as R
+import mixqrt.quantize.names as R
 from mixqrt.errors import ModelError
-from mixqrt.resolve import DataModel, assemble
+from mixqrt.quantize.names import DataModel, assemble
 
 PARTS = [bytes([i]) * 1000 + b"end" for i in range(1, 4)]
 

@@ -88,7 +88,7 @@ def test_tied_file_holds_one_matrix_and_runs_as_the_untied_copy(tied_hf, tmp_pat
     assert mt.lm_head is mt.embed_tokens and mu.lm_head is not mu.embed_tokens
     ids = np.array([1, 17, 200, 3, 99], dtype=np.int64)
     np.testing.assert_array_equal(mt(ids, mt.make_cache(16)), mu(ids, mu.make_cache(16)))
-    from mixqrt.bench import decode_bytes_per_token
+    from mixqrt.commands.bench import decode_bytes_per_token
     assert decode_bytes_per_token(mt, 0) == decode_bytes_per_token(mu, 0)   # the tied head is read whole
 
 

@@ -11,7 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from mixqrt.errors import FormatError, GenerationError, ModelError
 from mixqrt.io import open_source
-from mixqrt.tokenizer import StreamDecoder, Tokenizer
+from mixqrt.generation.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's fine, isn't it?",

@@ -287,7 +287,7 @@ def test_numa_compact_then_core_first(tmp_path):
 
 @pytest.mark.parametrize("siblings", [[(0, 4), (1, 5), (2, 6), (3, 7)], [(0, 1), (2, 3), (4, 5), (6, 7)]])
 def test_replica_core_sets_are_whole_cores(tmp_path, siblings):
-    from mixqrt.serve.ray import core_sets
+    from mixqrt.serving.server.ray import core_sets
     make_sys(tmp_path, [("0-7", 1024, [10])])
     _smt_tree(tmp_path, siblings)
     sets = core_sets(4, topology(tmp_path), allowed=range(8))

@@ -13,8 +13,8 @@ What it does, mechanically, on a checkout (nothing is committed: review `git sta
    - `from mixqrt import engine, ops` statements (Python files, parsed with ast) become
      `from mixqrt import ops` + `from mixqrt.generation import engine`; a renamed module keeps its old
      local name (`from mixqrt.serving import protocol as oai`), so the code that uses it is unchanged;
-   - dotted names anywhere (`mixqrt.oai`, `import mixqrt.engine`, `"mixqrt.engine.X"` in monkeypatch
-     strings, docs) and paths (`mixqrt/oai.py`, `mixqrt/serve/`) get their new spelling.
+   - dotted names anywhere (`mixqrt.serving.protocol`, `import mixqrt.generation.engine`, `"mixqrt.generation.engine.X"` in monkeypatch
+     strings, docs) and paths (`mixqrt/serving/protocol.py`, `mixqrt/serving/server/`) get their new spelling.
 3. tests/test_layers.py: LAYERS is rewritten so that each folder is one layer: a `generation` layer
    right above models (the tokenizer, which io reads, lives there), the KV cache and the config bounds
    in models, names in quantize, commands in pipeline, serving in app; names of no module (a stale

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from mixqrt import ops
     from mixqrt.platform import isa
     from mixqrt._kernels import _ops
-    from mixqrt.bench import decode_bytes_per_token, honest_bound, measure_bandwidth
+    from mixqrt.commands.bench import decode_bytes_per_token, honest_bound, measure_bandwidth
     from mixqrt.models import qwen2
 
     loaded = mixqrt.load(a.model)

@@ -20,10 +20,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from mixqrt.embed import GGUF_POOLING, dense_name
+from mixqrt.generation.embed import GGUF_POOLING, dense_name
 from mixqrt.errors import FormatError, ModelError
 from mixqrt.io.source import Source, check_config, check_layout
-from mixqrt.limits import check_config_limits, check_values
+from mixqrt.models.config_limits import check_config_limits, check_values
 from mixqrt.models import arch as archs
 
 GGUF_MAGIC = b"GGUF"
@@ -377,7 +377,7 @@ def config_from_metadata(meta: dict, tensors: dict, path: Path) -> dict:
 
 
 def embedding_from_metadata(meta: dict, tensors: dict, path) -> dict | None:
-    """mixqrt.embed's settings from GGUF metadata, as llama.cpp reads them: ``<arch>.pooling_type``
+    """mixqrt.generation.embed's settings from GGUF metadata, as llama.cpp reads them: ``<arch>.pooling_type``
     (llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last), ``<arch>.attention.causal`` and the dense
     projections ``dense_2`` / ``dense_3``. None for a file that names none of them (a plain LM)."""
     garch = meta.get("general.architecture")
@@ -461,7 +461,7 @@ class GGUFSource(Source):
                 self._info[hname] = ((1,) + shape if hname.endswith("shared_expert_gate.weight") else shape,
                                      qtype.name)
             check_layout(self)
-            from mixqrt.tokenizer import eos_ids_from_gguf
+            from mixqrt.generation.tokenizer import eos_ids_from_gguf
             self.embedding = embedding_from_metadata(self.metadata, self._gguf, self.path)
             self.generation_config = generation_config_from_metadata(
                 self.metadata, eos_ids_from_gguf(self.metadata, str(self.path)), self.path)
@@ -490,11 +490,11 @@ class GGUFSource(Source):
             self.config["rope_scaling"] = {"rope_type": "llama3", "freq_factors": [float(f) for f in ff]}
 
     def _load_tokenizer(self):
-        from mixqrt.tokenizer import Tokenizer
+        from mixqrt.generation.tokenizer import Tokenizer
         return Tokenizer.from_gguf_metadata(self.metadata, where=str(self.path))
 
     def extra_tensor(self, name: str) -> np.ndarray:
-        """An embedding model's dense projection (mixqrt.embed.dense_name(i): GGUF dense_2, dense_3)
+        """An embedding model's dense projection (mixqrt.generation.embed.dense_name(i): GGUF dense_2, dense_3)
         as float32 [out, in]."""
         present = [n for n in EMBED_DENSE_TENSORS if n in self._gguf]
         gname = dict((dense_name(i), n) for i, n in enumerate(present)).get(name)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
-from mixqrt.limits import check_generation_config, check_values
+from mixqrt.models.config_limits import check_generation_config, check_values
 from mixqrt.platform.files import folder_file, read_text
 from mixqrt.io.source import (PICKLE_SUFFIXES, Source, arch_from_config, check_config, check_layout,
                               refuse_pickle)
@@ -294,7 +294,7 @@ class HFSource(Source):
         return arr
 
     def _load_tokenizer(self):
-        from mixqrt.tokenizer import Tokenizer, vocab_id
+        from mixqrt.generation.tokenizer import Tokenizer, vocab_id
         eos = []
         for d in (self.generation_config, self.config):
             v = d.get("eos_token_id")
@@ -328,10 +328,10 @@ def _module_folder(folder: Path, sub) -> Path:
 
 
 def sentence_transformers_info(folder: Path, config: dict) -> tuple[dict | None, dict]:
-    """mixqrt.embed's settings from a sentence-transformers folder (modules.json: Pooling from
+    """mixqrt.generation.embed's settings from a sentence-transformers folder (modules.json: Pooling from
     1_Pooling/config.json, Dense projections, Normalize) -> (embedding dict or None, {mxq dense
     name: (safetensors file, tensor name)}). None for a folder without modules.json."""
-    from mixqrt.embed import dense_name
+    from mixqrt.generation.embed import dense_name
     mods = folder_file(folder, "modules.json", what="sentence-transformers modules")
     if mods is None:
         return None, {}

@@ -7,7 +7,7 @@ Every reader (GGUF file, HF safetensors folder, hub snapshot) presents the same 
     src.tensor_names()         HF names: model.layers.0.self_attn.q_proj.weight, ...
     src.tensor_info(name)      (shape tuple in HF order [out, in], source dtype str)
     src.get(name)              float32 ndarray, one tensor at a time (never the whole model)
-    src.tokenizer              mixqrt.tokenizer.Tokenizer
+    src.tokenizer              mixqrt.generation.tokenizer.Tokenizer
     src.generation_config      dict
 
 Layout checks live here so both readers refuse the same broken checkpoints with the same words:
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mixqrt.errors import FormatError, ModelError
-from mixqrt.limits import check_config_limits
+from mixqrt.models.config_limits import check_config_limits
 from mixqrt.models import arch as archs
 from mixqrt.models.spec import ModelSpec
 
@@ -66,7 +66,7 @@ class Source:
             raise FormatError(f"{self.path}: tensor {name!r} holds {bad} NaN/Inf value(s)")
         return arr
 
-    # an embedding model's settings (mixqrt.embed.EmbeddingInfo.to_meta's shape), None for a plain LM
+    # an embedding model's settings (mixqrt.generation.embed.EmbeddingInfo.to_meta's shape), None for a plain LM
     embedding: dict | None = None
 
     def extra_tensor(self, name: str) -> np.ndarray:
@@ -134,7 +134,7 @@ _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_
 
 
 def check_config(config: dict, where: str, names: dict | None = None) -> None:
-    """The config keys the graph needs must be present integers inside mixqrt.limits' bounds
+    """The config keys the graph needs must be present integers inside mixqrt.models.config_limits' bounds
     (`names`: HF key -> the file's own name for it, for the messages)."""
     names = names or {}
     for key in _REQUIRED_KEYS:

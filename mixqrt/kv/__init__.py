@@ -1,5 +1,5 @@
-"""The packed KV cache (types q4 and q8; the float types f32 / f16 are mixqrt.cache.KVCache, and
-mixqrt.cache.make_kv_cache makes either): ``packed`` the cache, ``ref`` the numpy reference of its
+"""The packed KV cache (types q4 and q8; the float types f32 / f16 are mixqrt.models.kv_cache.KVCache, and
+mixqrt.models.kv_cache.make_kv_cache makes either): ``packed`` the cache, ``ref`` the numpy reference of its
 format and attention (the spec the C kernels are tested against)."""
 
 from mixqrt.errors import GenerationError

@@ -1,6 +1,6 @@
 """The packed KV cache: keys and values in bit widths chosen by role (mixqrt/kv/ref.py has the format).
 
-Per layer three stores, each a lazily zeroed anonymous mapping (mixqrt.cache._lazy_zeros: a page is
+Per layer three stores, each a lazily zeroed anonymous mapping (mixqrt.models.kv_cache._lazy_zeros: a page is
 resident once written):
 
     kf, vf  [Hkv, S, Dh] float16   every position is written here first
@@ -47,7 +47,7 @@ def _lazy(n: int, dtype):
 
 class PackedKVCache:
     """A sequence's K/V for positions 0 .. max_len-1 in a packed KV type (``q4`` or ``q8``); the
-    methods of mixqrt.cache.KVCache, plus ``attend`` / ``attend_rows`` which run the packed
+    methods of mixqrt.models.kv_cache.KVCache, plus ``attend`` / ``attend_rows`` which run the packed
     attention kernel over one layer. windows: per layer, a sliding window (int) or None."""
 
     packed = True

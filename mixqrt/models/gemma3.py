@@ -183,7 +183,7 @@ def _gguf_config(m, cfg: dict) -> None:
     cfg["sliding_window_pattern"] = 6
     cfg["rope_local_base_freq"] = m.float("rope.freq_base_swa", 10000.0)
     cfg["query_pre_attn_scalar"] = m.hidden // m.n_head if (m.hidden, m.n_head) == (5376, 32) else m.head_dim
-    if m.garch == "gemma-embedding":            # EmbeddingGemma: this graph, bidirectional (mixqrt.embed)
+    if m.garch == "gemma-embedding":            # EmbeddingGemma: this graph, bidirectional (mixqrt.generation.embed)
         cfg["use_bidirectional_attention"] = True
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         v = m.float(key, required=False)

@@ -15,10 +15,10 @@ import numpy as np
 
 from mixqrt import ops
 from mixqrt.platform import tuning
-from mixqrt.cache import KVCache, kv_type_of_dtype, make_kv_cache
+from mixqrt.models.kv_cache import KVCache, kv_type_of_dtype, make_kv_cache
 from mixqrt.errors import GenerationError, ModelError
 from mixqrt.kv.packed import PackedKVCache
-from mixqrt.limits import check_config_limits
+from mixqrt.models.config_limits import check_config_limits
 from mixqrt.models import spec
 from mixqrt.models.arch import Arch, find as find_arch, register
 from mixqrt.models.base import tensor_shape, to_f32
@@ -222,7 +222,7 @@ class Model:
     layer_class = Layer                    # a subclass with more fields sets these three together
     layer_fields = LAYER_FIELDS
     optional_fields = frozenset(_OPTIONAL)
-    # the KV cache's type (mixqrt.cache.KV_TYPES): a bare graph computes exactly (f32); a Pipeline sets
+    # the KV cache's type (mixqrt.models.kv_cache.KV_TYPES): a bare graph computes exactly (f32); a Pipeline sets
     # its own (DEFAULT_KV_TYPE unless told otherwise), as does `mixqrt ppl --kv-type`
     kv_type = "f32"
 
@@ -366,7 +366,7 @@ class Model:
 
     def make_cache(self, max_len: int | None = None, kv_type: str | None = None, *, dtype=None):
         """A cache for max_len positions (default: the whole context; its pages become resident as
-        positions are written) of kv_type (default: self.kv_type; mixqrt.cache.KV_TYPES). dtype:
+        positions are written) of kv_type (default: self.kv_type; mixqrt.models.kv_cache.KV_TYPES). dtype:
         the older spelling of the float types (np.float32 / np.float16)."""
         a = self.args
         if dtype is not None:
@@ -380,7 +380,7 @@ class Model:
 
     def kv_bytes_per_token(self, kv_type: str | None = None) -> float:
         """Steady-state KV bytes per cached token of kv_type (default self.kv_type), K and V, all layers."""
-        from mixqrt.cache import kv_bytes_per_token
+        from mixqrt.models.kv_cache import kv_bytes_per_token
         a = self.args
         return kv_bytes_per_token(kv_type or self.kv_type, a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
                                   self.kv_windows())
@@ -661,7 +661,7 @@ class Model:
 
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The final norm of hidden states x [T, D] (a new array): what the head multiplies, and
-        what embeddings pool (mixqrt.embed)."""
+        what embeddings pool (mixqrt.generation.embed)."""
         return ops.rmsnorm(x, self.norm, self.args.rms_norm_eps)
 
     def head(self, x: np.ndarray) -> np.ndarray:

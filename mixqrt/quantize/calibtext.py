@@ -96,7 +96,7 @@ def _prompt_ids(tokenizer, kind: str, text: str) -> list[int]:
     if kind == "chat" and getattr(tokenizer, "chat_template", None):
         return [int(t) for t in tokenizer.encode_chat([{"role": "user", "content": text}],
                                                       add_generation_prompt=True)]
-    from mixqrt.generate import encode_prompt
+    from mixqrt.generation.generate import encode_prompt
     return encode_prompt(tokenizer, text)     # no template (or none shipped): plain text, BOS if asked
 
 
@@ -130,8 +130,8 @@ def generate_samples(model, tokenizer, tokens: int, ctx: int, *, seed: int = 0, 
     (kept in the sample) or ctx tokens."""
     from tqdm.auto import tqdm
 
-    from mixqrt.generate import eos_ids, generate_step
-    from mixqrt.sample_utils import make_sampler
+    from mixqrt.generation.generate import eos_ids, generate_step
+    from mixqrt.generation.sampling import make_sampler
 
     if tokens < 2 or ctx < 2:
         raise QuantError(f"generated calibration needs tokens >= 2 and ctx >= 2, got {tokens}, {ctx}")

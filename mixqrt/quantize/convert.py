@@ -249,7 +249,7 @@ def build_meta(source, recipe: Recipe) -> dict:
     }
     meta.update(source.tokenizer.to_meta())   # tokenizer.json, chat_template, tokenizer_info
     emb = getattr(source, "embedding", None)
-    if emb is not None:                       # pooling, normalization, attention, dense layers (mixqrt.embed)
+    if emb is not None:                       # pooling, normalization, attention, dense layers (mixqrt.generation.embed)
         meta["embedding"] = dict(emb)
     return meta
 

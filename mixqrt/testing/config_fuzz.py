@@ -215,8 +215,8 @@ os.environ["MIXQRT_CACHE"] = os.path.join(sys.argv[2], "cache")
 import logging
 logging.disable(logging.WARNING)
 from mixqrt.pipeline import Pipeline
-from mixqrt.serve.app import create_app
-from mixqrt.serve.guard import HTTPError
+from mixqrt.serving.server.app import create_app
+from mixqrt.serving.server.guard import HTTPError
 from mixqrt.testing.config_fuzz import MESSAGES, proc_status
 from mixqrt.testing.tiny import make_tiny_hf_model
 pipe = Pipeline(make_tiny_hf_model(os.path.join(sys.argv[2], "tmpl")), recipe="f32", progress=False, offline=True,

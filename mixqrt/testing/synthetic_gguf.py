@@ -69,7 +69,7 @@ SPECS: dict[str, dict] = {
                "qk_norm": True, "tied": True, "embed_scale": 8.0},
 }
 
-# embedding models (mixqrt.embed; tests/test_embed_oracle.py, benchmarks/oracle_embeddings.py): one per
+# embedding models (mixqrt.generation.embed; tests/test_embed_oracle.py, benchmarks/oracle_embeddings.py): one per
 # pooling type, in llama.cpp's GGUF keys ({arch}.pooling_type: 0 none, 1 mean, 2 cls, 3 last)
 EMBED_SPECS: dict[str, dict] = {
     "qwen3-last": {**SPECS["qwen3"], "seed": 21, "pooling": 3},              # Qwen3-Embedding

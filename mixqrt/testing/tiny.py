@@ -64,7 +64,7 @@ def _tokenizer_json(style: str) -> str:
     """A byte-level BPE trained on _CORPUS; style 'qwen2' (regex split) or 'smollm' (digits+gpt2)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mixqrt.tokenizer import _QWEN2_RE
+    from mixqrt.generation.tokenizer import _QWEN2_RE
 
     tk = Tokenizer(models.BPE())
     if style == "qwen2":

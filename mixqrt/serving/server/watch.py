@@ -31,7 +31,7 @@ import weakref
 
 from mixqrt.io.arena import file_identity as _identity
 
-log = logging.getLogger("mixqrt.serve")
+log = logging.getLogger("mixqrt.serving.server")
 
 
 

@@ -1,13 +1,13 @@
 """The OpenAI-compatible ASGI app (Starlette) over one Engine.
 
     app = create_app(pipe)                     # builds Engine(pipe); or create_app(pipe, engine=eng)
-    uvicorn.run(app, ...)                      # mixqrt.serve.run() sets the limits that matter
+    uvicorn.run(app, ...)                      # mixqrt.serving.server.run() sets the limits that matter
 
 Requests are checked (Host, Origin, API key, body size, JSON depth, arguments, stop strings,
 max_tokens) before they reach the engine; engine.submit() is the bounded admission (EngineBusy ->
 503 with Retry-After). Each stream pulls from its own bounded engine buffer and writes to its
 socket here, never while holding the engine; a client that reads nothing for `write_timeout`
-seconds, or goes away, has its request cancelled. Response objects are OpenAI's (mixqrt.api).
+seconds, or goes away, has its request cancelled. Response objects are OpenAI's (mixqrt.serving.api).
 """
 from __future__ import annotations
 
@@ -24,21 +24,21 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mixqrt import api, oai
+from mixqrt.serving import api, protocol as oai
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
-from mixqrt.fim import build_infill
-from mixqrt.fim import stop_ids as fim_stop_ids
-from mixqrt.generate import encode_prompt
-from mixqrt.tools import chat_ids
-from mixqrt.serve.guard import Guard, HTTPError, Limits, read_json
-from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response  # noqa: F401  (re-exported)
-from mixqrt.serve.replies import bad_request as _bad_request
-from mixqrt.serve.replies import submission_errors
-from mixqrt.serve.replies import engine_error as _engine_error  # noqa: F401
-from mixqrt.serve.metrics import CONTENT_TYPE, Metrics
-from mixqrt.serve.watch import watch_pipeline
+from mixqrt.generation.fim import build_infill
+from mixqrt.generation.fim import stop_ids as fim_stop_ids
+from mixqrt.generation.generate import encode_prompt
+from mixqrt.generation.tool_calls import chat_ids
+from mixqrt.serving.server.guard import Guard, HTTPError, Limits, read_json
+from mixqrt.serving.server.replies import SafeJSONResponse, cache_salt, error_response  # noqa: F401  (re-exported)
+from mixqrt.serving.server.replies import bad_request as _bad_request
+from mixqrt.serving.server.replies import submission_errors
+from mixqrt.serving.server.replies import engine_error as _engine_error  # noqa: F401
+from mixqrt.serving.server.metrics import CONTENT_TYPE, Metrics
+from mixqrt.serving.server.watch import watch_pipeline
 
-from mixqrt.engine import Engine
+from mixqrt.generation.engine import Engine
 
 
 class Server:
@@ -56,9 +56,9 @@ class Server:
         """Check a request body -> (prompt ids, oai.Request); HTTPError for bad ones."""
         try:
             req = oai.parse(kind, body, max_tokens_cap=self.limits.max_tokens, max_depth=self.limits.max_json_depth)
-            if kind == "chat":      # the tools rendered by the model's template (mixqrt.tools)
+            if kind == "chat":      # the tools rendered by the model's template (mixqrt.generation.tool_calls)
                 ids = chat_ids(self.tokenizer, req.messages, req.params.tools, req.params.tool_choice)
-            elif req.suffix is not None:            # fill-in-the-middle: the prompt is the prefix (mixqrt.fim)
+            elif req.suffix is not None:            # fill-in-the-middle: the prompt is the prefix (mixqrt.generation.fim)
                 mnt = req.params.max_new_tokens
                 ids = build_infill(self.tokenizer, req.prompt, req.suffix, n_ctx=self.context,
                                    n_predict=mnt if mnt > 0 else -1)
@@ -250,7 +250,7 @@ async def _internal(request, exc):
 
 
 def infill_route(srv):
-    from mixqrt.serve.infill import handle
+    from mixqrt.serving.server.infill import handle
 
     async def infill(request):
         return await handle(srv, request)
@@ -258,7 +258,7 @@ def infill_route(srv):
 
 
 def embeddings_route(srv):
-    from mixqrt.serve.embeddings import handle
+    from mixqrt.serving.server.embeddings import handle
 
     async def embeddings(request):
         return await handle(srv, request)

@@ -12,7 +12,7 @@ Formats the replies are parsed from:
           all: the tools are then described in a system message of mixqrt's own.
   llama3: {"name": "f", "parameters": {...}}   (Llama 3.1's JSON tool calls, optionally after
           <|python_tag|>; several separated by ';').
-`required` and a named function are constrained by a grammar (mixqrt.grammar), so the arguments
+`required` and a named function are constrained by a grammar (mixqrt.generation.grammar), so the arguments
 always parse and match the function's parameter schema; `auto` leaves the model free and parses
 what it wrote; `none` leaves the tools out of the prompt.
 """
@@ -198,7 +198,7 @@ def tool_grammar(tokenizer, tools, tool_choice, parallel: bool = True) -> str | 
     fmt = tool_format(tokenizer)
     schemas = [_call_schema(t, fmt) for t in chosen]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    from mixqrt.grammar import JSON_OPTIONS
+    from mixqrt.generation.grammar import JSON_OPTIONS
     schema = {**schema, "x-guidance": JSON_OPTIONS}     # the layout of response_format's JSON
     obj = "obj: %json " + json.dumps(schema, ensure_ascii=False)
     if fmt == "llama3":

@@ -23,7 +23,7 @@ def _role(name: str) -> str:
 def kv_cache_info(meta: dict, kv_type: str | None = None) -> dict:
     """KV cache sizes of a model file's config: bytes per token of kv_type (default DEFAULT_KV_TYPE)
     and of every type this build makes, and the bytes of the whole context."""
-    from mixqrt.cache import KV_TYPES, check_kv_type, kv_bytes_per_token
+    from mixqrt.models.kv_cache import KV_TYPES, check_kv_type, kv_bytes_per_token
     from mixqrt.errors import MixqrtError
     from mixqrt.models import get_model_class
     kv_type = check_kv_type(kv_type)
@@ -56,7 +56,7 @@ def inspect_model(model, *, placement: bool = False, as_json: bool = False, reci
         return _inspect_mxq(p, placement, as_json, kv_type)
     from mixqrt.quantize.convert import describe, dumps_report, quantize_model
     from mixqrt.pipeline import _source_for
-    from mixqrt.resolve import resolve
+    from mixqrt.quantize.names import resolve
     res = resolve(model)
     rep = quantize_model(_source_for(res, None, True), recipe or res.recipe or DEFAULT_RECIPE, dry_run=True)
     return dumps_report(rep) if as_json else describe(rep) + "\n(plan only: nothing was quantized)"

@@ -1,6 +1,6 @@
 """What stands between a socket and the engine: connection limits and read deadlines, body and JSON
 limits, Host/Origin/API-key checks, and a request log with control, bidi and line-separator
-characters escaped. Request fields are checked by mixqrt.oai."""
+characters escaped. Request fields are checked by mixqrt.serving.protocol."""
 from __future__ import annotations
 
 import hmac
@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 
 
 from mixqrt.errors import RequestError
-from mixqrt.oai import MAX_JSON_DEPTH, error_body, loads
+from mixqrt.serving.protocol import MAX_JSON_DEPTH, error_body, loads
 
-log = logging.getLogger("mixqrt.serve")
+log = logging.getLogger("mixqrt.serving.server")
 
 MAX_BODY_BYTES = 1 << 20            # a 32k-token chat is ~150 KB of JSON
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -82,7 +82,7 @@ def log_request(scope, status: int, t0: float, extra: str = "") -> None:
 
 # ============================================================================ body
 async def read_json(request, limits: Limits) -> dict:
-    """The request body as a JSON object; 4xx (never 500) for anything else (mixqrt.oai.loads: a
+    """The request body as a JSON object; 4xx (never 500) for anything else (mixqrt.serving.protocol.loads: a
     lone surrogate, NaN, a huge integer, too deep... is a 400 naming the field)."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":

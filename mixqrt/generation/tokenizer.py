@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as _HFTokenizer
 
 from mixqrt.errors import FormatError, GenerationError, ModelError
-from mixqrt.limits import check_values
+from mixqrt.models.config_limits import check_values
 
 # llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp), keyed by tokenizer.ggml.pre
 _QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -113,7 +113,7 @@ def vocab_id(name: str, v, n: int, strict: bool = True):
 def _probe_templates(template, tok) -> None:
     """A warning at load when the model's chat template fails on a small conversation (it would
     fail, as a 400, on every chat request)."""
-    from mixqrt.chat_template import probe
+    from mixqrt.generation.chat_template import probe
     templates = template.items() if isinstance(template, dict) else [("", template)]
     for name, source in templates:
         if not isinstance(source, str):
@@ -159,7 +159,7 @@ def _gguf_tokens(meta, where):
     return tokens, types
 
 
-# FIM token ids in GGUF metadata (mixqrt.fim's roles): the current keys, then the older
+# FIM token ids in GGUF metadata (mixqrt.generation.fim's roles): the current keys, then the older
 # prefix/suffix/middle ones llama.cpp still reads
 _FIM_GGUF_KEYS = {r: (f"tokenizer.ggml.fim_{r}_token_id",) for r in ("pre", "suf", "mid", "pad", "rep", "sep")}
 _FIM_GGUF_KEYS["pre"] += ("tokenizer.ggml.prefix_token_id",)
@@ -220,7 +220,7 @@ class Tokenizer:
             raise ModelError(f"eos_token_ids must be a list of token ids, got {type(eos_token_ids).__name__}")
         self.eos_token_ids = {vocab_id("eos_token_id", i, n) for i in eos_token_ids} - {None}
         self.pad_token_id = vocab_id("pad_token_id", pad_token_id, n, strict=False)
-        # FIM token ids a GGUF names (tokenizer.ggml.fim_*_token_id; mixqrt.fim finds the rest by text)
+        # FIM token ids a GGUF names (tokenizer.ggml.fim_*_token_id; mixqrt.generation.fim finds the rest by text)
         fim = {str(k): vocab_id(f"fim {k} token id", v, n, strict=False) for k, v in dict(fim_ids or {}).items()}
         self.fim_ids = {k: v for k, v in fim.items() if v is not None}
         self._fim = None
@@ -461,7 +461,7 @@ class Tokenizer:
     # -- chat ------------------------------------------------------------------------------
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **context) -> str:
         """The prompt string for `messages`, rendered from the model's own template."""
-        from mixqrt.chat_template import render
+        from mixqrt.generation.chat_template import render
 
         template = self._template(tools)
         context.setdefault("bos_token", self.bos_token or "")
@@ -476,7 +476,7 @@ class Tokenizer:
         with parse_special=False. For messages without control-token text this equals
         encode(apply_chat_template(...)); with them, that text stays plain text.
         """
-        from mixqrt.chat_template import render_parts
+        from mixqrt.generation.chat_template import render_parts
 
         source = self._template(tools)
         context.setdefault("bos_token", self.bos_token or "")

@@ -129,7 +129,7 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
     starts after them: pp and the TTFT prompt are written at positions depth.., decode attends over
     depth + the TTFT prompt. kv_type: the KV cache's type (default the model's)."""
     from mixqrt import ops
-    from mixqrt.cache import check_kv_type
+    from mixqrt.models.kv_cache import check_kv_type
     model = loaded.model
     kv_type = check_kv_type(kv_type or model.kv_type)
     rng = np.random.default_rng(0)

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 from starlette.responses import JSONResponse
 
-from mixqrt import oai
+from mixqrt.serving import protocol as oai
 from mixqrt.errors import GenerationError, MixqrtError, RequestError
-from mixqrt.serve.guard import HTTPError, Limits, api_keys
+from mixqrt.serving.server.guard import HTTPError, Limits, api_keys
 
 
 class SafeJSONResponse(JSONResponse):
@@ -54,7 +54,7 @@ def submission_errors(invalid=(MixqrtError,)):
     """A request's admission to the engine, its refusals as HTTP errors: the engine busy -> 503 with
     Retry-After; a RequestError -> 400 naming its field; any other error of the `invalid` classes ->
     400 with its (safe) message; anything else propagates."""
-    from mixqrt.engine import EngineBusy
+    from mixqrt.generation.engine import EngineBusy
     try:
         yield
     except EngineBusy as e:

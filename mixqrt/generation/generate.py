@@ -10,9 +10,9 @@ import numpy as np
 
 from mixqrt.errors import GenerationError
 from mixqrt.platform.perf import peak_rss_bytes
-from mixqrt.params import UNTIL_FULL, SamplingParams, as_params
-from mixqrt.sample_utils import make_sampler, token_logprobs
-from mixqrt.validate import integer
+from mixqrt.generation.params import UNTIL_FULL, SamplingParams, as_params
+from mixqrt.generation.sampling import make_sampler, token_logprobs
+from mixqrt.generation.validate import integer
 
 # transformers' GenerationConfig defaults, used when neither the call nor the model says otherwise
 _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -32,7 +32,7 @@ def generate_step(model, prompt_ids, *, sampler: Callable | None = None, logits_
     logits [vocab] are those the token was sampled from (after the processors). The prompt is fed
     at cache.offset (0 for a fresh cache) in prefill_chunk pieces. The caller stops early by
     closing the generator (e.g. leaving a for loop). kv_type: the type of the cache made when none
-    is given (mixqrt.cache.KV_TYPES; default the model's).
+    is given (mixqrt.models.kv_cache.KV_TYPES; default the model's).
     """
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
     if prompt.size == 0:
@@ -77,7 +77,7 @@ class GenerationResponse:
     peak_rss_bytes: int
     cached_tokens: int = 0         # prompt tokens whose KV came from the prompt cache (not recomputed)
     draft_tokens: int = 0          # speculative decoding: tokens drafted for this request so far
-    accepted_draft_tokens: int = 0  # ... and accepted by the target (mixqrt.speculative)
+    accepted_draft_tokens: int = 0  # ... and accepted by the target (mixqrt.generation.speculative)
     logprobs: "TokenLogprob | None" = None   # with logprobs=True: the token's log-probability
     index: int = 0                 # which of a request's n choices this piece belongs to
 
@@ -119,7 +119,7 @@ class _OffsetDecoder:
 
 
 def _stream_decoder(tokenizer):
-    """The tokenizer's own StreamDecoder (mixqrt.tokenizer: feed/flush) when it has one."""
+    """The tokenizer's own StreamDecoder (mixqrt.generation.tokenizer: feed/flush) when it has one."""
     make = getattr(tokenizer, "stream_decoder", None)
     if make is not None:
         dec = make()
@@ -211,7 +211,7 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GenerationError("a text prompt needs a tokenizer; pass token ids instead")
-        from mixqrt.tokenizer import with_bos
+        from mixqrt.generation.tokenizer import with_bos
         return with_bos(tokenizer, tokenizer.encode(prompt))
     if isinstance(prompt, (list, tuple, np.ndarray)):
         ids = list(np.asarray(prompt).reshape(-1)) if isinstance(prompt, np.ndarray) else list(prompt)
@@ -232,7 +232,7 @@ class Sequence:
 
     def __init__(self, model, tokenizer, prompt_ids, params: SamplingParams | None = None, *,
                  max_context: int | None = None, **kwargs):
-        """params: the request's options (mixqrt.params); keyword arguments build or change them."""
+        """params: the request's options (mixqrt.generation.params); keyword arguments build or change them."""
         p = as_params(params, **kwargs)
         ids = encode_prompt(tokenizer, prompt_ids)
         if not ids:
@@ -267,7 +267,7 @@ class Sequence:
         self.n = len(ids)
         self.n_gen = 0
         self.finish_reason: str | None = None
-        # a mixqrt.grammar.Constraint (set by the Engine once the request's grammar is compiled):
+        # a mixqrt.generation.grammar.Constraint (set by the Engine once the request's grammar is compiled):
         # forbidden tokens are masked before the processors; eos only where the grammar accepts
         self.constraint = None
 
@@ -325,11 +325,11 @@ def stream_generate(model, tokenizer, prompt, params: SamplingParams | None = No
     """Yield one GenerationResponse per new token; the last one has finish_reason "stop" or "length".
 
     The low-level single-sequence path (no engine thread, no batching); Pipeline and the API go
-    through mixqrt.engine.Engine, which drives the same Sequence logic.
+    through mixqrt.generation.engine.Engine, which drives the same Sequence logic.
     prompt: a string (encoded with tokenizer.encode, no template applied here) or a list of token ids.
-    params: the request's options (mixqrt.params.SamplingParams); keyword arguments build or change
+    params: the request's options (mixqrt.generation.params.SamplingParams); keyword arguments build or change
     them (max_new_tokens, temperature, stop, ...). Stop strings and eos tokens end generation and
-    are not part of the text. kv_type: the KV cache's type (mixqrt.cache.KV_TYPES; default the
+    are not part of the text. kv_type: the KV cache's type (mixqrt.models.kv_cache.KV_TYPES; default the
     model's).
     """
     t0 = time.perf_counter()

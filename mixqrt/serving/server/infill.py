@@ -11,7 +11,7 @@ engine serves every request), ``t_max_prompt_ms`` (llama.cpp's own TODO), ``samp
 top_k / top_p / min_p / temperature / infill (the order is mixqrt's; "infill" is llama.cpp's
 FIM-specific sampler, not applied). Anything else is refused by name.
 
-The prompt is mixqrt.fim.build_infill's (the model's FIM tokens, llama.cpp's order and trimming);
+The prompt is mixqrt.generation.fim.build_infill's (the model's FIM tokens, llama.cpp's order and trimming);
 a model without FIM tokens is a 400 naming them. Replies are llama.cpp's (not OpenAI's): ``content``,
 ``stop``, ``stop_type`` (eos / limit / word), ``tokens_predicted``, ``tokens_evaluated``,
 ``tokens_cached``, ``has_new_line``, ``timings``; with ``stream`` one SSE event per piece
@@ -25,12 +25,12 @@ import time
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
-from mixqrt import oai
+from mixqrt.serving import protocol as oai
 from mixqrt.errors import GenerationError, RequestError
-from mixqrt.fim import build_infill, stop_ids
-from mixqrt.params import UNTIL_FULL
-from mixqrt.serve.guard import HTTPError, read_json
-from mixqrt.validate import integer
+from mixqrt.generation.fim import build_infill, stop_ids
+from mixqrt.generation.params import UNTIL_FULL
+from mixqrt.serving.server.guard import HTTPError, read_json
+from mixqrt.generation.validate import integer
 
 IGNORED = {"id_slot", "t_max_prompt_ms", "model"}
 SAMPLERS = {"top_k", "top_p", "min_p", "temperature", "infill", "penalties"}
@@ -168,9 +168,9 @@ class _State:
 
 
 async def handle(srv, request):
-    from mixqrt.serve.replies import SafeJSONResponse, cache_salt, error_response
-    from mixqrt.serve.replies import engine_error as _engine_error
-    from mixqrt.serve.replies import submission_errors
+    from mixqrt.serving.server.replies import SafeJSONResponse, cache_salt, error_response
+    from mixqrt.serving.server.replies import engine_error as _engine_error
+    from mixqrt.serving.server.replies import submission_errors
     route = request.url.path
     t0 = time.perf_counter()
     try:

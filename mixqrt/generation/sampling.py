@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from mixqrt.errors import RequestError
-from mixqrt.validate import integer, number, show
+from mixqrt.generation.validate import integer, number, show
 
 
 GREEDY_BELOW = 1e-5

@@ -15,14 +15,14 @@ Each scheduler step runs, on the engine thread:
   both in ONE batched forward (Model.decode_batch with prefill=): the weight matmuls run on
   [B + chunk, D] (one sweep of the packed weights serves every slot and the chunk), each slot
   attends over its own KV cache.
-Every slot has its own Sequence (mixqrt.generate: sampler with its own seeded RNG, logits
+Every slot has its own Sequence (mixqrt.generation.generate: sampler with its own seeded RNG, logits
 processors, stop strings, eos, detokenizer), so a seeded request samples the same tokens whatever
 its batch neighbours are (up to float rounding: batched and single matmuls differ in the last bits).
 
 Consumers never hold the engine: each request has a bounded output buffer; a slot whose buffer
 is full is skipped (paused) and is cancelled after stall_timeout seconds without room. cancel()
 (or leaving the loop of Pipeline.stream) frees the slot at the next step. Finished slots leave
-their KV behind as a prompt cache (mixqrt.engine_cache).
+their KV behind as a prompt cache (mixqrt.generation.prompt_cache).
 """
 from __future__ import annotations
 
@@ -35,15 +35,15 @@ from collections import deque
 import numpy as np
 
 from mixqrt import ops
-from mixqrt.engine_cache import PromptCache
+from mixqrt.generation.prompt_cache import PromptCache
 from mixqrt.errors import GenerationError, RequestError
-from mixqrt.generate import GenerationResponse, Sequence
-from mixqrt.grammar import compile_async, grammar_from_response_format
-from mixqrt.limits import context_window
+from mixqrt.generation.generate import GenerationResponse, Sequence
+from mixqrt.generation.grammar import compile_async, grammar_from_response_format
+from mixqrt.models.config_limits import context_window
 from mixqrt.platform.perf import peak_rss_bytes
-from mixqrt.params import MAX_N, SamplingParams, as_params
-from mixqrt.speculative import MAX_DRAFT, CopyDrafter, Speculation, exact_rows, prediction_ids
-from mixqrt.validate import integer, number
+from mixqrt.generation.params import MAX_N, SamplingParams, as_params
+from mixqrt.generation.speculative import MAX_DRAFT, CopyDrafter, Speculation, exact_rows, prediction_ids
+from mixqrt.generation.validate import integer, number
 
 __all__ = ["Engine", "EngineBusy", "Request"]
 
@@ -222,7 +222,7 @@ class _Slot:
         self.tok = None             # the next token to feed; None while prefilling
         self.t_first = 0.0
         self.full_since = None      # when the consumer's buffer was first seen full
-        self.spec = None            # speculative decoding state (mixqrt.speculative.Speculation)
+        self.spec = None            # speculative decoding state (mixqrt.generation.speculative.Speculation)
         self.index = index          # the choice (0 .. n-1)
         self.leader = leader        # choices 1..n-1: the slot whose prefill they fork (None once forked)
 
@@ -250,14 +250,14 @@ class Engine:
     a request waits for room before it starts, a prompt that cannot fit alone is refused with a
     RequestError naming the sizes, and a decoding request that would cross it ends with "length";
     0 turns the prompt cache off and the bound with it); kv_type: the KV cache's type
-    (mixqrt.cache.KV_TYPES; default the Pipeline's, else the model's);
+    (mixqrt.models.kv_cache.KV_TYPES; default the Pipeline's, else the model's);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
     weight tiles that batched steps read instead of unpacking (ops.set_gemm_cache, process-wide;
     default: leave it; docs/engine.md). tokenizer / max_context default to those of the Pipeline
     or LoadedModel given (a bare Model: no text, the model's whole context). speculative: a
-    drafter (mixqrt.speculative.make_drafter: prompt lookup or a draft model) that a lone decoding
+    drafter (mixqrt.generation.speculative.make_drafter: prompt lookup or a draft model) that a lone decoding
     sequence uses to emit several tokens per forward (docs/speculative.md); None: off.
     """
 
@@ -285,7 +285,7 @@ class Engine:
         self._cache = PromptCache(model, self.max_context, cap, kv_type)
         self.kv_type = self._cache.kv_type
         if speculative is not None and not hasattr(speculative, "propose"):
-            raise GenerationError(f"speculative must be a drafter (mixqrt.speculative.make_drafter), "
+            raise GenerationError(f"speculative must be a drafter (mixqrt.generation.speculative.make_drafter), "
                                   f"got {type(speculative).__name__}")
         self.drafter = speculative
         self._copy_drafter = None       # for requests with a prediction when there is no drafter
@@ -294,7 +294,7 @@ class Engine:
         self._queue: deque[Request] = deque()
         self._slots: list[_Slot] = []
         self._compiling = 0             # requests whose grammar is being compiled (count as queued)
-        self._jobs: deque = deque()     # embedding packs (mixqrt.embed), run between steps
+        self._jobs: deque = deque()     # embedding packs (mixqrt.generation.embed), run between steps
         self._job_turn = False          # a job ran last: the next round is a step (jobs and steps alternate)
         self._masker = None             # the thread that computes grammar masks during the forward
         self._closing = False
@@ -310,7 +310,7 @@ class Engine:
     def submit(self, prompt_ids, params: SamplingParams | None = None, *, buffer: int = 64, **kwargs) -> Request:
         """Queue a request (token ids, or a string encoded without a template) -> Request.
 
-        params: the request's options (mixqrt.params.SamplingParams: max_new_tokens, sampling,
+        params: the request's options (mixqrt.generation.params.SamplingParams: max_new_tokens, sampling,
         stop, n, logprobs, penalties, logit_bias, response_format, tools, draft_k, cache_salt,
         ...); keyword arguments build one or change the given one. buffer: pieces the consumer may
         leave unread before the slot pauses. Bad arguments raise GenerationError (RequestError
@@ -336,11 +336,11 @@ class Engine:
         a salt too: requests without one share theirs); cache_prompt=False neither reuses cached
         K/V nor leaves this request's behind.
 
-        response_format (mixqrt.grammar: json_object, json_schema, regex, grammar) or tool_choice
-        "required" / a named function (with tools: mixqrt.tools) constrain the tokens by a grammar.
-        The grammar compiles on mixqrt.grammar's own threads, never on the engine's: the request
+        response_format (mixqrt.generation.grammar: json_object, json_schema, regex, grammar) or tool_choice
+        "required" / a named function (with tools: mixqrt.generation.tool_calls) constrain the tokens by a grammar.
+        The grammar compiles on mixqrt.generation.grammar's own threads, never on the engine's: the request
         waits for a slot only once it is compiled, and a grammar that cannot be compiled (or not
-        within mixqrt.grammar.COMPILE_TIMEOUT_S) ends the request with a RequestError, raised
+        within mixqrt.generation.grammar.COMPILE_TIMEOUT_S) ends the request with a RequestError, raised
         from its iteration. The shape of response_format is checked here.
         """
         p = as_params(params, **kwargs)
@@ -452,7 +452,7 @@ class Engine:
     def _grammar(self, response_format, tools, tool_choice, parallel):
         """-> (grammar text or None, the request field it comes from). Tool calls forced by
         tool_choice win over response_format."""
-        from mixqrt.tools import check_tool_choice, check_tools, tool_grammar
+        from mixqrt.generation.tool_calls import check_tool_choice, check_tools, tool_grammar
         tools = check_tools(tools)
         choice = check_tool_choice(tool_choice, tools)
         if not isinstance(parallel, bool):
@@ -787,7 +787,7 @@ class Engine:
     def _step_speculative(self, s: _Slot) -> bool:
         """A lone decoding slot: draft up to k tokens, verify them in one forward of k+1 rows, emit
         the accepted drafts and the target's own next token, roll the KV back past the rest
-        (mixqrt.speculative). False when nothing was drafted: the caller runs a plain step."""
+        (mixqrt.generation.speculative). False when nothing was drafted: the caller runs a plain step."""
         sp, seq, kv = s.spec, s.seq, s.entry.kv
         if self._verify_rows is None:
             self._verify_rows = exact_rows(self.model)

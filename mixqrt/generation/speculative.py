@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from mixqrt.errors import GenerationError, ModelError
-from mixqrt.validate import integer
+from mixqrt.generation.validate import integer
 
 MAX_DRAFT = 16            # a request or a setting asking for more drafts per step is capped here
 
@@ -440,7 +440,7 @@ def check_compatible(draft, draft_tokenizer, target, target_tokenizer) -> None:
 
 def _vocab_fingerprint(tok) -> int:
     import hashlib
-    get = getattr(getattr(tok, "backend", tok), "get_vocab", None)    # mixqrt.tokenizer.Tokenizer
+    get = getattr(getattr(tok, "backend", tok), "get_vocab", None)    # mixqrt.generation.tokenizer.Tokenizer
     if get is None:
         raise ModelError(f"cannot read the vocabulary of tokenizer {type(tok).__name__} to compare it")
     items = sorted((str(k), int(v)) for k, v in get().items())

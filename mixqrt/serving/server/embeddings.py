@@ -2,7 +2,7 @@
 embedding classes and the `openai` client call) over the server's engine.
 
 The body is checked (oai.parse_embeddings), the inputs are encoded on a worker thread with their
-bounds (mixqrt.embed.encode_inputs: at most 2048 inputs, 300k tokens, each within the context, ids
+bounds (mixqrt.generation.embed.encode_inputs: at most 2048 inputs, 300k tokens, each within the context, ids
 inside the vocabulary, a string refused before tokenizing when it is longer than 64 characters per
 context token), and the forwards run on the engine thread between decode steps (Engine.embed), so
 running streams keep their pace. Pooling "none" (one vector per token) is not OpenAI's shape: 400,
@@ -14,10 +14,10 @@ import asyncio
 
 from starlette.concurrency import run_in_threadpool
 
-from mixqrt import oai
-from mixqrt.embed import check_dimensions, encode_inputs, truncate
+from mixqrt.serving import protocol as oai
+from mixqrt.generation.embed import check_dimensions, encode_inputs, truncate
 from mixqrt.errors import GenerationError, RequestError
-from mixqrt.serve.guard import HTTPError, read_json
+from mixqrt.serving.server.guard import HTTPError, read_json
 
 
 def _embedder(srv):
@@ -40,8 +40,8 @@ def _prepare(srv, body):
 
 
 async def handle(srv, request):
-    from mixqrt.serve.replies import SafeJSONResponse, error_response
-    from mixqrt.serve.replies import submission_errors
+    from mixqrt.serving.server.replies import SafeJSONResponse, error_response
+    from mixqrt.serving.server.replies import submission_errors
     route = request.url.path
     try:
         srv.check_file()

@@ -1,13 +1,13 @@
 """Fill-in-the-middle (FIM): the model's FIM tokens and the infill prompt, as llama.cpp's server builds it.
 
-    from mixqrt.fim import fim_tokens, build_infill
+    from mixqrt.generation.fim import fim_tokens, build_infill
     toks = fim_tokens(tokenizer)                  # FimTokens(pre=151659, suf=151661, mid=151660, ...)
     ids = build_infill(tokenizer, prefix, suffix, extra=[{"filename": "a.py", "text": "..."}])
 
 Where the tokens come from, in this order (llama.cpp's own order, src/llama-vocab.cpp):
   1. GGUF metadata ``tokenizer.ggml.fim_{pre,suf,mid,pad,rep,sep}_token_id`` (and the older
      ``tokenizer.ggml.{prefix,suffix,middle}_token_id``), copied into the .mxq's tokenizer_info
-     when the file is converted (``mixqrt.tokenizer.fim_from_gguf``);
+     when the file is converted (``mixqrt.generation.tokenizer.fim_from_gguf``);
   2. the tokenizer's added tokens by their text (Qwen ``<|fim_prefix|>``, StarCoder / Granite
      ``<fim_prefix>``, DeepSeek ``<｜fim▁begin｜>``, CodeLlama ``▁<PRE>``, ...: ``FIM_TEXTS``).
 A model without prefix, suffix and middle tokens cannot infill: ``FimError`` names what is missing
@@ -25,7 +25,7 @@ the suffix the first ``n_batch / 4 - 2 - len(prompt)``, and the extra chunks fil
 at half the context so that the extra files keep a share of a small context). One difference: llama.cpp slides the prefix's
 cut with every typed token (and relies on ``--cache-reuse`` to shift the cached K/V); here the cut
 moves in steps of ``CUT_STEP`` tokens counted from the prefix's start, so the prompt's beginning
-stays the same while a user types and the prompt cache reuses it (mixqrt.engine_cache). Nothing is
+stays the same while a user types and the prompt cache reuses it (mixqrt.generation.prompt_cache). Nothing is
 dropped whole unless its budget is zero, and the prompt never exceeds the context.
 
 The prefix, suffix, prompt and extra texts are user text: they are encoded with special-token
@@ -207,5 +207,5 @@ def build_infill(tokenizer, prefix: str, suffix: str, extra=None, prompt: str = 
 
 def stop_ids(tokenizer, model) -> list[int]:
     """The ids that end a middle: the model's end-of-generation set plus every FIM token."""
-    from mixqrt.generate import eos_ids
+    from mixqrt.generation.generate import eos_ids
     return sorted(eos_ids(None, model, tokenizer) | require_fim(tokenizer).stop_ids())

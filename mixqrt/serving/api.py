@@ -1,6 +1,6 @@
 """llama-cpp-python-shaped completions on top of a Pipeline (OpenAI's response objects).
 
-    from mixqrt.api import create_completion, create_chat_completion
+    from mixqrt.serving.api import create_completion, create_chat_completion
     out = create_completion(pipe, "def quicksort(xs):", max_tokens=32)
     out["choices"][0]["text"]
     out = create_chat_completion(pipe, [{"role": "user", "content": "hi"}])
@@ -8,13 +8,13 @@
     for chunk in create_chat_completion(pipe, messages, stream=True):
         print(chunk["choices"][0]["delta"].get("content", ""), end="")
 
-Only `pipe.stream(text_or_messages, params)` (params a mixqrt.params.SamplingParams;
+Only `pipe.stream(text_or_messages, params)` (params a mixqrt.generation.params.SamplingParams;
 GenerationResponse pieces) and, for the model name, `pipe.model_name` or `pipe.path` are used, so
 any object with that shape works.
 
 Sampling arguments left at None fall back to the model's generation_config.json like transformers
 (greedy when it does not ask for sampling), not to llama-cpp-python's fixed 0.8/0.95/40 defaults.
-Arguments are parsed, and replies rendered, by mixqrt.oai (the server uses the same module, so
+Arguments are parsed, and replies rendered, by mixqrt.serving.protocol (the server uses the same module, so
 both give the same objects). Arguments that cannot be honoured raise a RequestError naming the
 argument instead of being silently ignored.
 """
@@ -23,10 +23,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from mixqrt import oai
+from mixqrt.serving import protocol as oai
 from mixqrt.errors import GenerationError, RequestError
-from mixqrt.oai import ROLES, check_messages  # noqa: F401 - part of this module's API
-from mixqrt.params import SamplingParams
+from mixqrt.serving.protocol import ROLES, check_messages  # noqa: F401 - part of this module's API
+from mixqrt.generation.params import SamplingParams
 
 __all__ = ["create_completion", "create_chat_completion", "create_embedding", "check_messages", "RequestError", "Stats",
            "model_name", "SamplingParams"]
@@ -130,12 +130,12 @@ def create_completion(pipe, prompt, params: SamplingParams | None = None, *, str
     (default 16; None or <= 0: until the context is full), temperature, top_p, top_k, min_p,
     repeat_penalty, frequency_penalty, presence_penalty, stop, seed, n, logprobs, logit_bias,
     echo, best_of, suffix, stream_options, cache_salt, cache_prompt: each option is defined once in
-    mixqrt.params (its bounds and the model-default rule), the rest in mixqrt.oai. params: a
+    mixqrt.generation.params (its bounds and the model-default rule), the rest in mixqrt.serving.protocol. params: a
     SamplingParams instead of the option keywords.
 
     n (<= 8) choices share one prefill; logprobs=k (<= 20) adds OpenAI's legacy logprobs object
     (tokens, token_logprobs, top_logprobs, text_offset) from the model's raw distribution.
-    Arguments are checked here (mixqrt.oai.parse), before anything runs; errors from the model
+    Arguments are checked here (mixqrt.serving.protocol.parse), before anything runs; errors from the model
     (prompt longer than the context) come from the first next() of the stream. Closing the
     iterator stops generation.
     """
@@ -149,7 +149,7 @@ def create_embedding(pipe, input, *, model: str | None = None, encoding_format: 
                      dimensions: int | None = None, user: str | None = None) -> dict:
     """OpenAI's embeddings object (llama-cpp-python's create_embedding shape) for a string, a list of
     strings or token ids: data[i].embedding, usage.prompt_tokens. Pooling and normalization are the
-    model's (mixqrt.embed); dimensions truncates where the model allows."""
+    model's (mixqrt.generation.embed); dimensions truncates where the model allows."""
     req = oai.parse_embeddings({"input": input, "model": model, "encoding_format": encoding_format,
                                 "dimensions": dimensions, "user": user})
     if pipe.embedder().pooling == "none":
@@ -170,16 +170,16 @@ def create_chat_completion(pipe, messages, params: SamplingParams | None = None,
     Keyword arguments are OpenAI's fields of a chat completion (max_tokens, default: until the
     context is full; temperature, top_p, stop, seed, n, logprobs, top_logprobs, logit_bias,
     response_format, tools, tool_choice, parallel_tool_calls, stream_options, ...; llama.cpp's
-    top_k, min_p, repeat_penalty, cache_prompt): each option is defined once in mixqrt.params.
+    top_k, min_p, repeat_penalty, cache_prompt): each option is defined once in mixqrt.generation.params.
     params: a SamplingParams instead of the option keywords.
 
     The prompt is the model's own chat template with the generation prompt appended.
     logprobs=True (top_logprobs <= 20) adds choices[].logprobs.content[] ({token, logprob, bytes,
     top_logprobs}) from the model's raw distribution; n (<= 8) choices share one prefill.
     stream_options={"include_usage": True} adds OpenAI's last chunk (empty choices, usage).
-    response_format (json_object, json_schema, and mixqrt's regex / grammar: mixqrt.grammar)
+    response_format (json_object, json_schema, and mixqrt's regex / grammar: mixqrt.generation.grammar)
     constrains the reply; tools / tool_choice / parallel_tool_calls as OpenAI defines them
-    (mixqrt.tools): the template renders the tools, the reply's calls come back as
+    (mixqrt.generation.tool_calls): the template renders the tools, the reply's calls come back as
     message.tool_calls with finish_reason "tool_calls" (streamed as tool_calls deltas).
     """
     return _run(pipe, _request("chat", {"messages": messages, "stream": stream}, params, kwargs), model, stats)

@@ -4,7 +4,7 @@
     mixqrt serve MODEL --ray --min-replicas 1 --max-replicas 4  # Ray Serve autoscaling
     mixqrt serve MODEL --ray --ray-address auto                 # an existing cluster (docs/server.md)
 
-Each replica is a Ray actor running the same ASGI app as `mixqrt serve` (mixqrt.serve.app) over its
+Each replica is a Ray actor running the same ASGI app as `mixqrt serve` (mixqrt.serving.server.app) over its
 own Engine. On start it takes its rank on the host (Ray Serve's local_rank) and pins the whole
 process to one core set from core_sets(): a NUMA node each when the host has enough, else an equal
 share of the allowed CPUs, and runs that many kernel threads. The model is quantized once by the
@@ -66,7 +66,7 @@ class ReplicaBase:
         self.model_name, self.limits, self.engine_kwargs = model_name, limits, kw
 
     def __serve_build_asgi_app__(self):
-        from mixqrt.serve.app import create_app
+        from mixqrt.serving.server.app import create_app
         app = create_app(self.pipe, model=self.model_name, limits=self.limits, replica=self.replica,
                          engine_kwargs=self.engine_kwargs)
         app.state.server.extra_health = {"replica": self.replica, "cpus": format_cpulist(self.cpus),

@@ -7,8 +7,8 @@ import sys
 
 from mixqrt.errors import MixqrtError
 from mixqrt.quantize.recipes import DEFAULT_RECIPE
-from mixqrt.serve.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS, MAX_CONNECTIONS
-from mixqrt.speculative import add_speculative_arguments, speculative_kwargs
+from mixqrt.serving.server.guard import BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CLIENT_CONNECTIONS, MAX_CONNECTIONS
+from mixqrt.generation.speculative import add_speculative_arguments, speculative_kwargs
 
 DEFAULT_SLOTS = 8
 DEFAULT_QUEUE = 64
@@ -26,7 +26,7 @@ def uvicorn_config(app, host: str, port: int, *, max_slots=DEFAULT_SLOTS, max_qu
     or hoarded connections cannot fill limit_concurrency; the body deadline is the app's Guard."""
     import uvicorn
 
-    from mixqrt.serve.guard import Limits, protocol_class
+    from mixqrt.serving.server.guard import Limits, protocol_class
     if limits is None:
         limits = getattr(getattr(getattr(app, "state", None), "server", None), "limits", None) or Limits()
     # uvicorn's limit counts every connection and every request task: above the Guard's budget, which
@@ -69,14 +69,14 @@ def _require(extra: str, *modules):
 def default_hosts(bind: str) -> tuple:
     """Host headers accepted by default: on loopback only this machine's names (stops DNS
     rebinding from a web page); bound to a specific address, that address too; 0.0.0.0: any."""
-    from mixqrt.serve.guard import LOOPBACK_HOSTS
+    from mixqrt.serving.server.guard import LOOPBACK_HOSTS
     if bind in ("0.0.0.0", "::", ""):
         return ("*",)
     return tuple(dict.fromkeys((*LOOPBACK_HOSTS, bind.lower())))
 
 
 def limits_from_args(a):
-    from mixqrt.serve.guard import Limits
+    from mixqrt.serving.server.guard import Limits
     keys = api_keys_from_args(a)
     return Limits(api_key=keys[0] if len(keys) == 1 else (keys or None),
                   allowed_hosts=tuple(a.allowed_hosts or default_hosts(a.host)),
@@ -129,11 +129,11 @@ def cmd_serve(a):
     if a.ray:
         if speculative_kwargs(a):
             raise MixqrtError("--lookup / --draft are not supported with --ray yet: serve without --ray")
-        from mixqrt.serve.ray import keep_ray_local
+        from mixqrt.serving.server.ray import keep_ray_local
         keep_ray_local(a.host, a.ray_address)      # before Ray is imported
         _require("ray", "ray.serve")
         from mixqrt.pipeline import prepare
-        from mixqrt.serve.ray import serve_ray
+        from mixqrt.serving.server.ray import serve_ray
         path = prepare(a.model, a.recipe, offline=True if a.offline else None, progress=not a.quiet)
         return serve_ray(path, host=a.host, port=a.port, address=a.ray_address,
                          model_name=a.model_alias or _model_id(a.model) or path.stem, limits=limits_from_args(a),
@@ -142,7 +142,7 @@ def cmd_serve(a):
     import logging
 
     from mixqrt.pipeline import Pipeline
-    from mixqrt.serve.app import create_app
+    from mixqrt.serving.server.app import create_app
     pipe = Pipeline(a.model, recipe=a.recipe, threads=a.threads, progress=not a.quiet,
                     offline=True if a.offline else None, max_context=a.ctx, weights_in_memory=not a.mmap_weights,
                     kv_type=a.kv_type,
@@ -184,7 +184,7 @@ def _non_negative(v: str) -> int:
     return n
 
 
-from mixqrt.limits import parse_bytes as _bytes  # noqa: E402  (the byte counts of --kv-cache-bytes, also `mixqrt generate`'s)
+from mixqrt.models.config_limits import parse_bytes as _bytes  # noqa: E402  (the byte counts of --kv-cache-bytes, also `mixqrt generate`'s)
 
 
 def _positive_float(v: str) -> float:
@@ -210,7 +210,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("-t", "--threads", type=int, default=None, help="kernel threads (default: usable cores)")
     s.add_argument("--ctx", type=int, default=None,
                    help="context length (default: the model's own, e.g. 32768 for Qwen2.5)")
-    from mixqrt.cache import DEFAULT_KV_TYPE, KV_TYPES
+    from mixqrt.models.kv_cache import DEFAULT_KV_TYPE, KV_TYPES
     s.add_argument("--kv-type", default=None, choices=KV_TYPES, metavar="TYPE",
                    help=f"KV cache type: {', '.join(KV_TYPES)} (default {DEFAULT_KV_TYPE}; docs/long-context.md)")
     add_speculative_arguments(s)

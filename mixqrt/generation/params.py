@@ -2,12 +2,12 @@
 
     p = SamplingParams(max_new_tokens=64, temperature=0.7, stop=["\\n\\n"])     # checked here
     pipe.stream(messages, p)          # or pipe.stream(messages, temperature=0.7): kwargs build one
-    engine.submit(ids, p)             # Engine, Pipeline, api and mixqrt.oai (the HTTP body) all take it
+    engine.submit(ids, p)             # Engine, Pipeline, api and mixqrt.serving.protocol (the HTTP body) all take it
 
 Each option is one ``Param`` of ``PARAMS`` below: its name (the Python and transformers spelling,
 the attribute), its default, its check (type and bounds; a bad value raises ``RequestError`` naming
 the spelling the caller used), its other keyword spellings, its spellings in an OpenAI request
-body (``mixqrt.oai`` parses a body into a SamplingParams from them, so a new option with an
+body (``mixqrt.serving.protocol`` parses a body into a SamplingParams from them, so a new option with an
 ``openai`` spelling is served over HTTP too) and, for an option that edits the logits, the
 processor it adds. The limits shared by the Python and HTTP APIs (n, top_logprobs, logit_bias,
 stop strings, "until the context is full") are defined here once.
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mixqrt.errors import RequestError
-from mixqrt.sample_utils import (MAX_LOGIT_BIAS, check_logit_bias, make_logit_bias, make_presence_frequency_penalty,
+from mixqrt.generation.sampling import (MAX_LOGIT_BIAS, check_logit_bias, make_logit_bias, make_presence_frequency_penalty,
                                  make_repetition_penalty)
-from mixqrt.validate import boolean, integer, json_size, number, show, string
+from mixqrt.generation.validate import boolean, integer, json_size, number, show, string
 
 __all__ = ["SamplingParams", "Param", "PARAMS", "add_param", "UNTIL_FULL", "MAX_N", "MAX_TOP_LOGPROBS",
            "MAX_LOGIT_BIAS", "MAX_STOP", "MAX_STOP_BYTES", "SEED_RANGE", "KINDS"]
@@ -94,9 +94,9 @@ def _function_name(field, v):
 
 
 def check_response_format(name, v) -> dict | None:
-    """Shape and size, and the kind of format (mixqrt.grammar); the grammar compiles in the engine.
+    """Shape and size, and the kind of format (mixqrt.generation.grammar); the grammar compiles in the engine.
     {"type": "text"} -> None."""
-    from mixqrt.grammar import grammar_from_response_format
+    from mixqrt.generation.grammar import grammar_from_response_format
 
     if not isinstance(v, dict) or v.get("type") not in FORMAT_TYPES:
         raise RequestError(name, f"{name} must be an object with 'type' one of "
@@ -123,8 +123,8 @@ def check_response_format(name, v) -> dict | None:
 
 
 def check_tools_shape(name, v) -> list | None:
-    """OpenAI's tools: at most 128 function tools of bounded size (mixqrt.tools checks the rest)."""
-    from mixqrt.tools import MAX_TOOLS, check_tools
+    """OpenAI's tools: at most 128 function tools of bounded size (mixqrt.generation.tool_calls checks the rest)."""
+    from mixqrt.generation.tool_calls import MAX_TOOLS, check_tools
 
     if not isinstance(v, list):
         raise RequestError(name, f"{name} must be a list of {{'type': 'function', 'function': ...}}, got {show(v)}")
@@ -175,7 +175,7 @@ def _do_sample(name, v):
 
 
 def _prediction(name, v):
-    from mixqrt.speculative import prediction_text
+    from mixqrt.generation.speculative import prediction_text
     try:
         return prediction_text(v)
     except RequestError as e:
@@ -310,9 +310,9 @@ for _p in (
     Param("top_logprobs", 0, lambda name, v: integer(name, v, lo=0, hi=MAX_TOP_LOGPROBS),
           f"and the {MAX_TOP_LOGPROBS} at most most likely tokens' (needs logprobs)",
           openai=(("top_logprobs", ("chat",)),)),
-    Param("response_format", None, check_response_format, "structured output (mixqrt.grammar)",
+    Param("response_format", None, check_response_format, "structured output (mixqrt.generation.grammar)",
           openai=(("response_format", ("chat",)),), llama_cpp="response_format"),
-    Param("tools", None, check_tools_shape, "OpenAI's function tools (mixqrt.tools)",
+    Param("tools", None, check_tools_shape, "OpenAI's function tools (mixqrt.generation.tool_calls)",
           openai=(("tools", ("chat",)),)),
     Param("tool_choice", None, _tool_choice, "'none', 'auto', 'required' or a named function",
           openai=(("tool_choice", ("chat",)),)),
@@ -367,14 +367,14 @@ class SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tool_choice is not None or self.tools is not None:
-            from mixqrt.tools import check_tool_choice, check_tools
+            from mixqrt.generation.tool_calls import check_tool_choice, check_tools
             check_tool_choice(self.tool_choice, check_tools(self.tools))
 
     @classmethod
     def from_openai(cls, kind: str, body: dict) -> "SamplingParams":
         """The options of an OpenAI body (None values count as absent): each option's spellings of
         this kind, a later spelling winning (max_completion_tokens over max_tokens); the body's
-        other fields are mixqrt.oai's."""
+        other fields are mixqrt.serving.protocol's."""
         given: dict[str, tuple[str, Any]] = {}
         for name, p in PARAMS.items():
             for spelling in p.spellings(kind):

@@ -1,6 +1,6 @@
 """Embeddings: a model's hidden states pooled into one vector per input, as llama.cpp's embedding mode.
 
-    from mixqrt.embed import Embedder
+    from mixqrt.generation.embed import Embedder
     emb = Embedder(model, info=loaded.meta.get("embedding"))      # or Pipeline.embed(texts)
     vecs = emb.embed([[1, 2, 3], [4, 5]])                         # float32 [2, D'] (D' = dense out)
 
@@ -266,7 +266,7 @@ def encode_inputs(tokenizer, texts, field: str = "input", max_tokens: int | None
                 raise RequestError(field, f"{field}[{i}] is empty")
             if tokenizer is None:
                 raise RequestError(field, "text input needs the model's tokenizer; pass token ids")
-            from mixqrt.tokenizer import with_bos
+            from mixqrt.generation.tokenizer import with_bos
             ids = with_bos(tokenizer, tokenizer.encode(t, parse_special=False))
         elif isinstance(t, (list, tuple)) and t and all(isinstance(x, int) and not isinstance(x, bool) for x in t):
             if len(t) > MAX_INPUT_TOKENS:

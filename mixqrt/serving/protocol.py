@@ -1,4 +1,4 @@
-"""OpenAI's request and reply objects, in one place: mixqrt.api and mixqrt.serve both use this.
+"""OpenAI's request and reply objects, in one place: mixqrt.serving.api and mixqrt.serving.server both use this.
 
     req = parse("chat", body)                      # a dict (JSON body or api keyword arguments)
     req.params                                     # its SamplingParams -> Engine.submit / Pipeline.stream
@@ -7,7 +7,7 @@
 
 Parsing checks every field's type, value and size and raises ``RequestError(field, message)``
 (HTTP 400 with OpenAI's ``param``). The generation options (sampling, stop, n, logprobs,
-response_format, tools, cache_salt, ...) are mixqrt.params' (SamplingParams.from_openai: each
+response_format, tools, cache_salt, ...) are mixqrt.generation.params' (SamplingParams.from_openai: each
 option's OpenAI spellings, checks and bounds are defined there once); this module adds the input
 (messages, prompt) and the fields that shape the reply (stream, stream_options, echo, model). ``loads`` is the server's JSON decoder: a body
 that is not UTF-8, not JSON, too deep, holds a lone surrogate, a non-finite number or an integer
@@ -27,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 
 from mixqrt.errors import RequestError
-from mixqrt.params import MAX_ID_CHARS, MAX_NAME, PARAMS, UNTIL_FULL, SamplingParams
-from mixqrt.tools import MAX_TOOLS
-from mixqrt.validate import boolean, integer, show, string
+from mixqrt.generation.params import MAX_ID_CHARS, MAX_NAME, PARAMS, UNTIL_FULL, SamplingParams
+from mixqrt.generation.tool_calls import MAX_TOOLS
+from mixqrt.generation.validate import boolean, integer, show, string
 
 __all__ = ["RequestError", "Request", "Reply", "Choice", "Assembler", "parse", "loads", "usage", "usage_of",
            "finish_reason", "error_body", "model_card", "model_list", "check_messages", "MAX_JSON_DEPTH"]
@@ -191,7 +191,7 @@ def check_messages(messages) -> list[dict]:
     """OpenAI chat messages -> [{"role", "content"}] for the model's chat template.
 
     "developer" (OpenAI's newer name for the system role) becomes "system"; an assistant message
-    keeps its tool_calls and a "tool" message its tool_call_id (mixqrt.tools renders them for the
+    keeps its tool_calls and a "tool" message its tool_call_id (mixqrt.generation.tool_calls renders them for the
     template); other fields (name, ...) are dropped; "function" messages are refused.
     """
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -265,7 +265,7 @@ def _stream_options(v) -> bool:
 @dataclass
 class Request:
     """One parsed request: its input (messages or prompt), its generation options (``params``, a
-    mixqrt.params.SamplingParams: sampling fields left None come from the model's
+    mixqrt.generation.params.SamplingParams: sampling fields left None come from the model's
     generation_config) and the fields that shape the reply."""
     kind: str                               # "chat" | "completion"
     params: SamplingParams
@@ -333,7 +333,7 @@ def parse(kind: str, body: dict, *, max_tokens_cap: int | None = None, max_depth
         if b.get("function_call") not in (None, "none", "auto"):
             raise RequestError("function_call", "function_call is not supported: use tool_choice")
     else:
-        if b.get("suffix") not in (None, ""):     # fill-in-the-middle (mixqrt.fim): the prompt is the prefix
+        if b.get("suffix") not in (None, ""):     # fill-in-the-middle (mixqrt.generation.fim): the prompt is the prefix
             r.suffix = _text_field("suffix", b["suffix"])
             if b.get("echo"):
                 raise RequestError("echo", "echo with suffix (fill-in-the-middle) is not supported")
@@ -380,7 +380,7 @@ class Choice:
     text: str
     finish_reason: str | None = "stop"
     logprobs: dict | None = None
-    message: dict | None = None             # chat with tools: content and tool_calls (mixqrt.tools)
+    message: dict | None = None             # chat with tools: content and tool_calls (mixqrt.generation.tool_calls)
 
 
 class Reply:
@@ -549,10 +549,10 @@ class Assembler:
 
 
 def _tool_replies(req: Request, tokenizer) -> list | None:
-    """One mixqrt.tools.ChatReply per choice when a chat request has tools in play, else None."""
+    """One mixqrt.generation.tool_calls.ChatReply per choice when a chat request has tools in play, else None."""
     if req.kind != "chat" or not req.params.tools:
         return None
-    from mixqrt.tools import ChatReply, check_tool_choice, check_tools, tool_format
+    from mixqrt.generation.tool_calls import ChatReply, check_tool_choice, check_tools, tool_format
     tools = check_tools(req.params.tools)
     choice = check_tool_choice(req.params.tool_choice, tools)
     if choice == "none":
@@ -575,7 +575,7 @@ class EmbeddingRequest:
 
 def parse_embeddings(body: dict, max_depth: int = MAX_JSON_DEPTH) -> EmbeddingRequest:
     """Check an OpenAI embeddings body -> EmbeddingRequest (input's contents are checked when it is
-    encoded: mixqrt.embed.encode_inputs); RequestError naming the field otherwise."""
+    encoded: mixqrt.generation.embed.encode_inputs); RequestError naming the field otherwise."""
     if not isinstance(body, dict):
         raise RequestError(None, "request body must be a JSON object")
     check_values(body, max_depth)

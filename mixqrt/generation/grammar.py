@@ -571,7 +571,7 @@ _stack_lock = threading.Lock()
 
 
 def _worker_main() -> None:          # pragma: no cover — runs in the worker process
-    """The compile worker's loop (python -c "from mixqrt.grammar import _worker_main; ...")."""
+    """The compile worker's loop (python -c "from mixqrt.generation.grammar import _worker_main; ...")."""
     import resource
     rin, rout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr                         # nothing else may write to the frame pipe
@@ -606,7 +606,7 @@ class _Worker:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen([sys.executable, "-c", "from mixqrt.grammar import _worker_main; _worker_main()"],
+        self.proc = subprocess.Popen([sys.executable, "-c", "from mixqrt.generation.grammar import _worker_main; _worker_main()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=env, close_fds=True)
         _send(self.proc.stdin, {"tokenizer": tok_json, "n_vocab": n_vocab, "eos": eos,

@@ -1,7 +1,7 @@
 """The engine's prompt cache: a radix tree of token runs per cache salt, each node holding the
 K/V rows of its run in one compact array.
 
-A running request has its own KVCache (mixqrt.cache: one lazily zeroed mmap for the whole
+A running request has its own KVCache (mixqrt.models.kv_cache: one lazily zeroed mmap for the whole
 context). When it ends (finished or cancelled), the tokens whose K/V it holds are inserted into
 the tree under the request's salt and only the rows the tree does not hold yet are copied out;
 its KVCache is then freed. A new request walks the tree of its salt along its prompt and copies
@@ -35,7 +35,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from mixqrt.cache import check_kv_type
+from mixqrt.models.kv_cache import check_kv_type
 
 # Bytes counted for each node besides its arrays' data: the node object, two ndarray headers,
 # a children dict slot, an LRU entry (about 530 bytes traced by tracemalloc) and malloc's headers
@@ -387,7 +387,7 @@ class CacheEntry:
     __slots__ = ("kv", "hwm", "salt", "store", "reserve")
 
     def __init__(self, kv, salt, store: bool, reserve: int = 0):
-        self.kv = kv             # a KVCache (mixqrt.cache); rows [0, kv.offset) are valid
+        self.kv = kv             # a KVCache (mixqrt.models.kv_cache); rows [0, kv.offset) are valid
         self.hwm = 0             # rows ever written (resident pages)
         self.salt = salt         # the tree its rows go to
         self.store = store       # False: cache_prompt off, the rows are dropped
@@ -404,7 +404,7 @@ class PromptCache:
     """Running requests' caches and the prefix tree of finished ones, under one byte bound.
 
     capacity 0 turns the tree off: nothing is stored or looked up (and running caches are not
-    bounded). kv_type: the caches' type (mixqrt.cache.KV_TYPES; default the model's)."""
+    bounded). kv_type: the caches' type (mixqrt.models.kv_cache.KV_TYPES; default the model's)."""
 
     def __init__(self, model, max_len: int, capacity: int, kv_type: str | None = None):
         self.model, self.max_len, self.capacity = model, int(max_len), int(capacity)

@@ -1,0 +1,1 @@
+"""The measuring and diagnosing commands: bench, evaluate (perplexity, KL), doctor, inspect_model."""

@@ -1,0 +1,1 @@
+"""Generation: the engine (continuous batching) and its prompt cache, the request object (params), sampling, speculative decoding, constrained decoding (grammar) and tool calls, the tokenizer and the chat template, fill-in-the-middle prompts, embeddings, and the single-sequence generate loop."""
