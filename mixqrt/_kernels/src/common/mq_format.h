@@ -15,7 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum mq_fmt {   /* in this order: the packed formats, then the plain ones from MQ_F32 */
+/* In this order: the row formats, the row-interleaved forms, then the plain ones from MQ_F32. Adding a
+ * format: docs/architecture.md, "Adding a format" (tests/test_format_walkthrough.py does it). */
+enum mq_fmt {
     MQ_Q8, MQ_Q6, MQ_Q4, MQ_Q3U, MQ_Q3P, MQ_Q2C, MQ_Q5G,
     MQ_Q4X, MQ_Q3X, MQ_Q6X,
     MQ_F32, MQ_F16, MQ_BF16,
