@@ -120,7 +120,7 @@ def group_rmse(fmt: str, w: np.ndarray, G: int) -> float:
         y = d.astype(F32)[:, None] * np.take_along_axis(lut, codes.astype(np.intp), 1).astype(F32) + m.astype(F32)[:, None]
     else:
         L = layout.Q3P_LEVELS.astype(F32) if fmt == "q3p" else np.arange(8, dtype=F32)
-        d16, m16, t, _ = formats._ref_minmax(fmt, X[:, None, :], np.array([G]), float(L[-1]))
+        d16, m16, t, _ = formats._ref_minmax(X[:, None, :], np.array([G]), float(L[-1]))
         if fmt == "q3p":
             q = (t[..., None] > (L[:-1] + L[1:]) * F32(0.5)).sum(-1)
         else:

@@ -191,8 +191,8 @@ def test_no_two_kernel_files_call_each_other():
 # ---------------------------------------------------------------------------- a format's rows in every tier
 def _packed_formats() -> list[str]:
     enum = re.search(r"enum mq_fmt \{(.*?)\};", FILES["common/mq_format.h"].read_text(), re.S).group(1)
-    ids = dict((n, int(v)) for n, v in re.findall(r"\b(MQ_\w+)\s*=\s*(\d+)", enum))
-    return [n for n, v in sorted(ids.items(), key=lambda x: x[1]) if v < ids["MQ_F32"]]
+    ids = re.findall(r"\b(MQ_\w+)\s*,", re.sub(r"/\*.*?\*/", "", enum, flags=re.S))   # in id order, no explicit values
+    return ids[:ids.index("MQ_F32")]
 
 
 def _format_list(macro: str) -> list[str]:
@@ -212,8 +212,8 @@ def _table(path: str, name: str) -> str:
 def test_every_packed_format_has_a_traits_row_in_every_tier():
     """docs/architecture.md, "Adding a format": a format's kernels are its rows in the tiers' traits
     tables. Every packed format of mq_format.h has one in the AVX-512 and AVX2 tables (the generic tier
-    reads MQ_FORMATS, GEN_TRAITS only where the levels are not the codes), and no tier file routes a
-    product by a switch on the format."""
+    reads its MQ_FORMATS row: packing, header, levels), and no tier file routes a product by a switch
+    on the format."""
     fmts = _packed_formats()
     assert "MQ_Q4" in fmts and "MQ_F32" not in fmts
     assert sorted(_format_list("MQ_FOR_ROW_FORMATS") + _format_list("MQ_FOR_X_FORMATS")) == sorted(fmts), \
@@ -225,7 +225,9 @@ def test_every_packed_format_has_a_traits_row_in_every_tier():
             if re.search(rf"\b{macro}\s*\(", body):
                 rows |= set(_format_list(macro))
         assert rows == set(fmts), f"{table}: formats without a row {set(fmts) - rows}, unknown {rows - set(fmts)}"
-    assert "GEN_TRAITS" in _text(FILES["ops/kern_generic.c"])
+    generic = _text(FILES["ops/kern_generic.c"])
+    assert "MQ_FORMATS[j->fmt]" in generic and not re.search(r"\bMQ_Q\w+", generic), \
+        "the portable tier names no format: it reads the traits row"
     for f, p in FILES.items():
         if f.startswith("ops/kern_") and f.endswith(".c"):
             assert not re.search(r"switch\s*\(\s*j->fmt\s*\)", _text(p)), f"{f} routes by a switch on the format"

@@ -98,7 +98,7 @@ def _blocks(x: np.ndarray, group: int):
 
 
 # ----------------------------------------------------------------------------- reference quantizers
-def _ref_minmax(fmt: str, X: np.ndarray, nv: np.ndarray, top: float):
+def _ref_minmax(X: np.ndarray, nv: np.ndarray, top: float):
     """Asymmetric min/max: returns (d16, m16, t = (x - m) / d with 0 where d == 0)."""
     valid = np.arange(X.shape[-1])[None, :] < nv[:, None]
     mn = np.where(valid, X, np.inf).min(axis=-1) + F32(0)          # -0.0 -> +0.0 (C does the same)
@@ -113,49 +113,81 @@ def _ref_minmax(fmt: str, X: np.ndarray, nv: np.ndarray, top: float):
     return d16, m16, t, valid
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A tensor cut into its format's blocks, what a reference quantizer reads: x [n, k] as given, X
+    [n, nb, G] zero padded, nv [nb] valid weights per block, valid [n, nb, G], lay the layout."""
+    x: np.ndarray
+    X: np.ndarray
+    nv: np.ndarray
+    valid: np.ndarray
+    lay: layout.Layout
+
+
+def _ref_q8(b: Blocks, lo, hi) -> layout.Parts:
+    amax = np.where(b.valid, np.abs(b.X), 0).max(axis=-1)
+    d16 = snap(h_rtz(amax / F32(127)), F32(0), 127.0, amax)
+    d = d16.astype(F32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d > 0, np.clip(np.rint(b.X / np.where(d > 0, d, F32(1))), -127, 127), 0)
+    return layout.Parts(codes=np.where(b.valid, q, 0).astype(np.int8), d=d16)
+
+
+def _ref_q6(b: Blocks, lo, hi) -> layout.Parts:
+    ax = np.where(b.valid, np.abs(b.X), -1)
+    ext = np.take_along_axis(b.X, np.argmax(ax, axis=-1)[..., None], -1)[..., 0]
+    d16 = h_rtz(ext / F32(-32))
+    d = d16.astype(F32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d != 0, np.clip(np.rint(b.X / np.where(d != 0, d, F32(1))), -32, 31), 0) + 32
+    return layout.Parts(codes=np.where(b.valid, q, 0).astype(np.uint8), d=d16)
+
+
+def ref_uniform(b: Blocks, lo, hi) -> layout.Parts:
+    """Asymmetric min/max codes 0 .. 2^bits - 1 with a (d, m) header: q4, q3u (any bit count)."""
+    top = float(2 ** b.lay.bits - 1)
+    d16, m16, t, valid = _ref_minmax(b.X, b.nv, top)
+    q = np.clip(np.rint(t), 0, top)
+    return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16, m=m16)
+
+
+def _ref_q3p(b: Blocks, lo, hi) -> layout.Parts:
+    L = layout.Q3P_LEVELS.astype(F32)
+    d16, m16, t, valid = _ref_minmax(b.X, b.nv, float(L[-1]))
+    mids = (L[:-1] + L[1:]) * F32(0.5)
+    q = (t[..., None] > mids).sum(axis=-1)
+    return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16, m=m16)
+
+
+def _ref_q2c(b: Blocks, lo, hi) -> layout.Parts:
+    n, nb, G = b.X.shape
+    flat_nv = np.broadcast_to(b.nv, (n, nb)).reshape(-1)
+    codes, d16, m16, lut, _, _ = kmeans.quantize_blocks(b.X.reshape(-1, G), flat_nv)
+    return layout.Parts(codes=codes.reshape(n, nb, G), d=d16.reshape(n, nb), m=m16.reshape(n, nb),
+                        lut=lut.reshape(n, nb, 4))
+
+
+def _ref_q5g(b: Blocks, lo, hi) -> layout.Parts:
+    lo, hi = _q5g_range(b.x, lo, hi)
+    step = (hi - lo) / F32(31)
+    t = (b.X - lo) / step if step > 0 else np.zeros_like(b.X)
+    q = np.clip(np.rint(t), 0, 31)
+    return layout.Parts(codes=np.where(b.valid, q, 0).astype(np.uint8), lo_hi=(float(lo), float(hi)))
+
+
+# The reference quantizer (the spec the C quantizer of src/quant/quant.c is tested against) of every
+# row format: (blocks, lo, hi) -> layout.Parts. Adding a format: docs/architecture.md, "Adding a format".
+REFERENCE = {"q8": _ref_q8, "q6": _ref_q6, "q4": ref_uniform, "q3u": ref_uniform, "q3p": _ref_q3p,
+             "q2c": _ref_q2c, "q5g": _ref_q5g}
+
+
 def _ref_parts(x: np.ndarray, fmt: str, lo=None, hi=None) -> layout.Parts:
     lay = layout.PACKED[fmt]
     X, nv = _blocks(x, lay.group)
     valid = np.broadcast_to(np.arange(lay.group)[None, :] < nv[:, None], X.shape)
-    if fmt == "q8":
-        amax = np.where(valid, np.abs(X), 0).max(axis=-1)
-        d16 = snap(h_rtz(amax / F32(127)), F32(0), 127.0, amax)
-        d = d16.astype(F32)[..., None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(d > 0, np.clip(np.rint(X / np.where(d > 0, d, F32(1))), -127, 127), 0)
-        return layout.Parts(codes=np.where(valid, q, 0).astype(np.int8), d=d16)
-    if fmt == "q6":
-        ax = np.where(valid, np.abs(X), -1)
-        ext = np.take_along_axis(X, np.argmax(ax, axis=-1)[..., None], -1)[..., 0]
-        d16 = h_rtz(ext / F32(-32))
-        d = d16.astype(F32)[..., None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(d != 0, np.clip(np.rint(X / np.where(d != 0, d, F32(1))), -32, 31), 0) + 32
-        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16)
-    if fmt in ("q4", "q3u"):
-        top = float(2 ** lay.bits - 1)
-        d16, m16, t, valid = _ref_minmax(fmt, X, nv, top)
-        q = np.clip(np.rint(t), 0, top)
-        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16, m=m16)
-    if fmt == "q3p":
-        L = layout.Q3P_LEVELS.astype(F32)
-        d16, m16, t, valid = _ref_minmax(fmt, X, nv, float(L[-1]))
-        mids = (L[:-1] + L[1:]) * F32(0.5)
-        q = (t[..., None] > mids).sum(axis=-1)
-        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), d=d16, m=m16)
-    if fmt == "q2c":
-        n, nb, G = X.shape
-        flat_nv = np.broadcast_to(nv, (n, nb)).reshape(-1)
-        codes, d16, m16, lut, _, _ = kmeans.quantize_blocks(X.reshape(-1, G), flat_nv)
-        return layout.Parts(codes=codes.reshape(n, nb, G), d=d16.reshape(n, nb), m=m16.reshape(n, nb),
-                            lut=lut.reshape(n, nb, 4))
-    if fmt == "q5g":
-        lo, hi = _q5g_range(x, lo, hi)
-        step = (hi - lo) / F32(31)
-        t = (X - lo) / step if step > 0 else np.zeros_like(X)
-        q = np.clip(np.rint(t), 0, 31)
-        return layout.Parts(codes=np.where(valid, q, 0).astype(np.uint8), lo_hi=(float(lo), float(hi)))
-    raise QuantError(f"no reference quantizer for {fmt!r}")
+    if fmt not in REFERENCE:
+        raise QuantError(f"no reference quantizer for {fmt!r}")
+    return REFERENCE[fmt](Blocks(x, X, nv, valid, lay), lo, hi)
 
 
 def _ref_pack(x2: np.ndarray, fmt: str, lo, hi) -> bytes:

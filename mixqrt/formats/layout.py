@@ -131,6 +131,7 @@ class Traits:
     trailer: int
     pack: int
     off: int                # the kernels' level offset (U = L + off)
+    levels: str             # how the codes become levels U: codes | signed | table | block_lut (_format.LEVELS)
     base: str | None        # a row-interleaved storage form: the format whose blocks it holds
     kind: str               # uniform | symmetric | piecewise | codebook | global | plain | interleaved
     fp16_range: bool        # its scales (or values) are fp16: |w| must stay within 65504
@@ -165,36 +166,48 @@ _ROWS = (
 )
 
 
-def _traits() -> dict[str, Traits]:
-    specs = {r["name"]: r for r in _format.format_specs()}
-    names = {r[0] for r in _ROWS}
+def build_traits(spec_rows, rows) -> dict[str, Traits]:
+    """The traits table: the C rows (dicts as _format.format_specs gives them) joined with the Python
+    rows (as _ROWS); ImportError if the two name different formats."""
+    specs = {r["name"]: r for r in spec_rows}
+    names = {r[0] for r in rows}
     if names != set(specs):
         raise ImportError(f"the format tables differ: mq_format.h has {sorted(set(specs) - names)} without a "
                           f"row in layout._ROWS, _ROWS has {sorted(names - set(specs))} without a C block")
     by_id = {r["id"]: n for n, r in specs.items()}
     out = {}
-    for name, kind, fp16, rot, search, gptq, vector, dtype in _ROWS:
+    for name, kind, fp16, rot, search, gptq, vector, dtype in rows:
         c = specs[name]
         out[name] = Traits(name, c["id"], c["bits"], c["group"], c["header"], c["block_bytes"], c["trailer"],
-                           c["pack"], c["off"], by_id.get(c["base"]), kind, fp16, rot, search, gptq, vector,
-                           dtype)
+                           c["pack"], c["off"], c["levels"], by_id.get(c["base"]), kind, fp16, rot, search,
+                           gptq, vector, dtype)
     return out
 
 
-TRAITS: dict[str, Traits] = _traits()
+def packed_layouts(traits: dict[str, Traits]) -> dict[str, Layout]:
+    """The row formats' layouts (PACKED) of a traits table, in id order; ImportError where the C block
+    size is not the one computed here."""
+    out = {t.name: Layout(t.name, t.bits, t.group, t.header, t.bits * CHUNK // 8, t.trailer, t.pack)
+           for t in sorted(traits.values(), key=lambda t: t.id) if t.packed and t.base is None}
+    for t in traits.values():
+        if t.packed and out[t.base or t.name].block_bytes != t.block_bytes:
+            raise ImportError(f"format {t.base or t.name}: mq_format.h says {t.block_bytes} bytes per block, "
+                              "layout.py computes otherwise")
+    return out
+
+
+TRAITS: dict[str, Traits] = build_traits(_format.format_specs(), _ROWS)
 FMT_ID = {t.name: t.id for t in sorted(TRAITS.values(), key=lambda t: t.id)}   # the kernels' ids, in id order
 # row-interleaved storage forms: name -> (the format whose blocks it holds, rows per group)
 INTERLEAVED = {n: (t.base, XROWS) for n, t in TRAITS.items() if t.base is not None}
 _XPERM = {"q4x": (2, 4), "q6x": (1, 6)}   # byte-permuted forms: 2-byte header fields, 4-byte code words per block
 _STORED_AS = {base: name for name, (base, _g) in INTERLEAVED.items()}
-PACKED = {t.name: Layout(t.name, t.bits, t.group, t.header, t.bits * CHUNK // 8, t.trailer, t.pack)
-          for t in sorted(TRAITS.values(), key=lambda t: t.id) if t.packed and t.base is None}
+PACKED = packed_layouts(TRAITS)
 # plain formats: the numpy view of their values (bf16 as raw u16 bits)
 PLAIN = {t.name: np.dtype(t.dtype) for t in sorted(TRAITS.values(), key=lambda t: t.id) if not t.packed}
-for _t in TRAITS.values():   # the header's block sizes are what we compute
-    _name = _t.base or _t.name
-    if (PACKED[_name].block_bytes if _name in PACKED else PLAIN[_name].itemsize) != _t.block_bytes:
-        raise ImportError(f"format {_name}: mq_format.h says {_t.block_bytes} bytes per block, layout.py computes otherwise")
+for _t in TRAITS.values():   # the header's value sizes are what we compute
+    if not _t.packed and PLAIN[_t.name].itemsize != _t.block_bytes:
+        raise ImportError(f"format {_t.name}: mq_format.h says {_t.block_bytes} bytes per value, numpy {_t.dtype}")
 
 
 def rows_cols(shape) -> tuple[int, int]:
@@ -443,17 +456,16 @@ def assemble(fmt: str, shape, parts: Parts) -> bytes:
     nb = lay.blocks_per_row(k)
     codes = np.asarray(parts.codes).reshape(n, nb, lay.group // CHUNK, CHUNK)
     body = pack_chunks(codes, lay.pack).reshape(n, nb, -1)
-    heads = []
-    if fmt in ("q8", "q6"):
+    heads = []   # the header by the format's traits: d, then m, then a block table (MQ_HDR_*)
+    if lay.header >= 2:
         heads.append(np.asarray(parts.d, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
-    elif fmt in ("q4", "q3u", "q3p", "q2c"):
-        heads.append(np.asarray(parts.d, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
+    if lay.header >= 4:
         heads.append(np.asarray(parts.m, dtype="<f2").reshape(n, nb, 1).view(np.uint8))
-        if fmt == "q2c":
-            heads.append(np.asarray(parts.lut, dtype=np.uint8).reshape(n, nb, 4))
+    if TRAITS[fmt].levels == "block_lut":
+        heads.append(np.asarray(parts.lut, dtype=np.uint8).reshape(n, nb, lay.header - 4))
     out = np.concatenate(heads + [body], axis=-1) if heads else body
     data = np.ascontiguousarray(out).tobytes()
-    if fmt == "q5g":
+    if lay.trailer:
         data += np.asarray(parts.lo_hi, dtype="<f4").tobytes()
     return data
 
@@ -477,26 +489,28 @@ def disassemble(fmt: str, shape, data) -> Parts:
         p.d = np.ascontiguousarray(blocks[:, :, 0:2]).view("<f2").reshape(n, nb)
     if lay.header >= 4:
         p.m = np.ascontiguousarray(blocks[:, :, 2:4]).view("<f2").reshape(n, nb)
-    if fmt == "q2c":
-        p.lut = np.ascontiguousarray(blocks[:, :, 4:8])
-    if fmt == "q5g":
+    if TRAITS[fmt].levels == "block_lut":
+        p.lut = np.ascontiguousarray(blocks[:, :, 4:lay.header])
+    if lay.trailer:
         lo, hi = np.frombuffer(bytes(buf[-8:]), dtype="<f4")
         p.lo_hi = (float(lo), float(hi))
     return p
 
 
 def levels(fmt: str, parts: Parts) -> np.ndarray:
-    """Integer level L[q] of every code, float32, shape like parts.codes."""
+    """Integer level L[q] = U - off of every code, float32, shape like parts.codes (U: the kernels'
+    u8 level, by the format's traits)."""
+    t = TRAITS[fmt]
     c = parts.codes
-    if fmt == "q8":
-        return c.astype(np.int8).astype(np.float32)
-    if fmt in ("q6", "q6x"):
-        return c.astype(np.float32) - np.float32(32)
-    if fmt in ("q3p", "q3x"):
-        return Q3P_LEVELS[c].astype(np.float32)
-    if fmt == "q2c":
-        return np.take_along_axis(parts.lut, c.astype(np.intp), axis=-1).astype(np.float32)
-    return c.astype(np.float32)
+    if t.levels == "signed":
+        u = c.astype(np.uint8) ^ np.uint8(0x80)
+    elif t.levels == "table":
+        u = Q3P_LEVELS[c]
+    elif t.levels == "block_lut":
+        u = np.take_along_axis(parts.lut, c.astype(np.intp), axis=-1)
+    else:
+        u = c
+    return u.astype(np.float32) - np.float32(t.off)
 
 
 def dequantize_bytes(fmt: str, shape, data) -> np.ndarray:
@@ -504,7 +518,7 @@ def dequantize_bytes(fmt: str, shape, data) -> np.ndarray:
     n, k = rows_cols(shape)
     parts = disassemble(fmt, shape, data)
     lv = levels(fmt, parts)
-    if fmt == "q5g":
+    if parts.lo_hi is not None:   # q5g: the trailer's range
         lo, hi = np.float32(parts.lo_hi[0]), np.float32(parts.lo_hi[1])
         step = (hi - lo) / np.float32(31)
         w = lo + lv * step

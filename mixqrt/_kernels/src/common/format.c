@@ -90,26 +90,38 @@ void mq_dequant_row(int fmt, const uint8_t *row, int64_t k, float *out, const ui
         return;
     }
     if (!MQ_IS_PACKED(fmt)) return;
+    /* every row format by its row of MQ_FORMATS: w = d * (U - off) + m (levels, header, trailer) */
     const mq_fmt_spec *f = &MQ_FORMATS[fmt];
     const int G = f->group, hd = f->header, cb = MQ_CHUNK_BYTES(f->bits), bb = f->block_bytes;
-    uint8_t codes[MQ_Q2C_GROUP];
-    float L[1 << MQ_Q3_BITS];
+    const int add_m = f->trailer > 0 || hd >= MQ_HDR_M + 2;
+    const float off = (float)f->off;
+    if ((f->levels == MQ_LV_TABLE && lv == NULL) || G > MQ_GROUP_MAX) {
+        for (int64_t i = 0; i < k; i++) out[i] = NAN;
+        return;
+    }
+    uint8_t codes[MQ_GROUP_MAX];
+    float L[256];
     for (int64_t b = 0, nb = (k + G - 1) / G; b < nb; b++) {
         const uint8_t *blk = row + b * bb;
         int nv = (int)(k - b * G < G ? k - b * G : G);
         for (int c = 0; c < (nv + MQ_CHUNK - 1) / MQ_CHUNK; c++)
             mq_unpack_chunk(blk + hd + c * cb, f->pack, codes + MQ_CHUNK * c);
         float *o = out + b * G;
-        if (fmt == MQ_Q5G) { for (int i = 0; i < nv; i++) o[i] = lo + (float)codes[i] * step; continue; }
-        float d = mq_f16_to_f32(mq_get16(blk + MQ_HDR_D));
-        if (fmt == MQ_Q8) { for (int i = 0; i < nv; i++) o[i] = d * (float)(int8_t)codes[i]; continue; }
-        if (fmt == MQ_Q6) { for (int i = 0; i < nv; i++) o[i] = d * ((float)codes[i] - (float)MQ_Q6_OFF); continue; }
-        float m = mq_f16_to_f32(mq_get16(blk + MQ_HDR_M));
-        if (fmt == MQ_Q4 || fmt == MQ_Q3U) { for (int i = 0; i < nv; i++) o[i] = d * (float)codes[i] + m; continue; }
-        const uint8_t *tab = fmt == MQ_Q3P ? lv : blk + MQ_Q2C_LUT;
-        int nl = fmt == MQ_Q3P ? MQ_Q3P_NLEVELS : 4;
-        for (int j = 0; j < nl; j++) L[j] = d * (float)tab[j] + m;   /* same two roundings per level */
-        for (int i = 0; i < nv; i++) o[i] = L[codes[i]];
+        float d, m = 0.0f;
+        if (f->trailer > 0) { d = step; m = lo; }   /* q5g: the tensor's (lo, step) */
+        else {
+            d = mq_f16_to_f32(mq_get16(blk + MQ_HDR_D));
+            if (add_m) m = mq_f16_to_f32(mq_get16(blk + MQ_HDR_M));
+        }
+        const uint8_t *tab = f->levels == MQ_LV_TABLE ? lv : f->levels == MQ_LV_BLOCK_LUT ? blk + MQ_HDR_LUT : NULL;
+        if (tab != NULL) {   /* one value per level: the same two roundings as per weight */
+            for (int j = 0; j < 1 << f->bits; j++) L[j] = add_m ? d * ((float)tab[j] - off) + m : d * ((float)tab[j] - off);
+            for (int i = 0; i < nv; i++) o[i] = L[codes[i]];
+            continue;
+        }
+        const uint8_t flip = f->levels == MQ_LV_SIGNED ? 0x80 : 0;
+        if (add_m) for (int i = 0; i < nv; i++) o[i] = d * ((float)(uint8_t)(codes[i] ^ flip) - off) + m;
+        else for (int i = 0; i < nv; i++) o[i] = d * ((float)(uint8_t)(codes[i] ^ flip) - off);
     }
 }
 

@@ -15,10 +15,13 @@
 #include <stdint.h>
 #include <string.h>
 
+/* In this order: the row formats, the row-interleaved forms, then the plain ones from MQ_F32. Adding a
+ * format: docs/architecture.md, "Adding a format" (tests/test_format_walkthrough.py does it). */
 enum mq_fmt {
-    MQ_Q8 = 0, MQ_Q6 = 1, MQ_Q4 = 2, MQ_Q3U = 3, MQ_Q3P = 4, MQ_Q2C = 5, MQ_Q5G = 6, MQ_Q4X = 7, MQ_Q3X = 8,
-    MQ_Q6X = 9, MQ_F32 = 10, MQ_F16 = 11, MQ_BF16 = 12,
-    MQ_NFMT = 13
+    MQ_Q8, MQ_Q6, MQ_Q4, MQ_Q3U, MQ_Q3P, MQ_Q2C, MQ_Q5G,
+    MQ_Q4X, MQ_Q3X, MQ_Q6X,
+    MQ_F32, MQ_F16, MQ_BF16,
+    MQ_NFMT
 };
 #define MQ_NPACKED MQ_F32                       /* ids below are packed formats */
 #define MQ_IS_PACKED(f) ((unsigned)(f) < (unsigned)MQ_NPACKED)
@@ -87,7 +90,8 @@ enum mq_fmt {
 /* ---------------------------------------------------------------- block headers */
 #define MQ_HDR_D 0                               /* fp16 d */
 #define MQ_HDR_M 2                               /* fp16 m (formats with a 4+ byte header) */
-#define MQ_Q2C_LUT 4                             /* q2c: u8 lut[4], L[q] = lut[q] */
+#define MQ_HDR_LUT 4                             /* a block table (MQ_LV_BLOCK_LUT): u8 lut[4] after d, m */
+#define MQ_Q2C_LUT MQ_HDR_LUT                    /* q2c: L[q] = lut[q] */
 #define MQ_Q3P_NLEVELS 8                         /* q3p: L[q] = levels[q], a u8 table passed in */
 #define MQ_Q3P_LEVEL_MAX 127                     /* keeps AVX2 vpmaddubsw pairs (2 x 127 x 127) below int16 saturation */
 #define MQ_Q5G_TRAILER 8                         /* q5g: float32 lo, hi after all rows */
@@ -139,6 +143,16 @@ _Static_assert(MQ_Q2C_LUT + 4 == MQ_Q2C_HEADER, "q2c header: d, m, lut[4]");
 _Static_assert(MQ_Q3P_NLEVELS == 1 << MQ_Q3_BITS, "one q3p level per 3-bit code");
 
 /* ---------------------------------------------------------------- the table */
+/* how a format's codes become the u8 levels U the integer kernels multiply (mq_fmt_spec.levels);
+ * the value is w = d * (U - off) + m, m from the header when it has one (q5g: lo + U * step) */
+enum mq_levels {
+    MQ_LV_CODES,       /* U = the code */
+    MQ_LV_SIGNED,      /* int8 codes, U = code ^ 0x80 (off 128: the products subtract 128 * sum(q) in integers) */
+    MQ_LV_TABLE,       /* U = the tensor's level table at the code (q3p: MQ_Q3P_NLEVELS bytes passed in) */
+    MQ_LV_BLOCK_LUT,   /* U = the block's own 4-entry table at the code (MQ_HDR_LUT; q2c) */
+};
+#define MQ_GROUP_MAX 128                         /* the largest group (q2c): the code buffers' size */
+
 typedef struct {
     const char *name;
     int bits;          /* code bits (plain formats: bits per value) */
@@ -148,6 +162,7 @@ typedef struct {
     int trailer;       /* bytes after all rows */
     int off;           /* level offset of the integer kernels */
     int pack;          /* chunk packing id: bits, or MQ_PACK3C (packed formats only) */
+    int levels;        /* enum mq_levels; the scale and minimum come from the trailer when trailer > 0 */
 } mq_fmt_spec;
 
 /* The packed formats as X-macro lists, for the kernels' per-format entries and traits tables (each
@@ -158,16 +173,16 @@ typedef struct {
 #define MQ_FOR_X_FORMATS(X) X(q4x, MQ_Q4X) X(q6x, MQ_Q6X) X(q3x, MQ_Q3X)
 
 static const mq_fmt_spec MQ_FORMATS[MQ_NFMT] = {
-    [MQ_Q8] = {"q8", MQ_Q8_BITS, MQ_Q8_GROUP, MQ_Q8_HEADER, MQ_Q8_BLOCK, 0, MQ_Q8_OFF, MQ_Q8_BITS},
-    [MQ_Q6] = {"q6", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS},
-    [MQ_Q4] = {"q4", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0, MQ_Q4_BITS},
-    [MQ_Q3U] = {"q3u", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_Q3_BITS},
-    [MQ_Q3P] = {"q3p", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C},
-    [MQ_Q2C] = {"q2c", MQ_Q2C_BITS, MQ_Q2C_GROUP, MQ_Q2C_HEADER, MQ_Q2C_BLOCK, 0, 0, MQ_Q2C_BITS},
-    [MQ_Q5G] = {"q5g", MQ_Q5G_BITS, MQ_Q5G_GROUP, MQ_Q5G_HEADER, MQ_Q5G_BLOCK, MQ_Q5G_TRAILER, 0, MQ_Q5G_BITS},
-    [MQ_Q4X] = {"q4x", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0, MQ_Q4_BITS},
-    [MQ_Q3X] = {"q3x", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C},
-    [MQ_Q6X] = {"q6x", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS},
+    [MQ_Q8] = {"q8", MQ_Q8_BITS, MQ_Q8_GROUP, MQ_Q8_HEADER, MQ_Q8_BLOCK, 0, MQ_Q8_OFF, MQ_Q8_BITS, MQ_LV_SIGNED},
+    [MQ_Q6] = {"q6", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS, MQ_LV_CODES},
+    [MQ_Q4] = {"q4", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0, MQ_Q4_BITS, MQ_LV_CODES},
+    [MQ_Q3U] = {"q3u", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_Q3_BITS, MQ_LV_CODES},
+    [MQ_Q3P] = {"q3p", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C, MQ_LV_TABLE},
+    [MQ_Q2C] = {"q2c", MQ_Q2C_BITS, MQ_Q2C_GROUP, MQ_Q2C_HEADER, MQ_Q2C_BLOCK, 0, 0, MQ_Q2C_BITS, MQ_LV_BLOCK_LUT},
+    [MQ_Q5G] = {"q5g", MQ_Q5G_BITS, MQ_Q5G_GROUP, MQ_Q5G_HEADER, MQ_Q5G_BLOCK, MQ_Q5G_TRAILER, 0, MQ_Q5G_BITS, MQ_LV_CODES},
+    [MQ_Q4X] = {"q4x", MQ_Q4_BITS, MQ_Q4_GROUP, MQ_Q4_HEADER, MQ_Q4_BLOCK, 0, 0, MQ_Q4_BITS, MQ_LV_CODES},
+    [MQ_Q3X] = {"q3x", MQ_Q3_BITS, MQ_Q3_GROUP, MQ_Q3_HEADER, MQ_Q3_BLOCK, 0, 0, MQ_PACK3C, MQ_LV_TABLE},
+    [MQ_Q6X] = {"q6x", MQ_Q6_BITS, MQ_Q6_GROUP, MQ_Q6_HEADER, MQ_Q6_BLOCK, 0, MQ_Q6_OFF, MQ_Q6_BITS, MQ_LV_CODES},
     [MQ_F32] = {"f32", 32, 1, 0, 4, 0, 0},
     [MQ_F16] = {"f16", 16, 1, 0, 2, 0, 0},
     [MQ_BF16] = {"bf16", 16, 1, 0, 2, 0, 0},

@@ -28,31 +28,17 @@ void mq_quantize_act_generic(const float *x, int K, int kp, int8_t *q, float *d,
     }
 }
 
-/* ------------------------------------------------------------------ the traits table
- * How each packed format's codes become the u8 levels and scales the integer product reads (the
- * layout itself, bits / header / packing, is MQ_FORMATS'). */
-enum { LV_CODES, LV_SIGNED, LV_TABLE, LV_BLOCK_LUT };
-typedef struct {
-    int levels;         /* LV_CODES: the codes; LV_SIGNED: int8 codes stored ^ 0x80, the product
-                         * subtracts off * sum(q) in integers; LV_TABLE: the tensor's q3p table;
-                         * LV_BLOCK_LUT: the block's own 4-entry table */
-    int trailer_scale;  /* the scale and minimum are the tensor's trailer (q5g), not the block header's */
-} gen_traits;
-static const gen_traits GEN_TRAITS[MQ_NFMT] = {
-    [MQ_Q8] = {LV_SIGNED, 0}, [MQ_Q6] = {LV_CODES, 0}, [MQ_Q4] = {LV_CODES, 0}, [MQ_Q3U] = {LV_CODES, 0},
-    [MQ_Q3P] = {LV_TABLE, 0}, [MQ_Q2C] = {LV_BLOCK_LUT, 0}, [MQ_Q5G] = {LV_CODES, 1},
-    /* q4x / q6x / q3x reach this tier as q4 / q6 / q3p rows (dispatch.c) */
-};
-
-/* ------------------------------------------------------------------ unpack */
+/* ------------------------------------------------------------------ unpack
+ * Every row format by its row of MQ_FORMATS (mq_format.h): its packing, header and how its codes
+ * become levels (mq_fmt_spec.levels); no per-format code in this tier. q4x / q6x / q3x reach it as
+ * q4 / q6 / q3p rows (dispatch.c). */
 void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, float *dw, float *mm) {
     const mq_fmt_spec *f = &MQ_FORMATS[j->fmt];
-    const gen_traits *g = &GEN_TRAITS[j->fmt];
     const int cpb = f->group / MQ_CHUNK, nb = j->nc / cpb, cb = MQ_CHUNK_BYTES(f->bits);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (size_t)b * f->block_bytes;
         float d, m = 0.0f;
-        if (g->trailer_scale) { d = j->q5_step; m = j->q5_lo; }
+        if (f->trailer > 0) { d = j->q5_step; m = j->q5_lo; }   /* q5g: the tensor's trailer */
         else {
             d = mq_f16_to_f32(mq_get16(blk + MQ_HDR_D));
             if (f->header > MQ_HDR_M) m = mq_f16_to_f32(mq_get16(blk + MQ_HDR_M));
@@ -61,12 +47,12 @@ void mq_unpack_row_generic(const mq_mm_job *j, const uint8_t *row, uint8_t *lv, 
             int ci = b * cpb + c;
             uint8_t *o = lv + (size_t)ci * MQ_CHUNK;
             mq_unpack_chunk(blk + f->header + c * cb, f->pack, o);
-            if (g->levels == LV_SIGNED) for (int i = 0; i < 32; i++) o[i] ^= 0x80;
-            else if (g->levels == LV_TABLE) for (int i = 0; i < 32; i++) o[i] = j->q3p_levels[o[i]];
-            else if (g->levels == LV_BLOCK_LUT) for (int i = 0; i < 32; i++) o[i] = blk[MQ_Q2C_LUT + o[i]];
+            if (f->levels == MQ_LV_SIGNED) for (int i = 0; i < 32; i++) o[i] ^= 0x80;
+            else if (f->levels == MQ_LV_TABLE) for (int i = 0; i < 32; i++) o[i] = j->q3p_levels[o[i]];
+            else if (f->levels == MQ_LV_BLOCK_LUT) for (int i = 0; i < 32; i++) o[i] = blk[MQ_HDR_LUT + o[i]];
             dw[ci] = d;
             /* signed (q8): the product subtracts off * sum(q) in integers (exact signed sums), as every tier does */
-            mm[ci] = g->levels == LV_SIGNED ? m : m - (float)f->off * d;
+            mm[ci] = f->levels == MQ_LV_SIGNED ? m : m - (float)f->off * d;
         }
     }
 }
@@ -95,7 +81,7 @@ void mq_mm_rows_generic(const mq_mm_job *j, int n0, int n1) {
     uint8_t *lv = (uint8_t *)mq_scratch((size_t)nc * 40);
     float *dw = (float *)(lv + (size_t)nc * 32), *mm = dw + nc;
     const mq_act *a = j->a;
-    const int signed_off = GEN_TRAITS[j->fmt].levels == LV_SIGNED, off = MQ_FORMATS[j->fmt].off;
+    const int signed_off = MQ_FORMATS[j->fmt].levels == MQ_LV_SIGNED, off = MQ_FORMATS[j->fmt].off;
     for (int n = n0; n < n1; n++) {
         mq_unpack_row_generic(j, j->w + (size_t)n * j->row_bytes, lv, dw, mm);
         for (int t = 0; t < j->T; t++) {

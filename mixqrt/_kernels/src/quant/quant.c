@@ -88,7 +88,7 @@ int mq_quantize(int fmt, const float *x, int64_t n, int64_t k, uint8_t *out, con
     const int G = l->group, bb = l->block_bytes, cb = MQ_CHUNK_BYTES(l->bits);
     const int64_t nb = (k + G - 1) / G;
     const float step = (hi - lo) / 31.0f;
-    uint8_t codes[MQ_Q2C_GROUP];
+    uint8_t codes[MQ_GROUP_MAX];
     for (int64_t r = 0; r < n; r++) {
         const float *xr = x + r * k;
         for (int64_t b = 0; b < nb; b++) {
