@@ -5,7 +5,8 @@
 # llama.cpp files: benchmarks/long_context.py prepares Q4_0 / Q3_K_M in GGUF_DIR (llama-quantize).
 # /tmp/timed.active marks a timed step in progress (the lead's untimed quality runs pause while it exists).
 set -u
-OUT=${1:-docs/data/long_context/round2}; mkdir -p $OUT
+OUT=$(realpath -m "${1:-docs/data/long_context/round2}"); mkdir -p "$OUT"
+cd /tmp     # python -m puts the working directory first on sys.path: run the installed mixqrt
 M=${MXQ:-$HOME/.cache/mixqrt/qwen2.5-coder-0.5b-instruct-q4a-b80f564a3d26.mxq}
 G=${GGUF_DIR:-/tmp/longctx-lcpp}/qwen-Q4_0.gguf
 G3=${GGUF_DIR:-/tmp/longctx-lcpp}/qwen-Q3_K_M.gguf
