@@ -22,10 +22,8 @@ mx q8 16384
 lc tg-fa0-f16-d0-4k-16k $G -p 0 -n 32 -d 0,4096,16384 -fa 0
 lc tg-fa1-f16-d0-4k-16k $G -p 0 -n 32 -d 0,4096,16384 -fa 1
 lc pp-fa1-f16-d0-4k-16k $G -p 512 -n 0 -d 0,4096,16384 -fa 1
-lc pp-fa0-f16-d0-4k-16k $G -p 512 -n 0 -d 0,4096,16384 -fa 0
-lc q3km-tg-fa0-f16-d0-16k $G3 -p 0 -n 32 -d 0,16384 -fa 0
+lc q3km-tg-fa0-f16-d16k $G3 -p 0 -n 32 -d 16384 -fa 0
 lc pp16384-fa1-f16 $G -p 16384 -n 0 -fa 1
 mx q4 32768
 lc tg-fa0-f16-d32k $G -p 0 -n 32 -d 32768 -fa 0
-lc pp-fa1-f16-d32k $G -p 512 -n 0 -d 32768 -fa 1
 log done
