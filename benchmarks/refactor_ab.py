@@ -17,19 +17,15 @@ import time
 
 import numpy as np
 
+from _common import best_time   # benchmarks/ (the script's folder) is on sys.path
+
 
 def _best(fn, batches=7, seconds=0.02):
+    """Seconds per call, best of `batches` batches of about `seconds` each."""
     fn()
     t = time.perf_counter()
     fn()
-    n = max(1, int(seconds / max(1e-6, time.perf_counter() - t)))
-    best = float("inf")
-    for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best
+    return best_time(fn, max(1, int(seconds / max(1e-6, time.perf_counter() - t))), batches)
 
 
 def products() -> dict:
