@@ -59,6 +59,19 @@ def ram_bytes() -> int | None:
     return None
 
 
+def best_time(fn, reps: int, tries: int = 5, clock=time.perf_counter) -> float:
+    """Seconds per call of fn: the best of `tries` batches of `reps` calls (after one warm-up call),
+    which other work on a shared machine disturbs less than a mean or a median."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        t = clock()
+        for _ in range(reps):
+            fn()
+        best = min(best, (clock() - t) / reps)
+    return best
+
+
 def machine_info() -> dict:
     """CPU model, cores, RAM, ISA tier (mixqrt.commands.doctor.report()), load average, date, commit."""
     info = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "git_commit": git_commit(),

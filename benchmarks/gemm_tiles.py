@@ -24,21 +24,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import ROOT, machine_info, update_doc  # noqa: E402
+from _common import ROOT, best_time, machine_info, update_doc  # noqa: E402
 
 TS = (2, 4, 8, 16)
 BS = (1, 2, 4, 8, 16)
 
 
 def cpu_ms(fn, reps: int, tries: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(tries):
-        t = time.thread_time()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.thread_time() - t) / reps)
-    return best * 1e3
+    return best_time(fn, reps, tries, time.thread_time) * 1e3   # CPU time of this thread
 
 
 def step_ms(model, b: int) -> float:

@@ -170,6 +170,9 @@ def build_traits(spec_rows, rows) -> dict[str, Traits]:
     """The traits table: the C rows (dicts as _format.format_specs gives them) joined with the Python
     rows (as _ROWS); ImportError if the two name different formats."""
     specs = {r["name"]: r for r in spec_rows}
+    if any("levels" not in r for r in specs.values()):
+        raise ImportError("mixqrt's C extensions are older than its Python code (no level kind in the format "
+                          "table): rebuild them (python setup.py build_ext --inplace)")
     names = {r[0] for r in rows}
     if names != set(specs):
         raise ImportError(f"the format tables differ: mq_format.h has {sorted(set(specs) - names)} without a "
