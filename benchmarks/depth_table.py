@@ -39,12 +39,15 @@ def main() -> None:
                   / "long_context" / "round2")
     lc = llama_rows(folder)
     mx = {}
+    again = {}
     for p in folder.glob("mixqrt-*-d*.json"):
-        kv, d = p.stem.split("-")[1], int(p.stem.rsplit("-d", 1)[1])
+        kv, rest = p.stem.split("-")[1], p.stem.rsplit("-d", 1)[1]
+        d, tag = (int(rest.split("-")[0]), rest.split("-", 1)[1]) if "-" in rest else (int(rest), None)
         try:
-            mx[kv, d] = json.loads(p.read_text().strip().splitlines()[-1])
+            r = json.loads(p.read_text().strip().splitlines()[-1])
         except (ValueError, IndexError):
             continue
+        (again.setdefault(tag, {}) if tag else mx)[kv, d] = r
     depths = sorted({d for _, d in mx} | {r["depth"] for r in lc})
     out = ["| depth | mixqrt q4 pp512 | llama.cpp best pp512 | ratio | mixqrt q4 tg | llama.cpp best tg | ratio | "
            "q4 tg / its depth-0 tg |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -62,6 +65,8 @@ def main() -> None:
                    f"{rt} | {own} |")
     extra = [f"| {kv} at {d:,d} | pp512 {r['pp_tok_s']:.1f}, tg {r['tg_tok_s']:.1f} tok/s |"
              for (kv, d), r in sorted(mx.items()) if kv != "q4"]
+    extra += [f"| {kv} at {d:,d} ({tag}: the last step of the run) | pp512 {r['pp_tok_s']:.1f}, tg {r['tg_tok_s']:.1f} tok/s |"
+              for tag, rows in sorted(again.items()) for (kv, d), r in sorted(rows.items())]
     every = ["| llama.cpp run | depth | pp | tg | tok/s |", "|---|---:|---:|---:|---:|"]
     every += [f"| {r['model']} fa {r['fa']} {r['cache']} | {r['depth']:,d} | {r['pp']} | {r['tg']} | {r['tok_s']:.1f} |"
               for r in sorted(lc, key=lambda r: (r["depth"], r["file"]))]
