@@ -67,6 +67,18 @@ def main() -> None:
              for (kv, d), r in sorted(mx.items()) if kv != "q4"]
     extra += [f"| {kv} at {d:,d} ({tag}: the last step of the run) | pp512 {r['pp_tok_s']:.1f}, tg {r['tg_tok_s']:.1f} tok/s |"
               for tag, rows in sorted(again.items()) for (kv, d), r in sorted(rows.items())]
+    long = folder / "mixqrt-q4-pp16384.json"
+    lp = [r for r in lc if r["pp"] == 16384]
+    if long.exists() and lp:
+        try:
+            m = json.loads(long.read_text().strip().splitlines()[-1])
+            b = max(lp, key=lambda r: r["tok_s"])
+            bound = m["file_bytes"] + 16384 * m["kv_bytes_per_token"] + (200 << 20)
+            extra.append(f"| a 16,384-token prompt (pp16384) | mixqrt q4 {m['pp_tok_s']:.1f} tok/s, llama.cpp "
+                         f"{b['tok_s']:.1f} ({b['model']}, fa {b['fa']}): {m['pp_tok_s'] / b['tok_s']:.2f}x; peak RSS "
+                         f"{m['peak_rss_bytes'] / 2**20:.0f} MiB = {m['peak_rss_bytes'] / bound:.2f}x (file + KV + 200 MiB) |")
+        except (ValueError, IndexError, KeyError):
+            pass
     every = ["| llama.cpp run | depth | pp | tg | tok/s |", "|---|---:|---:|---:|---:|"]
     every += [f"| {r['model']} fa {r['fa']} {r['cache']} | {r['depth']:,d} | {r['pp']} | {r['tg']} | {r['tok_s']:.1f} |"
               for r in sorted(lc, key=lambda r: (r["depth"], r["file"]))]
