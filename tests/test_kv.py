@@ -52,6 +52,17 @@ def test_packer_is_the_reference(seed, dh, bits, hkv):
             assert np.array_equal(pk[h, b], want)
 
 
+@given(seed=st.integers(0, 2**31 - 1), dh=st.sampled_from([32, 64, 96, 128, 256]))
+@settings(max_examples=20, deadline=None)
+def test_value_rotation_is_orthonormal(seed, dh):
+    """q4's value rotation (blocks of head_dim's largest power-of-two divisor) keeps norms and undoes
+    itself; the fused decode layer's C rotation is checked bit for bit in tests/test_fused_decode.py."""
+    x = np.random.default_rng(seed).standard_normal((3, dh)).astype(np.float32)
+    y = ref.fwht(x)
+    assert np.allclose(np.linalg.norm(y, axis=1), np.linalg.norm(x, axis=1), rtol=1e-5)
+    assert np.allclose(ref.fwht(y), x, atol=1e-5)
+
+
 def test_layouts_round_trip():
     rng = np.random.default_rng(1)
     for bits in (4, 8):
@@ -69,13 +80,17 @@ def test_packed_block_error_is_small():
                                  64, bits)
         kk, vv = kf[0, 64:].astype(np.float32), vf[0, 64:].astype(np.float32)
         rk = np.abs(k - kk).max(0) / (kk.max(0) - kk.min(0))       # per channel, against its range
-        rv = np.abs(v - vv).max(1) / (vv.max(1) - vv.min(1))
-        assert rk.max() <= tol and rv.max() <= tol
+        if bits == 4:      # NF4 levels: at most half the widest gap (-127 .. -88) of the position's absmax / 127
+            rv = np.abs(v - vv).max(1) / np.abs(vv).max(1)
+            assert rk.max() <= tol and rv.max() <= 19.5 / 127 + 1e-3
+        else:
+            rv = np.abs(v - vv).max(1) / (vv.max(1) - vv.min(1))
+            assert rk.max() <= tol and rv.max() <= tol
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31 - 1), dh=st.sampled_from([64, 128, 256]), g=st.sampled_from([1, 2, 4, 7, 9, 17]),
-       hkv=st.integers(1, 2), t=st.integers(1, 11), pos0=st.integers(0, 200), bits=st.sampled_from([4, 8]),
+@given(seed=st.integers(0, 2**31 - 1), dh=st.sampled_from([64, 96, 128, 256]), g=st.sampled_from([1, 2, 4, 7, 9, 17]),
+       hkv=st.integers(1, 2), t=st.integers(1, 11), pos0=st.integers(0, 400), bits=st.sampled_from([4, 8]),
        window=st.sampled_from([0, 0, 5, 64, 70]))
 def test_attention_every_tier_is_the_reference(seed, dh, g, hkv, t, pos0, bits, window):
     rng = np.random.default_rng(seed)
@@ -196,7 +211,7 @@ def test_windowed_layer_keeps_its_window():
 
 
 def test_bytes_per_value():
-    assert cache.kv_bits_per_value("q4", 64) == 4.5 and cache.kv_bits_per_value("q4", 128) == 4.375
+    assert cache.kv_bits_per_value("q4", 64) == 4.5 and cache.kv_bits_per_value("q4", 128) == 4.4375
     assert cache.kv_bits_per_value("q8", 64) == 8.5 and cache.kv_bits_per_value("f16", 64) == 16
     assert cache.kv_bytes_per_token("f32", 24, 2, 64) == 24576
 
@@ -229,10 +244,19 @@ def test_blocks_export_and_import():
         a = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
         _fill(a, rng, 200)
         assert a.exportable_blocks() == 3
-        b = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
+        bare = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
         for i in range(3):
-            b.import_block(i, a.export_block(i))
-        assert b.offset == 192
+            bare.import_block(i, a.export_block(i))
+        assert bare.offset == 192
+        assert bare.freed_upto == 3                                  # block 2 came packed only
+        k1, v1 = rng.standard_normal((2, 1, 2, 64)).astype(np.float32)
+        bare.write(0, k1, v1, 192)                                   # rows after it read block 2 in f16:
+        assert bare.freed_upto == 2                                  # its rows come back dequantized
+        dk, dv = packed.ref.dequant_block(bare.pk[0][1, 2], 64, 4)
+        assert np.array_equal(bare.kf[0][1, 128:192], dk.astype(np.float16))
+        assert np.array_equal(bare.vf[0][1, 128:192], dv.astype(np.float16))
+        b = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
+        assert b.copy_from(a, 195) == 192                           # whole blocks, and block 2's f16 rows
         a.trim(8)
         k, v = rng.standard_normal((2, 40, 2, 64)).astype(np.float32)
         for c in (a, b):

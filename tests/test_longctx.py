@@ -265,6 +265,11 @@ class PackedStub(BlockTrimCache):
         self._rows(b, b + 1)[...] = data.view(self.dtype).reshape(self._rows(0, 1).shape)
         self.offset = (b + 1) * self.BLOCK
 
+    def copy_from(self, src, n: int) -> int:
+        for b in range(min(n // self.BLOCK, src.exportable_blocks())):
+            self.import_block(b, src.export_block(b))
+        return self.offset
+
     def export_tail(self, b: int) -> np.ndarray:
         assert b == self.offset // self.BLOCK and self.offset % self.BLOCK
         return np.ascontiguousarray(self.stacked[:, :, b * self.BLOCK:self.offset]).view(np.uint8).reshape(-1)

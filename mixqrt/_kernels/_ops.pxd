@@ -88,6 +88,7 @@ cdef extern from "mq_ops.h" nogil:
         const uint8_t *pk
         int T, Hq, Hkv, Dh, S, pos0, bits, window, block_bytes
     void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch)
+    void mq_kv_fwht(float *x, int n)
     void mq_kv_pack(const uint16_t *kf, const uint16_t *vf, int S, int Dh, int Hkv, int b0, int b1, int bits,
                     uint8_t *pk, int NB)
     size_t MQ_KV_SCRATCH_FLOATS(int Dh)

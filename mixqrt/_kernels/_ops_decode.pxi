@@ -172,6 +172,8 @@ cdef class DecodeLayer:
             if bits:
                 for hh in range(Hkv):
                     o16 = (<size_t>hh * S + pos) * Dh
+                    if bits == 4:                           # q4 stores values rotated (kv/ref.py fwht)
+                        mq_kv_fwht(qkv + nq + (Hkv + hh) * Dh, Dh)
                     for d in range(Dh):
                         k16[o16 + d] = mq_f32_to_f16(qkv[nq + hh * Dh + d])
                         v16[o16 + d] = mq_f32_to_f16(qkv[nq + (Hkv + hh) * Dh + d])

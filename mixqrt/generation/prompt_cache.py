@@ -493,8 +493,7 @@ class PromptCache:
         the copy holds kv.offset <= n rows, the caller writes the rest again."""
         entry = CacheEntry(self.model.make_cache(self.max_len, self.kv_type), src.salt, src.store, src.reserve)
         if self.packed:
-            for b in range(min(n // self.tree.block, src.kv.exportable_blocks())):
-                entry.kv.import_block(b, src.kv.export_block(b))
+            entry.kv.copy_from(src.kv, n)
             entry.hwm = entry.kv.offset
         elif not self.shareable:
             pass                                # nothing to copy: the caller writes all n rows

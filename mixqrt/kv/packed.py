@@ -9,12 +9,19 @@ resident once written):
 
 Once a block is packed and KEEP blocks older than the newest position, its f16 pages are given back
 (MADV_DONTNEED): what stays resident per sequence is the packed blocks, block 0 and the last few
-blocks in f16. A row at position p reads block 0 and its own partial block in f16 and the blocks in
-between packed: the rule depends on p only, so a prompt's rows equal single decode steps bit for bit.
+blocks in f16. A row at position p reads block 0, its own partial block and the RECENT whole blocks
+before it in f16 and the blocks in between packed: the rule depends on p only, so a prompt's rows
+equal single decode steps bit for bit.
 
-A trim (speculative rollback, prompt-cache reuse) keeps that rule: after a trim to L, block L // 64
-is partial again and is read from f16; if its f16 pages were given back already, the trim goes down
-to the block's start (trim() returns what really went).
+A trim (speculative rollback) keeps that rule: after a trim to L, block L // 64 is partial again and
+is read from f16; if its f16 pages were given back already, the trim goes down to the block's start
+(trim() returns what really went). Rollbacks of fewer than (KEEP - RECENT) * 64 positions (a
+speculative step drafts at most 16) stay bit-exact; a deeper one refills the f16 rows of the RECENT
+blocks before the new end from their packed bytes (dequantized: close, not bit-identical to the
+first pass). The prompt cache's partial-block entries carry the f16 rows of the RECENT whole blocks
+before them (export_tail), so a prefix cached with its partial block reads exactly what a cold
+prefill read; a prefix of whole blocks alone (a prompt that leaves a cached one mid-way) gets those
+rows back from the packed bytes on its first write, as a deep rollback does.
 
 A sliding-window layer (Gemma 3's local layers) keeps f16 only and gives back the f16 pages of
 blocks its window has left, so it holds about its window.
@@ -29,7 +36,8 @@ from mixqrt.errors import GenerationError
 from mixqrt.kv import check_room, ref
 
 G = ref.G
-KEEP = 2          # complete blocks kept in f16 behind the newest (rollbacks of < KEEP * 64 positions stay exact)
+RECENT = ref.RECENT  # whole blocks before a row's own that the row reads in f16
+KEEP = RECENT + 2    # complete blocks kept in f16 behind the newest (rollbacks of < (KEEP - RECENT) * 64 stay exact)
 BITS = {"q4": 4, "q8": 8}
 
 
@@ -112,6 +120,18 @@ class PackedKVCache:
             raise GenerationError(f"KV cache overflow: position {pos0 + t - 1} >= max_len {self.max_len}")
         if self.windows[layer] is None and 1 <= pos0 // G < self.freed_upto and pos0 % G:
             raise GenerationError(f"cannot rewrite position {pos0}: its block's f16 rows were released")
+        lo = self.first_f16(pos0 + 1)
+        if self.pk[layer] is not None and 1 <= lo < self.freed_upto:
+            # rows from pos0 read blocks lo .. in f16 that came without them (whole blocks from a prompt
+            # cache, a deep rollback): they get them back from their packed bytes
+            hi = min(pos0 // G, self.freed_upto)
+            if hi > self.packed_upto:
+                raise GenerationError(f"cannot write position {pos0}: block {lo}'s f16 rows, which its row "
+                                      f"reads, were released and it is not packed")
+            self._refill16(lo, hi)
+            self.freed_upto = lo
+        if self.pk[layer] is not None and ref.rotates_values(self.bits):
+            v = ref.fwht(v)                    # q4: a packed layer's values are stored rotated
         self.kf[layer][:, pos0:pos0 + t] = k.transpose(1, 0, 2)
         self.vf[layer][:, pos0:pos0 + t] = v.transpose(1, 0, 2)
         self.hwm = max(self.hwm, pos0 + t)
@@ -120,6 +140,11 @@ class PackedKVCache:
             if b1 > b0:
                 from mixqrt.ops.pool import _ops
                 _ops.kv_pack(self.kf[layer], self.vf[layer], b0, b1, self.bits, self.pk[layer])
+
+    @staticmethod
+    def first_f16(n: int) -> int:
+        """The first block after block 0 that a row with n keys reads in f16 (ref.attend_row's rule)."""
+        return max(1, n // G - RECENT)
 
     @property
     def fusable(self) -> bool:
@@ -219,33 +244,66 @@ class PackedKVCache:
         if b >= 1:
             self.freed_upto = max(self.freed_upto, b + 1)      # a packed block arrives without its f16 rows
 
+    @staticmethod
+    def _tail_from(b: int) -> int:
+        """The first position an exported tail after b whole blocks holds: the RECENT whole blocks
+        before the partial one (not block 0: it is imported in f16 anyway), then the partial block."""
+        return (min(b, max(1, b - RECENT)) if b >= 1 else 0) * G
+
     def export_tail(self, b: int) -> np.ndarray:
-        """The partial last block's f16 K and V rows (positions b * 64 .. offset - 1, every layer),
-        for a prompt cache; import_tail puts a prefix of them back."""
+        """The f16 K and V rows of the partial last block (positions b * 64 .. offset - 1) and of the
+        RECENT whole blocks before it (which its rows read in f16), every layer, for a prompt cache;
+        import_tail puts them back with a prefix of the partial block."""
         m = self.offset - b * G
         if b != self.offset // G or m <= 0:
             raise GenerationError(f"export_tail({b}): the cache holds {self.offset} positions")
+        lo = self._tail_from(b)
+        if self._packed_layers and 1 <= lo // G < self.freed_upto:
+            raise GenerationError(f"export_tail({b}): block {lo // G}'s f16 rows were released")
         parts = []
         for li in range(self.num_layers):
-            parts.append(np.ascontiguousarray(self.kf[li][:, b * G:b * G + m]).reshape(-1).view(np.uint8))
-            parts.append(np.ascontiguousarray(self.vf[li][:, b * G:b * G + m]).reshape(-1).view(np.uint8))
+            parts.append(np.ascontiguousarray(self.kf[li][:, lo:self.offset]).reshape(-1).view(np.uint8))
+            parts.append(np.ascontiguousarray(self.vf[li][:, lo:self.offset]).reshape(-1).view(np.uint8))
         return np.concatenate(parts)
 
     def import_tail(self, b: int, data, m: int, rows: int) -> None:
-        """Append the first `rows` of an exported tail of m positions to a cache holding b blocks."""
+        """Append the first `rows` of an exported tail of m positions (and the f16 rows of the whole
+        blocks before it that export_tail carried) to a cache holding b blocks."""
         data = np.asarray(data)
-        one = self.num_kv_heads * m * self.head_dim * 2
         if b != self.offset // G or self.offset % G or not 0 < rows <= m < G:
             raise GenerationError(f"import_tail({b}, {m}, {rows}): the cache holds {self.offset} positions")
+        lo = self._tail_from(b)
+        span = b * G + m - lo
+        one = self.num_kv_heads * span * self.head_dim * 2
         if data.dtype != np.uint8 or data.ndim != 1 or data.size != 2 * self.num_layers * one:
             raise GenerationError(f"import_tail: {data.size} bytes, {m} positions take {2 * self.num_layers * one}")
-        shape = (self.num_kv_heads, m, self.head_dim)
+        shape = (self.num_kv_heads, span, self.head_dim)
+        end = b * G + rows
         for li in range(self.num_layers):
             o = 2 * li * one
-            self.kf[li][:, b * G:b * G + rows] = data[o:o + one].view(np.float16).reshape(shape)[:, :rows]
-            self.vf[li][:, b * G:b * G + rows] = data[o + one:o + 2 * one].view(np.float16).reshape(shape)[:, :rows]
-        self.offset = b * G + rows
+            self.kf[li][:, lo:end] = data[o:o + one].view(np.float16).reshape(shape)[:, :end - lo]
+            self.vf[li][:, lo:end] = data[o + one:o + 2 * one].view(np.float16).reshape(shape)[:, :end - lo]
+        self.offset = end
         self.hwm = max(self.hwm, self.offset)
+        if lo // G >= 1:
+            self.freed_upto = min(self.freed_upto, lo // G)    # those blocks' f16 rows are back
+
+    def copy_from(self, src: "PackedKVCache", n: int) -> int:
+        """Fill this empty cache with src's first rows, up to n, in whole blocks (packed bytes, and
+        the f16 rows of the RECENT whole blocks before the end that the next row reads, where src still
+        holds them) -> rows held."""
+        if self.offset:
+            raise GenerationError("copy_from: the cache is not empty")
+        nb = min(int(n) // G, src.exportable_blocks())
+        for b in range(nb):
+            self.import_block(b, src.export_block(b))
+        lo = self.first_f16(nb * G + 1) * G
+        if nb >= 2 and lo < nb * G and lo // G >= src.freed_upto:   # (else the next write refills them)
+            for li in range(self.num_layers):
+                self.kf[li][:, lo:nb * G] = src.kf[li][:, lo:nb * G]
+                self.vf[li][:, lo:nb * G] = src.vf[li][:, lo:nb * G]
+            self.freed_upto = min(self.freed_upto, lo // G)
+        return self.offset
 
     # ------------------------------------------------------------------ housekeeping
     def trim(self, n: int) -> int:
@@ -260,12 +318,24 @@ class PackedKVCache:
             if w is not None and max(0, target + 1 - w) // G < self._wfreed[li]:
                 target = 0
         gone = self.offset - target
+        lo = self.first_f16(target + 1)
+        if target // G >= 1 and lo < target // G and lo < self.freed_upto:
+            self._refill16(lo, min(target // G, self.freed_upto))
         self.offset = target
         self.packed_upto = min(self.packed_upto, max(1, target // G))
-        self.freed_upto = min(self.freed_upto, max(1, target // G))
+        self.freed_upto = min(self.freed_upto, lo if lo < target // G else max(1, target // G))
         if target == 0:
             self._wfreed = [0] * self.num_layers
         return gone
+
+    def _refill16(self, b0: int, b1: int) -> None:
+        """Blocks [b0, b1) of the packed layers get f16 rows again, dequantized from their packed bytes."""
+        for li in self._packed_layers:
+            for h in range(self.num_kv_heads):
+                for b in range(b0, b1):
+                    k, v = ref.dequant_block(self.pk[li][h, b], self.head_dim, self.bits)
+                    self.kf[li][h, b * G:(b + 1) * G] = k.astype(np.float16)
+                    self.vf[li][h, b * G:(b + 1) * G] = v.astype(np.float16)
 
     def reset(self) -> None:
         self.offset = 0

@@ -2,10 +2,10 @@
 it, operation for operation as the C kernels (src/ops/kvattn_impl.h) compute them, so that every ISA
 tier is compared against this module bit for bit (tests/test_kv.py).
 
-The format (``q4``: BITS = 4, ``q8``: BITS = 8), per layer, per KV head, per block of G = 64 positions:
+The formats, per layer, per KV head, per block of G = 64 positions. ``q8`` (8.5 bits per value):
 
     kscale [Dh] f16, kmin [Dh] f16     keys per channel over the block's 64 positions (KIVI):
-                                       k[t, c] ~ kscale[c] * code + kmin[c], codes 0 .. 2^BITS - 1
+                                       k[t, c] ~ kscale[c] * code + kmin[c], codes 0 .. 255
     kcodes                             G x Dh codes, laid out for a 4-byte integer dot whose 16 lanes
                                        are 16 positions (see k_layout)
     vscale [G] f16, vmin [G] f16       values per position over the head's Dh channels:
@@ -13,21 +13,35 @@ The format (``q4``: BITS = 4, ``q8``: BITS = 8), per layer, per KV head, per blo
     vcodes                             G x Dh codes, laid out for a 4-byte integer dot whose 16 lanes
                                        are 16 channels (see v_layout)
 
-Block 0 (the first 64 positions: the attention sink) is never packed, and the block a row's own
-position falls in is read in f16 by that row: a position's K/V are first stored in f16, a block is
-packed when its 64th position is written, and row p (n = p + 1 keys) reads block 0 and the partial
-block n // G in f16, blocks 1 .. n // G - 1 packed. What a row reads depends on its position only,
-so a prompt's rows equal single decode steps bit for bit.
+``q4`` (4.5 bits per value at Dh = 64: keys 4.75, values 4.25; the keys carry most of the loss):
+
+    kscale [Dh] f16, kmin [Dh] f16     keys per channel over the block, as q8 with codes 0 .. 15, and
+    kadj [2, Dh] u8                    per 32-position sub-block i a narrower range (sub_ranges): the
+                                       min moves up (kadj & 15) * kscale, the scale becomes
+                                       kscale * ((kadj >> 4) + 1) / 16
+    kcodes                             4-bit, k_layout
+    vscale [G] f16                     values per position, symmetric: v[t, d] ~ vscale[t] * VLEV[code],
+    vcodes                             vscale = absmax / 127, VLEV NF4's 16 normal quantiles as int8
+
+Block 0 (the first 64 positions: the attention sink) is never packed, and the most recent
+positions are read in f16: a position's K/V are first stored in f16, a block is packed when its
+64th position is written, and row p (n = p + 1 keys) reads block 0, the partial block n // G and the
+RECENT whole blocks before it in f16, blocks 1 .. n // G - RECENT - 1 packed. What a row reads
+depends on its position only, so a prompt's rows equal single decode steps bit for bit. (RECENT = 1
+halved the 4-bit cache's loss for nothing: those f16 rows are resident anyway; docs/long-context.md.)
 
 Attention per row and query head, blocks in order with an online softmax (m, l, acc):
   f16 block (positions i0 .. i1-1):  s_t = dot(q, k_t) * scale                (dotf: 16 lanes, tree)
-  packed block:  q'_c = q_c * kscale_c; C = dot(q, kmin); a = max|q'|;
-                 q8_c = rint(q'_c * (127 / a)), d = a / 127;  s_t = (float(sum_c q8_c code_tc) * d + C) * scale
+  packed block:  q'_c = q_c * kscale_c; a = max|q'|;            (q4: per sub-block,
+                 q8_c = rint(q'_c * (127 / a)), d = a / 127;                       its scale and min)
+                 C = dot(q, kmin)
+                 s_t = (float(sum_c q8_c code_tc) * d + C) * scale
   m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
   l = l * alpha + sum16(p)
   f16 block:     acc_d = acc_d * alpha + (p_t * v_td, added in position order)
   packed block:  p'_t = p_t * vscale_t; b = max p'; p8_t = rint(p'_t * (PMAX / b)), e = b / PMAX
-                 acc_d = acc_d * alpha + (float(sum_t p8_t vcode_td) * e + sum16(p_t * vmin_t))
+                 q8: acc_d = acc_d * alpha + (float(sum_t p8_t vcode_td) * e + sum16(p_t * vmin_t))
+                 q4: acc_d = acc_d * alpha + float(sum_t p8_t VLEV[vcode_td]) * e
   out = acc / l
 """
 from __future__ import annotations
@@ -35,6 +49,7 @@ from __future__ import annotations
 import numpy as np
 
 G = 64                      # positions per block
+RECENT = 1                  # whole blocks before a row's own partial block that it reads in f16 (misc.h MQ_KV_RECENT)
 EXP_LO = np.float32(-87.0)
 F32 = np.float32
 
@@ -45,15 +60,54 @@ def pmax_of(bits: int) -> int:
     return 127 if bits == 8 else 255
 
 
+SUB = 32                    # q4: positions per key sub-block (its own narrowing of the block's range)
+NSUB = G // SUB
+# q4 values: the 16 levels a code stands for, in units of the position's scale (absmax / 127): NF4's
+# normal quantiles (QLoRA) rounded to int8 (misc.h MQ_KV_VLEV)
+VLEV = np.array([-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127], np.int32)
+
+
 def block_bytes(dh: int, bits: int) -> int:
-    """Bytes of one packed block of one KV head."""
-    return 4 * dh + G * dh * bits // 8 + 4 * G + G * dh * bits // 8
+    """Bytes of one packed block of one KV head (misc.h MQ_KV_BLOCK_BYTES)."""
+    if bits == 4:
+        return 4 * dh + NSUB * dh + G * dh // 2 + 2 * G + G * dh // 2
+    return 4 * dh + G * dh + 4 * G + G * dh
 
 
 def offsets(dh: int, bits: int) -> dict:
     nk = G * dh * bits // 8
+    if bits == 4:
+        ka = 4 * dh + NSUB * dh
+        return {"kscale": 0, "kmin": 2 * dh, "kadj": 4 * dh, "kcodes": ka, "vscale": ka + nk, "vmin": ka + nk + 2 * G,
+                "vcodes": ka + nk + 2 * G}
     return {"kscale": 0, "kmin": 2 * dh, "kcodes": 4 * dh, "vscale": 4 * dh + nk, "vmin": 4 * dh + nk + 2 * G,
             "vcodes": 4 * dh + nk + 4 * G}
+
+
+def fwht(x) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard transform of the last axis in blocks of its largest power-of-two
+    divisor n (all of it for head dims 64, 128, 256), float32 butterflies (pairs i, i + h for h = 1,
+    2, 4, ...), then times 1/sqrt(n) (kvpack.c mq_kv_fwht). Its own inverse up to rounding. q4 stores a
+    layer's values rotated by it, and its attention rotates the output back."""
+    x = np.array(x, F32, copy=True)
+    shape = x.shape
+    n = shape[-1] & -shape[-1]
+    x = x.reshape(*shape[:-1], shape[-1] // n, n)
+    h = 1
+    while h < n:
+        y = x.reshape(*x.shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :].copy(), y[..., 1, :].copy()
+        y[..., 0, :] = a + b
+        y[..., 1, :] = a - b
+        x = y.reshape(x.shape)
+        h *= 2
+    return (x * F32(1.0 / np.sqrt(n))).astype(F32).reshape(shape)
+
+
+def rotates_values(bits: int) -> bool:
+    """q4 keeps a packed layer's values Hadamard-rotated (f16 rows and packed blocks alike): rotated
+    values are near-normal, which NF4's levels fit; the rows' outputs are rotated back."""
+    return bits == 4
 
 
 def check_head_dim(dh: int) -> None:
@@ -157,37 +211,92 @@ def _range_codes(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, qmax: int):
     return sc, mn, codes
 
 
+def sub_ranges(sc: np.ndarray, mn: np.ndarray, adj: np.ndarray) -> tuple:
+    """q4 keys: a sub-block's (scale, min) per channel from the block's (sc, mn) and its adjustment
+    bytes (low nibble a: the min moves up a * sc; high nibble: the scale is sc * (hi + 1) / 16)."""
+    a = (adj & 15).astype(F32)
+    b1 = ((adj >> 4) + 1).astype(F32)
+    return ((sc * b1) * F32(0.0625)).astype(F32), (mn + sc * a).astype(F32)
+
+
+def _q4_keys(k: np.ndarray):
+    """k [G, Dh] -> (kscale f16, kmin f16, adj [NSUB, Dh] uint8, codes [G, Dh])."""
+    lo, hi = k.min(0), k.max(0)
+    ks = f16r((hi - lo) / F32(15))
+    km = f16r(lo)
+    pos = ks > 0
+    div = np.where(pos, ks, F32(1.0))
+    codes = np.zeros(k.shape, np.int32)
+    adj = np.zeros((NSUB, k.shape[1]), np.uint8)
+    for i in range(NSUB):
+        x = k[i * SUB:(i + 1) * SUB]
+        li, hi_ = x.min(0), x.max(0)
+        a = np.where(pos, np.clip(np.floor((li - km) / div), 0, 15), 0).astype(np.int32)
+        mi = (km + ks * a.astype(F32)).astype(F32)
+        need = ((hi_ - mi) * F32(16)) / (div * F32(15))
+        b1 = np.where(pos, np.clip(np.ceil(need), 1, 16), 16).astype(np.int32)
+        adj[i] = (a | ((b1 - 1) << 4)).astype(np.uint8)
+        sc, mn = sub_ranges(ks, km, adj[i])
+        inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
+        codes[i * SUB:(i + 1) * SUB] = np.clip(np.rint((x - mn) * inv), 0, 15).astype(np.int32)
+    return ks, km, adj, codes
+
+
+def _nf4_values(v: np.ndarray):
+    """v [G, Dh] -> (vscale f16 [G], codes [G, Dh]): per position, absmax / 127, the nearest level."""
+    vs = f16r(np.abs(v).max(1) / F32(127))
+    inv = np.where(vs > 0, F32(1.0) / np.where(vs > 0, vs, F32(1.0)), F32(0.0)).astype(F32)
+    y = (v * inv[:, None]).astype(F32)
+    mid = ((VLEV[1:] + VLEV[:-1]) / 2).astype(F32)
+    codes = (y[..., None] > mid).sum(-1).astype(np.int32)
+    return vs, codes
+
+
 def pack_block(k: np.ndarray, v: np.ndarray, bits: int) -> np.ndarray:
     """One block of one head: k, v [G, Dh] (f16 values as float32) -> block_bytes(Dh, bits) bytes."""
     k = np.asarray(k, F32)
     v = np.asarray(v, F32)
     dh = k.shape[1]
-    qmax = (1 << bits) - 1
-    ks, km, kc = _range_codes(k, k.min(0, keepdims=True), k.max(0, keepdims=True), qmax)
-    vs, vm, vc = _range_codes(v, v.min(1, keepdims=True), v.max(1, keepdims=True), qmax)
     o = offsets(dh, bits)
     out = np.zeros(block_bytes(dh, bits), np.uint8)
+    if bits == 4:
+        ks, km, adj, kc = _q4_keys(k)
+        vs, vc = _nf4_values(v)
+        out[o["kadj"]:o["kcodes"]] = adj.reshape(-1)
+    else:
+        qmax = (1 << bits) - 1
+        ks, km, kc = _range_codes(k, k.min(0, keepdims=True), k.max(0, keepdims=True), qmax)
+        vs, vm, vc = _range_codes(v, v.min(1, keepdims=True), v.max(1, keepdims=True), qmax)
+        out[o["vmin"]:o["vcodes"]] = vm.reshape(-1).astype(np.float16).view(np.uint8)
     out[o["kscale"]:o["kmin"]] = ks.reshape(-1).astype(np.float16).view(np.uint8)
-    out[o["kmin"]:o["kcodes"]] = km.reshape(-1).astype(np.float16).view(np.uint8)
+    out[o["kmin"]:o["kmin"] + 2 * dh] = km.reshape(-1).astype(np.float16).view(np.uint8)
     out[o["kcodes"]:o["vscale"]] = k_layout(kc, bits)
-    out[o["vscale"]:o["vmin"]] = vs.reshape(-1).astype(np.float16).view(np.uint8)
-    out[o["vmin"]:o["vcodes"]] = vm.reshape(-1).astype(np.float16).view(np.uint8)
+    out[o["vscale"]:o["vscale"] + 2 * G] = vs.reshape(-1).astype(np.float16).view(np.uint8)
     out[o["vcodes"]:] = v_layout(vc, bits)
     return out
 
 
 def unpack_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
-    """-> (kscale [Dh], kmin [Dh], kcodes [G, Dh], vscale [G], vmin [G], vcodes [G, Dh])."""
+    """-> (kscale [Dh], kmin [Dh], kcodes [G, Dh], vscale [G], vmin [G] (q4: None), vcodes [G, Dh],
+    kadj [NSUB, Dh] (q8: None))."""
     o = offsets(dh, bits)
     raw = np.asarray(raw, np.uint8)
-    h = lambda a, b: raw[o[a]:o[b]].view(np.float16).astype(F32)     # noqa: E731
-    return (h("kscale", "kmin"), h("kmin", "kcodes"), k_unlayout(raw[o["kcodes"]:o["vscale"]], dh, bits),
-            h("vscale", "vmin"), h("vmin", "vcodes"), v_unlayout(raw[o["vcodes"]:], dh, bits))
+    h = lambda a, n: raw[o[a]:o[a] + 2 * n].view(np.float16).astype(F32)     # noqa: E731
+    vm = None if bits == 4 else h("vmin", G)
+    adj = raw[o["kadj"]:o["kcodes"]].reshape(NSUB, dh) if bits == 4 else None
+    return (h("kscale", dh), h("kmin", dh), k_unlayout(raw[o["kcodes"]:o["vscale"]], dh, bits),
+            h("vscale", G), vm, v_unlayout(raw[o["vcodes"]:], dh, bits), adj)
 
 
 def dequant_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
     """-> (k [G, Dh], v [G, Dh]) float32, what the packed block stands for."""
-    ks, km, kc, vs, vm, vc = unpack_block(raw, dh, bits)
+    ks, km, kc, vs, vm, vc, adj = unpack_block(raw, dh, bits)
+    if bits == 4:
+        k = np.empty(kc.shape, F32)
+        for i in range(NSUB):
+            sc, mn = sub_ranges(ks, km, adj[i])
+            k[i * SUB:(i + 1) * SUB] = kc[i * SUB:(i + 1) * SUB].astype(F32) * sc + mn
+        return k, VLEV[vc].astype(F32) * vs[:, None]
     return kc.astype(F32) * ks + km, vc.astype(F32) * vs[:, None] + vm[:, None]
 
 
@@ -219,16 +328,30 @@ def _f16_block(st, q, kf, vf, scale):
     st.acc = out.astype(F32)
 
 
-def _packed_block(st, q, raw, dh, bits, scale):
-    ks, km, kc, vs, vm, vc = unpack_block(raw, dh, bits)
-    qs = q * ks[None, :]                                                     # [g, Dh]
-    c = dotf(q, km[None, :])                                                 # [g]
+def _q8_query(q, sc, mn):
+    """The query against keys of per-channel scale sc and min mn: (q8 [g, Dh] int, d [g], c [g]) with
+    dot(q, k_t) ~ sum_c q8_c code_tc * d + c."""
+    qs = q * sc[None, :]                                                     # [g, Dh]
+    c = dotf(q, mn[None, :])                                                 # [g]
     a = np.abs(qs).max(1)
     safe = np.where(a > 0, a, F32(1.0))
     q8 = np.where(a[:, None] > 0, np.rint(qs * (F32(127.0) / safe)[:, None]), 0).astype(np.int32)
     d = np.where(a > 0, a / F32(127.0), F32(0.0)).astype(F32)
-    isum = q8 @ kc.T                                                         # [g, G] exact
-    s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
+    return q8, d, c
+
+
+def _packed_block(st, q, raw, dh, bits, scale):
+    ks, km, kc, vs, vm, vc, adj = unpack_block(raw, dh, bits)
+    if bits == 4:
+        s = np.empty((q.shape[0], G), F32)
+        for i in range(NSUB):
+            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]))
+            isum = q8 @ kc[i * SUB:(i + 1) * SUB].T                            # [g, SUB] exact
+            s[:, i * SUB:(i + 1) * SUB] = (isum.astype(F32) * d[:, None] + c[:, None]) * scale
+    else:
+        q8, d, c = _q8_query(q, ks, km)
+        isum = q8 @ kc.T                                                     # [g, G] exact
+        s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
     alpha, p = st.probs(s)
     pm = pmax_of(bits)
     ps = p * vs[None, :]                                                     # [g, G]
@@ -236,6 +359,10 @@ def _packed_block(st, q, raw, dh, bits, scale):
     safe = np.where(b > 0, b, F32(1.0))
     p8 = np.where(b[:, None] > 0, np.rint(ps * (F32(pm) / safe)[:, None]), 0).astype(np.int32)
     e = np.where(b > 0, b / F32(pm), F32(0.0)).astype(F32)
+    if bits == 4:
+        iv = p8 @ VLEV[vc]                                                   # [g, Dh] exact
+        st.acc = (st.acc * alpha[:, None] + iv.astype(F32) * e[:, None]).astype(F32)
+        return
     vsum = sum16(p * vm[None, :])                                            # [g]
     iv = p8 @ vc                                                             # [g, Dh] exact
     st.acc = (st.acc * alpha[:, None] + (iv.astype(F32) * e[:, None] + vsum[:, None])).astype(F32)
@@ -253,14 +380,15 @@ def attend_row(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed, n: int, bi
     scale = F32(1.0 / np.sqrt(dh))
     st = _State(g, dh)
     lo = 0 if window is None else max(0, n - window)
-    nfull = n // G
+    npk = n // G - RECENT                           # blocks 1 .. npk - 1 are read packed
     for b in range(lo // G, (n + G - 1) // G):
         i0, i1 = max(b * G, lo), min((b + 1) * G, n)
-        if packed is not None and 1 <= b < nfull:
+        if packed is not None and 1 <= b < npk:
             _packed_block(st, q, packed(b), dh, bits, scale)
         else:
             _f16_block(st, q, kf[i0:i1], vf[i0:i1], scale)
-    return (st.acc / st.l[:, None]).astype(F32)
+    out = (st.acc / st.l[:, None]).astype(F32)
+    return fwht(out) if packed is not None and rotates_values(bits) else out
 
 
 def attention(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed_blocks, pos0: int, bits: int,

@@ -108,6 +108,7 @@ static inline void MQ_FN(kv_probs_)(float *s, int g, int n, float *m, float *l, 
         const float bm = MQ_FN(kv_max_)(sj, n);
         const float mn = m[j] > bm ? m[j] : bm;
         if (m[j] == -INFINITY) alpha[j] = 0.0f;
+        else if (m[j] == mn) alpha[j] = 1.0f;      /* fexp(0) is exactly 1 (the reference's value) */
         else {
             float d = m[j] - mn;
             d = d < MQ_EXP_LO ? MQ_EXP_LO : d;
@@ -148,11 +149,13 @@ static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *
  * kv_kdot_: isum[j][t] = sum_c q8[j][c] code(t, c) for the block's 64 positions
  * kv_vdot_: iv[j][d]   = sum_t p8[j][t] code(t, d) */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-static void MQ_FN(kv_kdot_)(const int8_t *q8, int g, int Dh, const uint8_t *kc, int bits, int32_t *isum) {
+static void MQ_FN(kv_kdot_)(const int8_t *q8a, const int8_t *q8b, int g, int Dh, const uint8_t *kc, int bits,
+                            int32_t *isum) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int j0 = 0; j0 < g; j0 += 8) {
         const int gn = g - j0 < 8 ? g - j0 : 8;
         for (int s = 0; s < 4; s++) {                    /* 16 positions */
+            const int8_t *q8 = s < 2 ? q8a : q8b;        /* positions 0..31 and 32..63 */
             __m512i a[8];
             for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_si512();
             if (bits == 4) {
@@ -188,6 +191,8 @@ static void MQ_FN(kv_kdot_)(const int8_t *q8, int g, int Dh, const uint8_t *kc, 
 
 static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc, int bits, int32_t *iv) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    static const int8_t lev[16] = MQ_KV_VLEV;
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lev));
     for (int j0 = 0; j0 < g; j0 += 8) {
         const int gn = g - j0 < 8 ? g - j0 : 8;
         for (int c32 = 0; c32 < Dh / 32; c32++) {        /* 32 channels: two vectors per head */
@@ -197,8 +202,8 @@ static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc,
                 __m512i x0, x1;
                 if (bits == 4) {
                     const __m512i x = _mm512_loadu_si512((const void *)(vc + ((size_t)u * (Dh / 32) + c32) * 64));
-                    x0 = _mm512_and_si512(x, lo4);
-                    x1 = _mm512_and_si512(_mm512_srli_epi16(x, 4), lo4);
+                    x0 = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, lo4));     /* code -> its level */
+                    x1 = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), lo4));
                 } else {
                     x0 = _mm512_loadu_si512((const void *)(vc + ((size_t)u * (Dh / 16) + 2 * c32) * 64));
                     x1 = _mm512_loadu_si512((const void *)(vc + ((size_t)u * (Dh / 16) + 2 * c32 + 1) * 64));
@@ -208,7 +213,7 @@ static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc,
                     int32_t w;
                     memcpy(&w, p8 + (size_t)(j0 + j) * 64 + 4 * u, 4);
                     const __m512i pw = _mm512_set1_epi32(w);
-                    if (bits == 4) {       /* probabilities 0..255 unsigned, codes 0..15 signed */
+                    if (bits == 4) {       /* probabilities 0..255 unsigned, levels -127..127 signed */
                         a[j][0] = _mm512_dpbusd_epi32(a[j][0], pw, x0);
                         a[j][1] = _mm512_dpbusd_epi32(a[j][1], pw, x1);
                     } else {               /* codes 0..255 unsigned, probabilities 0..127 signed */
@@ -248,20 +253,22 @@ static void MQ_FN(kv_unpack_v_)(const uint8_t *vc, int Dh, int bits, uint8_t *ou
         }
 }
 
-static void MQ_FN(kv_kdot_)(const int8_t *q8, int g, int Dh, const uint8_t *kc, int bits, int32_t *isum) {
+static void MQ_FN(kv_kdot_)(const int8_t *q8a, const int8_t *q8b, int g, int Dh, const uint8_t *kc, int bits,
+                            int32_t *isum) {
     uint8_t codes[64 * 256];
     MQ_FN(kv_unpack_k_)(kc, Dh, bits, codes);
     for (int j = 0; j < g; j++)
         for (int t = 0; t < 64; t++) {
             int32_t s = 0;
             const uint8_t *cr = codes + (size_t)t * Dh;
-            const int8_t *qj = q8 + (size_t)j * Dh;
+            const int8_t *qj = (t < 32 ? q8a : q8b) + (size_t)j * Dh;
             for (int c = 0; c < Dh; c++) s += (int32_t)qj[c] * (int32_t)cr[c];
             isum[(size_t)j * 64 + t] = s;
         }
 }
 
 static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc, int bits, int32_t *iv) {
+    static const int32_t lev[16] = MQ_KV_VLEV;
     uint8_t codes[64 * 256];
     MQ_FN(kv_unpack_v_)(vc, Dh, bits, codes);
     for (int j = 0; j < g; j++) {
@@ -270,46 +277,85 @@ static void MQ_FN(kv_vdot_)(const uint8_t *p8, int g, int Dh, const uint8_t *vc,
         for (int t = 0; t < 64; t++) {
             const int32_t p = p8[(size_t)j * 64 + t];
             const uint8_t *cr = codes + (size_t)t * Dh;
-            for (int d = 0; d < Dh; d++) o[d] += p * (int32_t)cr[d];
+            if (bits == 4)
+                for (int d = 0; d < Dh; d++) o[d] += p * lev[cr[d]];
+            else
+                for (int d = 0; d < Dh; d++) o[d] += p * (int32_t)cr[d];
         }
     }
 }
 #endif
 
-/* ---- one packed block for one row's g heads */
-static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t *blk, int bits, float scale,
-                                    float *m, float *l, float *acc, float *sc, float *row, void *iscr) {
-    const uint16_t *ks = (const uint16_t *)blk, *km = ks + Dh;
-    const uint8_t *kc = blk + 4 * (size_t)Dh;
-    const uint8_t *vb = kc + (size_t)64 * Dh * bits / 8;
-    const uint16_t *vs = (const uint16_t *)vb, *vm = vs + 64;
-    const uint8_t *vc = vb + 4 * 64;
-    const float pmax = bits == 8 ? 127.0f : 255.0f;
-    int8_t *q8 = (int8_t *)iscr;                              /* [g][Dh] */
-    int32_t *isum = (int32_t *)(q8 + (size_t)MQ_KV_GB * 256);  /* [g][64], then [g][Dh] */
-    uint8_t *p8 = (uint8_t *)(isum + (size_t)MQ_KV_GB * 256);  /* [g][64] */
-    float kmin[256], kscale[256], vsc[64], vmn[64], d8[MQ_KV_GB], cst[MQ_KV_GB];
-    MQ_FN(kv_cvt16_)(ks, kscale, Dh);
-    MQ_FN(kv_cvt16_)(km, kmin, Dh);
-    MQ_FN(kv_cvt16_)(vs, vsc, 64);
-    MQ_FN(kv_cvt16_)(vm, vmn, 64);
+/* sc[t] = ((float)isum[t] * d + c) * scale for n positions (n a multiple of 16) */
+static inline void MQ_FN(kv_scores_)(const int32_t *isum, float d, float c, float scale, float *sc, int n) {
+    int t = 0;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_set1_ps(d), cv = _mm512_set1_ps(c), sv = _mm512_set1_ps(scale);
+    for (; t + 16 <= n; t += 16) {
+        const __m512 x = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(isum + t)));
+        _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(x, dv), cv), sv));
+    }
+#endif
+    for (; t < n; t++) sc[t] = ((float)isum[t] * d + c) * scale;
+}
+
+/* ---- the query against keys of per-channel scale sc and min mn (ref._q8_query) */
+static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const float *sc, const float *mn, float *row,
+                                       int8_t *q8, float *d8, float *cst) {
     for (int j = 0; j < g; j++) {
         const float *qj = q + (size_t)j * Dh;
-        const float a = MQ_FN(kv_mul_absmax_)(qj, kscale, row, Dh);
-        cst[j] = MQ_FN(dotf_)(qj, kmin, Dh);
+        const float a = MQ_FN(kv_mul_absmax_)(qj, sc, row, Dh);
+        cst[j] = MQ_FN(dotf_)(qj, mn, Dh);
         int8_t *qo = q8 + (size_t)j * Dh;
         if (a > 0.0f) {
             MQ_FN(kv_round8_)(row, 127.0f / a, (uint8_t *)qo, Dh);
             d8[j] = a / 127.0f;
         } else {
-            memset(qo, 0, (size_t)Dh);
+            for (int i = 0; i < Dh; i++) qo[i] = 0;
             d8[j] = 0.0f;
         }
     }
-    MQ_FN(kv_kdot_)(q8, g, Dh, kc, bits, isum);
+}
+
+/* ---- one packed block for one row's g heads */
+static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t *blk, int bits, float scale,
+                                    float *m, float *l, float *acc, float *sc, float *row, void *iscr) {
+    const int q4 = bits == 4;
+    const uint16_t *ks = (const uint16_t *)blk, *km = ks + Dh;
+    const uint8_t *adj = blk + 4 * (size_t)Dh;                 /* q4: [2][Dh] */
+    const uint8_t *kc = adj + (q4 ? 2 * (size_t)Dh : 0);
+    const uint8_t *vb = kc + (size_t)64 * Dh * bits / 8;
+    const uint16_t *vs = (const uint16_t *)vb, *vm = vs + 64;
+    const uint8_t *vc = vb + (q4 ? 2 : 4) * 64;
+    const float pmax = bits == 8 ? 127.0f : 255.0f;
+    int8_t *q8 = (int8_t *)iscr;                                   /* [2][GB][Dh] */
+    int32_t *isum = (int32_t *)(q8 + 2 * (size_t)MQ_KV_GB * 256);  /* [g][64], then [g][Dh] */
+    uint8_t *p8 = (uint8_t *)(isum + (size_t)MQ_KV_GB * 256);      /* [g][64] */
+    float kmin[256], kscale[256], smin[256], sscale[256], vsc[64], vmn[64];
+    float d8[2][MQ_KV_GB], cst[2][MQ_KV_GB];
+    MQ_FN(kv_cvt16_)(ks, kscale, Dh);
+    MQ_FN(kv_cvt16_)(km, kmin, Dh);
+    MQ_FN(kv_cvt16_)(vs, vsc, 64);
+    if (!q4) MQ_FN(kv_cvt16_)(vm, vmn, 64);
+    int8_t *q8b = q8;
+    if (q4) {
+        q8b = q8 + (size_t)MQ_KV_GB * 256;
+        for (int i = 0; i < 2; i++) {                              /* ref.sub_ranges */
+            const uint8_t *ai = adj + (size_t)i * Dh;
+            for (int c = 0; c < Dh; c++) {
+                sscale[c] = (kscale[c] * (float)((ai[c] >> 4) + 1)) * 0.0625f;
+                smin[c] = kmin[c] + kscale[c] * (float)(ai[c] & 15);
+            }
+            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i]);
+        }
+    } else {
+        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0]);
+        for (int j = 0; j < g; j++) { d8[1][j] = d8[0][j]; cst[1][j] = cst[0][j]; }
+    }
+    MQ_FN(kv_kdot_)(q8, q8b, g, Dh, kc, bits, isum);
     for (int j = 0; j < g; j++)
-        for (int t = 0; t < 64; t++)
-            sc[(size_t)j * 64 + t] = ((float)isum[(size_t)j * 64 + t] * d8[j] + cst[j]) * scale;
+        for (int i = 0; i < 2; i++)                                    /* positions 0..31, 32..63 */
+            MQ_FN(kv_scores_)(isum + (size_t)j * 64 + 32 * i, d8[i][j], cst[i][j], scale, sc + (size_t)j * 64 + 32 * i, 32);
     float alpha[MQ_KV_GB], e8[MQ_KV_GB], vsum[MQ_KV_GB];
     MQ_FN(kv_probs_)(sc, g, 64, m, l, alpha);
     for (int j = 0; j < g; j++) {
@@ -323,14 +369,19 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
             for (int t = 0; t < 64; t++) po[t] = 0;
             e8[j] = 0.0f;
         }
-        for (int t = 0; t < 64; t++) row[t] = pj[t] * vmn[t];
-        vsum[j] = MQ_FN(kv_sum16_)(row);
+        if (!q4) {
+            for (int t = 0; t < 64; t++) row[t] = pj[t] * vmn[t];
+            vsum[j] = MQ_FN(kv_sum16_)(row);
+        }
     }
     MQ_FN(kv_vdot_)(p8, g, Dh, vc, bits, isum);
     for (int j = 0; j < g; j++) {
         float *aj = acc + (size_t)j * Dh;
         const int32_t *ij = isum + (size_t)j * Dh;
-        for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j] + ((float)ij[d] * e8[j] + vsum[j]);
+        if (q4)
+            for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j] + (float)ij[d] * e8[j];
+        else
+            for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j] + ((float)ij[d] * e8[j] + vsum[j]);
     }
 }
 
@@ -360,7 +411,11 @@ void MQ_FN(mq_kvattn_)(const mq_kvatt *a, int kh, int r0, int r1, float *scratch
                 bmin = lo / G < bmin ? lo / G : bmin;
                 bmax = (n - 1) / G > bmax ? (n - 1) / G : bmax;
             }
-            for (int b = bmin; b <= bmax; b++)
+            for (int b = bmin; b <= bmax; b++) {
+                if (pk && b + MQ_KV_PF <= bmax) {                /* the block MQ_KV_PF ahead, into the cache */
+                    const char *nx = (const char *)(pk + (size_t)(b + MQ_KV_PF) * bb);
+                    for (size_t o = 0; o < bb; o += 64) __builtin_prefetch(nx + o, 0, 3);
+                }
                 for (int r = 0; r < tn; r++) {
                     const int n = a->pos0 + t0 + r + 1;
                     const int lo = a->window > 0 && n > a->window ? n - a->window : 0;
@@ -368,18 +423,21 @@ void MQ_FN(mq_kvattn_)(const mq_kvatt *a, int kh, int r0, int r1, float *scratch
                     if (i1 <= i0) continue;
                     float *st = scratch + (size_t)r * per_row;
                     const float *q = a->q + ((size_t)(t0 + r) * a->Hq + (size_t)kh * g + j0) * Dh;
-                    if (pk && b >= 1 && b < n / G)
+                    if (pk && b >= 1 && b < n / G - MQ_KV_RECENT)
                         MQ_FN(kv_packed_block_)(q, gn, Dh, pk + (size_t)b * bb, a->bits, scale, st, st + MQ_KV_GB,
                                                 st + 2 * MQ_KV_GB, sc, row, iscr);
                     else
                         MQ_FN(kv_f16_block_)(q, gn, Dh, kf + (size_t)i0 * Dh, vf + (size_t)i0 * Dh, i1 - i0, scale,
                                              st, st + MQ_KV_GB, st + 2 * MQ_KV_GB, sc, row);
                 }
+            }
             for (int r = 0; r < tn; r++) {
                 const float *st = scratch + (size_t)r * per_row;
                 float *o = a->out + ((size_t)(t0 + r) * a->Hq + (size_t)kh * g + j0) * Dh;
-                for (int j = 0; j < gn; j++)
+                for (int j = 0; j < gn; j++) {
                     for (int d = 0; d < Dh; d++) o[(size_t)j * Dh + d] = st[2 * MQ_KV_GB + (size_t)j * Dh + d] / st[MQ_KV_GB + j];
+                    if (pk && a->bits == 4) mq_kv_fwht(o + (size_t)j * Dh, Dh);     /* q4 values are rotated */
+                }
             }
         }
     }

@@ -37,13 +37,24 @@ typedef struct {
     int T, Hq, Hkv, Dh, S, pos0, bits, window, block_bytes;
 } mq_kvatt;
 #define MQ_KV_TR 8           /* rows of a tile (each block read once per tile) */
+/* Whole blocks before a row's own that it still reads in f16 (the packed KV cache's rule, kv/ref.py RECENT). */
+#define MQ_KV_RECENT 1
+#define MQ_KV_PF 2           /* packed blocks prefetched ahead of the one being read */
 #define MQ_KV_GB 16          /* query heads of one KV head per pass */
-#define MQ_KV_BLOCK_BYTES(Dh, bits) (4 * (Dh) + 2 * (64 * (Dh) * (bits) / 8) + 4 * 64)
+/* q8: kscale, kmin [Dh] f16, codes, vscale, vmin [64] f16, codes. q4: kscale, kmin [Dh] f16, the two
+ * 32-position sub-blocks' adjustments [2][Dh] bytes, codes, vscale [64] f16, codes (kv/ref.py) */
+#define MQ_KV_BLOCK_BYTES(Dh, bits) ((bits) == 4 ? 4 * (Dh) + 2 * (Dh) + 64 * (Dh) + 2 * 64 \
+                                                 : 4 * (Dh) + 2 * (64 * (Dh)) + 4 * 64)
+/* q4 values: the int8 level of each 4-bit code (NF4's normal quantiles x 127; kv/ref.py VLEV) */
+#define MQ_KV_VLEV {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127}
 #define MQ_KV_SCRATCH_FLOATS(Dh) ((size_t)MQ_KV_TR * (2 * MQ_KV_GB + (size_t)MQ_KV_GB * (Dh)) + MQ_KV_GB * 64 + 256 \
-                                  + (MQ_KV_GB * 256 + MQ_KV_GB * 256 * 4 + MQ_KV_GB * 64) / 4 + 64)
+                                  + (2 * MQ_KV_GB * 256 + MQ_KV_GB * 256 * 4 + MQ_KV_GB * 64) / 4 + 64)
 /* KV head kh, rows [r0, r1); scratch MQ_KV_SCRATCH_FLOATS(Dh) floats */
 void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch);
 /* pack blocks [b0, b1) of every head from the f16 stores into pk [Hkv, NB, block_bytes] */
+/* in place: the orthonormal Walsh-Hadamard transform of dh floats in blocks of dh's largest power-of-two
+ * divisor (kv/ref.py fwht); q4 keeps a packed layer's values rotated by it */
+void mq_kv_fwht(float *x, int dh);
 void mq_kv_pack(const uint16_t *kf, const uint16_t *vf, int S, int Dh, int Hkv, int b0, int b1, int bits,
                 uint8_t *pk, int NB);
 #endif
