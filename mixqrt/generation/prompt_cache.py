@@ -239,7 +239,8 @@ class BlockTree:
     """Whole blocks of a packed KV cache (PackedKVCache.export_block: every layer's K and V of
     BLOCK positions), keyed by a chain hash of the salt and every token up to the block's end, LRU
     by block. A lookup follows the chain from the first block and stops at the first block not
-    cached; the partial last block is always recomputed. The same interface as PrefixTree for the
+    cached, then a kept partial block (f16 rows, with the whole block before it) that shares the
+    most tokens with the rest. The same interface as PrefixTree for the
     PromptCache (match / copy_into / insert / evict, bytes, leaves, roots, lookup_steps, evictions)."""
 
     def __init__(self, block: int):
