@@ -88,6 +88,30 @@ def test_packed_block_error_is_small():
             assert rk.max() <= tol and rv.max() <= tol
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spread=st.sampled_from([0.2, 1.0, 30.0]))
+def test_q4_key_ranges_are_searched(seed, spread):
+    """Each half-block's (a, b) is the least-error candidate: never worse, channel by channel, than
+    the range that just covers the half (the first round's choice), and better on the whole."""
+    rng = np.random.default_rng(seed)
+    k = (rng.standard_normal((64, 64)) * rng.uniform(0.1, spread, 64)
+         + rng.standard_normal(64) * 3).astype(np.float16).astype(np.float32)
+    ks, km, adj, codes = ref._q4_keys(k)
+    total_search = total_cover = 0.0
+    for i in range(ref.NSUB):
+        x = k[i * ref.SUB:(i + 1) * ref.SUB]
+        got = ref._sub_error(x, *ref.sub_ranges(ks, km, adj[i]))
+        pos = ks > 0
+        div = np.where(pos, ks, np.float32(1))
+        a = np.where(pos, np.clip(np.floor((x.min(0) - km) / div), 0, 15), 0).astype(np.int32)
+        need = ((x.max(0) - (km + ks * a.astype(np.float32))) * np.float32(16)) / (div * np.float32(15))
+        b1 = np.where(pos, np.clip(np.ceil(need), 1, 16), 16).astype(np.int32)
+        cover = ref._sub_error(x, *ref.sub_ranges(ks, km, (a | ((b1 - 1) << 4)).astype(np.uint8)))
+        assert (got <= cover).all()
+        total_search += got.sum(); total_cover += cover.sum()
+    assert total_search <= total_cover
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), dh=st.sampled_from([64, 96, 128, 256]), g=st.sampled_from([1, 2, 4, 7, 9, 17]),
        hkv=st.integers(1, 2), t=st.integers(1, 11), pos0=st.integers(0, 400), bits=st.sampled_from([4, 8]),

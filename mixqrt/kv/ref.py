@@ -219,8 +219,32 @@ def sub_ranges(sc: np.ndarray, mn: np.ndarray, adj: np.ndarray) -> tuple:
     return ((sc * b1) * F32(0.0625)).astype(F32), (mn + sc * a).astype(F32)
 
 
+KEY_NA, KEY_NB = 3, 4       # q4 keys: the (a, b) candidates a half-block's range is searched over
+
+
+def _sub_codes(x: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
+    return np.clip(np.rint((x - mn) * inv), 0, 15).astype(np.int32)
+
+
+def _sub_error(x: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Squared error per channel of x [SUB, Dh] against (sc, mn), as kvpack.c kv_sub_error: codes
+    rounded half to even and clamped to 0..15, the errors added position by position in float32."""
+    inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
+    e = np.zeros(x.shape[1], F32)
+    for t in range(x.shape[0]):
+        y = np.clip((x[t] - mn) * inv, F32(-1.0), F32(16.0)).astype(F32)
+        c = np.clip(np.rint(y), F32(0.0), F32(15.0)).astype(F32)
+        d = ((c * sc + mn) - x[t]).astype(F32)
+        e = (e + d * d).astype(F32)
+    return e
+
+
 def _q4_keys(k: np.ndarray):
-    """k [G, Dh] -> (kscale f16, kmin f16, adj [NSUB, Dh] uint8, codes [G, Dh])."""
+    """k [G, Dh] -> (kscale f16, kmin f16, adj [NSUB, Dh] uint8, codes [G, Dh]). Each half-block's
+    (a, b) is the one of least squared error among a0 .. a0 + KEY_NA - 1 (a0: the largest min at or
+    below the half's own) and, for each a, the b that covers the half's max and the KEY_NB - 1 below
+    it (the top values clipped); the first of equals wins."""
     lo, hi = k.min(0), k.max(0)
     ks = f16r((hi - lo) / F32(15))
     km = f16r(lo)
@@ -231,14 +255,25 @@ def _q4_keys(k: np.ndarray):
     for i in range(NSUB):
         x = k[i * SUB:(i + 1) * SUB]
         li, hi_ = x.min(0), x.max(0)
-        a = np.where(pos, np.clip(np.floor((li - km) / div), 0, 15), 0).astype(np.int32)
-        mi = (km + ks * a.astype(F32)).astype(F32)
-        need = ((hi_ - mi) * F32(16)) / (div * F32(15))
-        b1 = np.where(pos, np.clip(np.ceil(need), 1, 16), 16).astype(np.int32)
-        adj[i] = (a | ((b1 - 1) << 4)).astype(np.uint8)
-        sc, mn = sub_ranges(ks, km, adj[i])
-        inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
-        codes[i * SUB:(i + 1) * SUB] = np.clip(np.rint((x - mn) * inv), 0, 15).astype(np.int32)
+        a0 = np.where(pos, np.clip(np.floor((li - km) / div), 0, 15), 0).astype(np.int32)
+        best = berr = None
+        for da in range(KEY_NA):
+            a = np.where(pos, np.minimum(a0 + da, 15), 0)
+            mi = (km + ks * a.astype(F32)).astype(F32)
+            need = ((hi_ - mi) * F32(16)) / (div * F32(15))
+            bn = np.where(pos, np.clip(np.ceil(need), 1, 16), 16).astype(np.int32)
+            for db in range(KEY_NB):
+                b1 = np.where(pos, np.maximum(bn - db, 1), 16)
+                cand = (a | ((b1 - 1) << 4)).astype(np.uint8)
+                err = _sub_error(x, *sub_ranges(ks, km, cand))
+                if best is None:
+                    best, berr = cand, err
+                else:
+                    take = err < berr
+                    best = np.where(take, cand, best)
+                    berr = np.where(take, err, berr)
+        adj[i] = best
+        codes[i * SUB:(i + 1) * SUB] = _sub_codes(x, *sub_ranges(ks, km, adj[i]))
     return ks, km, adj, codes
 
 
@@ -340,6 +375,16 @@ def _q8_query(q, sc, mn):
     return q8, d, c
 
 
+def probs8(ps: np.ndarray, pm: int) -> tuple:
+    """A packed block's probabilities times the values' scales, ps [g, G] >= 0 -> (p8 [g, G] int in
+    0 .. pm, e [g]) with ps ~ p8 * e: against the row's max b, rounded to nearest (kv_round8_)."""
+    b = ps.max(1)
+    safe = np.where(b > 0, b, F32(1.0))
+    p8 = np.where(b[:, None] > 0, np.rint(ps * (F32(pm) / safe)[:, None]), 0).astype(np.int32)
+    e = np.where(b > 0, b / F32(pm), F32(0.0)).astype(F32)
+    return p8, e
+
+
 def _packed_block(st, q, raw, dh, bits, scale):
     ks, km, kc, vs, vm, vc, adj = unpack_block(raw, dh, bits)
     if bits == 4:
@@ -353,12 +398,7 @@ def _packed_block(st, q, raw, dh, bits, scale):
         isum = q8 @ kc.T                                                     # [g, G] exact
         s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
     alpha, p = st.probs(s)
-    pm = pmax_of(bits)
-    ps = p * vs[None, :]                                                     # [g, G]
-    b = ps.max(1)
-    safe = np.where(b > 0, b, F32(1.0))
-    p8 = np.where(b[:, None] > 0, np.rint(ps * (F32(pm) / safe)[:, None]), 0).astype(np.int32)
-    e = np.where(b > 0, b / F32(pm), F32(0.0)).astype(F32)
+    p8, e = probs8((p * vs[None, :]).astype(F32), pmax_of(bits))
     if bits == 4:
         iv = p8 @ VLEV[vc]                                                   # [g, Dh] exact
         st.acc = (st.acc * alpha[:, None] + iv.astype(F32) * e[:, None]).astype(F32)

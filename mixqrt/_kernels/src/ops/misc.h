@@ -46,6 +46,8 @@ typedef struct {
 #define MQ_KV_BLOCK_BYTES(Dh, bits) ((bits) == 4 ? 4 * (Dh) + 2 * (Dh) + 64 * (Dh) + 2 * 64 \
                                                  : 4 * (Dh) + 2 * (64 * (Dh)) + 4 * 64)
 /* q4 values: the int8 level of each 4-bit code (NF4's normal quantiles x 127; kv/ref.py VLEV) */
+#define MQ_KV_KEY_NA 3       /* q4 keys: a half-block's (a, b) searched over 3 mins x 4 scales (ref.KEY_NA, KEY_NB) */
+#define MQ_KV_KEY_NB 4
 #define MQ_KV_VLEV {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127}
 #define MQ_KV_SCRATCH_FLOATS(Dh) ((size_t)MQ_KV_TR * (2 * MQ_KV_GB + (size_t)MQ_KV_GB * (Dh)) + MQ_KV_GB * 64 + 256 \
                                   + (2 * MQ_KV_GB * 256 + MQ_KV_GB * 256 * 4 + MQ_KV_GB * 64) / 4 + 64)
