@@ -264,35 +264,39 @@ def test_blocks_export_and_import():
     """A prompt cache's whole blocks: a cache that imports another's blocks and goes on reads as the
     original does (block 0 and windowed layers travel in f16, the others packed)."""
     rng = np.random.default_rng(9)
-    for windows in ([None, None], [None, 100]):
-        a = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
-        _fill(a, rng, 200)
-        assert a.exportable_blocks() == 3
-        bare = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
-        for i in range(3):
+    R, B = packed.RECENT, packed.KEEP + 3            # B whole blocks: the oldest have given back their f16 rows
+    P = B * 64
+    for windows in ([None, None], [None, 2 * P]):
+        a = packed.PackedKVCache(2, 2, 64, 4096, "q4", windows=windows)
+        _fill(a, rng, P + 8)
+        assert a.exportable_blocks() == B
+        bare = packed.PackedKVCache(2, 2, 64, 4096, "q4", windows=windows)
+        for i in range(B):
             bare.import_block(i, a.export_block(i))
-        assert bare.offset == 192
-        assert bare.freed_upto == 3                                  # block 2 came packed only
+        assert bare.offset == P
+        assert bare.freed_upto == B                                  # blocks 1 .. B - 1 came packed only
         k1, v1 = rng.standard_normal((2, 1, 2, 64)).astype(np.float32)
-        bare.write(0, k1, v1, 192)                                   # rows after it read block 2 in f16:
-        assert bare.freed_upto == 2                                  # its rows come back dequantized
-        dk, dv = packed.ref.dequant_block(bare.pk[0][1, 2], 64, 4)
-        assert np.array_equal(bare.kf[0][1, 128:192], dk.astype(np.float16))
-        assert np.array_equal(bare.vf[0][1, 128:192], dv.astype(np.float16))
-        b = packed.PackedKVCache(2, 2, 64, 1024, "q4", windows=windows)
-        assert b.copy_from(a, 195) == 192                           # whole blocks, and block 2's f16 rows
+        bare.write(0, k1, v1, P)                                     # rows after it read the R blocks before in f16:
+        assert bare.freed_upto == B - R                              # their rows come back dequantized
+        for blk in range(B - R, B):
+            dk, dv = packed.ref.dequant_block(bare.pk[0][1, blk], 64, 4)
+            assert np.array_equal(bare.kf[0][1, blk * 64:(blk + 1) * 64], dk.astype(np.float16))
+            assert np.array_equal(bare.vf[0][1, blk * 64:(blk + 1) * 64], dv.astype(np.float16))
+        b = packed.PackedKVCache(2, 2, 64, 4096, "q4", windows=windows)
+        assert b.copy_from(a, P + 3) == P                           # whole blocks, and the last R blocks' f16 rows
         a.trim(8)
         k, v = rng.standard_normal((2, 40, 2, 64)).astype(np.float32)
         for c in (a, b):
             for li in range(2):
-                c.write(li, k, v, 192)
-            c.advance(232)
+                c.write(li, k, v, P)
+            c.advance(P + 40)
         q = rng.standard_normal((3, 14, 64)).astype(np.float32)
         for li in range(2):
-            assert np.array_equal(a.attend(li, q, 229), b.attend(li, q, 229))
-        assert b.trim(232 - 100) == 232 - 64                     # block 1 came without f16 rows: to its start
+            assert np.array_equal(a.attend(li, q, P + 37), b.attend(li, q, P + 37))
+        deep = (B - R - 1) * 64 + 36                                 # in a block that came without f16 rows:
+        assert b.trim(P + 40 - deep) == P + 40 - (B - R - 1) * 64    # to its start
         with pytest.raises(GenerationError):
-            b.import_block(5, a.export_block(0))
+            b.import_block(B + 5, a.export_block(0))
     c = packed.PackedKVCache(1, 1, 64, 8192, "q4", windows=[64])
     _fill(c, rng, 1000)
     assert c.exportable_blocks() == 0                            # its window's pages went: nothing to share

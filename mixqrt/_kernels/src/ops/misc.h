@@ -38,7 +38,7 @@ typedef struct {
 } mq_kvatt;
 #define MQ_KV_TR 8           /* rows of a tile (each block read once per tile) */
 /* Whole blocks before a row's own that it still reads in f16 (the packed KV cache's rule, kv/ref.py RECENT). */
-#define MQ_KV_RECENT 1
+#define MQ_KV_RECENT 3
 #define MQ_KV_PF 2           /* packed blocks prefetched ahead of the one being read */
 #define MQ_KV_GB 16          /* query heads of one KV head per pass */
 /* q8: kscale, kmin [Dh] f16, codes, vscale, vmin [64] f16, codes. q4: kscale, kmin [Dh] f16, the two
