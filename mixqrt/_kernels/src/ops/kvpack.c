@@ -59,13 +59,14 @@ static void kv_sub_error(const float *x, int Dh, int n, const float *sc, const f
 /* q4 (ref._q4_keys, ref._nf4_values, the 4-bit layouts): k, v [64][Dh] -> one block */
 static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
     static const float lev[16] = MQ_KV_VLEV;
-    const int G = 64, SUB = 32;
-    uint16_t *kscale = (uint16_t *)out, *kmin = kscale + Dh;
-    uint8_t *adj = out + 4 * (size_t)Dh;
-    uint8_t *kcodes = adj + 2 * (size_t)Dh;
+    const int G = 64, SUB = MQ_KV_SUB;
+    uint16_t *kmin = (uint16_t *)out;
+    uint8_t *kscale = out + 2 * (size_t)Dh;
+    uint8_t *adj = out + 3 * (size_t)Dh;
+    uint8_t *kcodes = adj + (size_t)(G / SUB) * Dh;
     const size_t nk = (size_t)G * Dh / 2;
-    uint16_t *vscale = (uint16_t *)(kcodes + nk);
-    uint8_t *vcodes = (uint8_t *)(vscale + G);
+    uint8_t *vscale = kcodes + nk;
+    uint8_t *vcodes = vscale + G;
     uint8_t kc[64 * 256], vc[64 * 256];
     float ks[256], km[256], a0[256], lo[256], hi[256], li[256], hs[256];
     float csc[256], cmn[256], e[256], berr[256];
@@ -78,12 +79,12 @@ static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
             hi[c] = x > hi[c] ? x : hi[c];
         }
     for (int c = 0; c < Dh; c++) {
-        kscale[c] = mq_f32_to_f16((hi[c] - lo[c]) / 15.0f);
+        kscale[c] = mq_kv_logcode((hi[c] - lo[c]) / 15.0f);
         kmin[c] = mq_f32_to_f16(lo[c]);
-        ks[c] = mq_f16_to_f32(kscale[c]);
+        ks[c] = mq_kv_logscale(kscale[c]);
         km[c] = mq_f16_to_f32(kmin[c]);
     }
-    for (int i = 0; i < 2; i++) {                     /* ... each half narrowing it: the (a, b) of least error */
+    for (int i = 0; i < G / SUB; i++) {               /* ... each sub-block narrowing it: the (a, b) of least error */
         const float *x = k + (size_t)(i * SUB) * Dh;
         for (int c = 0; c < Dh; c++) { li[c] = x[c]; hs[c] = x[c]; }
         for (int t = 1; t < SUB; t++)
@@ -106,7 +107,9 @@ static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
                         const float mi = km[c] + ks[c] * (float)ca[c];
                         float need = ceilf(((hs[c] - mi) * 16.0f) / (ks[c] * 15.0f));
                         need = need < 1.0f ? 1.0f : (need > 16.0f ? 16.0f : need);
+                        const int b1max = (255 - 16 * ca[c]) / 15;   /* 16 a + (b + 1) code fits a byte */
                         cb[c] = (int)need - db < 1 ? 1 : (int)need - db;
+                        cb[c] = cb[c] > b1max ? b1max : cb[c];
                     } else {
                         ca[c] = 0;
                         cb[c] = 16;
@@ -137,8 +140,8 @@ static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
         }
         float am = 0.0f;
         for (int j = 0; j < 4; j++) am = m4[j] > am ? m4[j] : am;
-        vscale[t] = mq_f32_to_f16(am / 127.0f);
-        const float vs = mq_f16_to_f32(vscale[t]);
+        vscale[t] = mq_kv_logcode(am / 127.0f);
+        const float vs = mq_kv_logscale(vscale[t]);
         const float inv = vs > 0.0f ? 1.0f / vs : 0.0f;
         float y[256];
         int code[256];
