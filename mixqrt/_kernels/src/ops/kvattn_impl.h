@@ -150,16 +150,33 @@ static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *
     }
     float alpha[MQ_KV_GB];
     MQ_FN(kv_probs_)(sc, g, n, m, l, alpha);
-    for (int j = 0; j < g; j++) {
+    float vr[64 * 256];                               /* the block's values once in float, then per head */
+    for (int t = 0; t < n; t++) MQ_FN(kv_cvt16_)(v + (size_t)t * Dh, vr + (size_t)t * Dh, Dh);
+    for (int j = 0; j < g; j++) {                     /* acc * alpha, then + p_t v_t in position order */
         float *aj = acc + (size_t)j * Dh;
-        for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j];
-    }
-    for (int t = 0; t < n; t++) {
-        MQ_FN(kv_cvt16_)(v + (size_t)t * Dh, row, Dh);
-        for (int j = 0; j < g; j++) {
-            const float p = sc[(size_t)j * 64 + t];
-            float *aj = acc + (size_t)j * Dh;
-            for (int d = 0; d < Dh; d++) aj[d] = aj[d] + p * row[d];
+        const float *pj = sc + (size_t)j * 64;
+        int d = 0;
+#if defined(__AVX512F__)
+        const __m512 al = _mm512_set1_ps(alpha[j]);
+        for (; d + 64 <= Dh; d += 64) {               /* four accumulators in registers */
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(aj + d), al), a1 = _mm512_mul_ps(_mm512_loadu_ps(aj + d + 16), al);
+            __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(aj + d + 32), al), a3 = _mm512_mul_ps(_mm512_loadu_ps(aj + d + 48), al);
+            for (int t = 0; t < n; t++) {
+                const __m512 p = _mm512_set1_ps(pj[t]);
+                const float *x = vr + (size_t)t * Dh + d;
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(p, _mm512_loadu_ps(x)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(p, _mm512_loadu_ps(x + 16)));
+                a2 = _mm512_add_ps(a2, _mm512_mul_ps(p, _mm512_loadu_ps(x + 32)));
+                a3 = _mm512_add_ps(a3, _mm512_mul_ps(p, _mm512_loadu_ps(x + 48)));
+            }
+            _mm512_storeu_ps(aj + d, a0); _mm512_storeu_ps(aj + d + 16, a1);
+            _mm512_storeu_ps(aj + d + 32, a2); _mm512_storeu_ps(aj + d + 48, a3);
+        }
+#endif
+        for (; d < Dh; d++) {
+            float a = aj[d] * alpha[j];
+            for (int t = 0; t < n; t++) a = a + pj[t] * vr[(size_t)t * Dh + d];
+            aj[d] = a;
         }
     }
 }
