@@ -65,7 +65,7 @@ def main() -> None:
                    f"{rt} | {own} |")
     extra = [f"| {kv} at {d:,d} | pp512 {r['pp_tok_s']:.1f}, tg {r['tg_tok_s']:.1f} tok/s |"
              for (kv, d), r in sorted(mx.items()) if kv != "q4"]
-    extra += [f"| {kv} at {d:,d} ({tag}: the last step of the run) | pp512 {r['pp_tok_s']:.1f}, tg {r['tg_tok_s']:.1f} tok/s |"
+    extra += [f"| {kv} at {d:,d} ({tag}: measured again later in the run, the log says when) | pp512 {r['pp_tok_s']:.1f}, tg {r['tg_tok_s']:.1f} tok/s |"
               for tag, rows in sorted(again.items()) for (kv, d), r in sorted(rows.items())]
     long = folder / "mixqrt-q4-pp16384.json"
     lp = [r for r in lc if r["pp"] == 16384]
@@ -83,7 +83,9 @@ def main() -> None:
     every += [f"| {r['model']} fa {r['fa']} {r['cache']} | {r['depth']:,d} | {r['pp']} | {r['tg']} | {r['tok_s']:.1f} |"
               for r in sorted(lc, key=lambda r: (r["depth"], r["file"]))]
     log = (folder / "log").read_text() if (folder / "log").exists() else ""
-    prov = provenance("bash benchmarks/depth_run.sh " + str(folder.name))
+    runner = folder / "run.sh"              # a round's own runner, kept with its data
+    prov = provenance(f"bash docs/data/long_context/{folder.name}/run.sh" if runner.exists()
+                      else "bash benchmarks/depth_run.sh " + str(folder.name))
     prov += ("- 2 threads; mixqrt: the default q4a file, `mixqrt bench --depth N -p 512 -n 32 -r 2` (the depth filled, "
              "not timed); llama.cpp: `llama-bench -d N` on its Q4_0 (and Q3_K_M at 0 / 16k), its best per depth\n")
     body = prov + "\n" + "\n".join(out)

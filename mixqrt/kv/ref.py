@@ -13,29 +13,33 @@ The formats, per layer, per KV head, per block of G = 64 positions. ``q8`` (8.5 
     vcodes                             G x Dh codes, laid out for a 4-byte integer dot whose 16 lanes
                                        are 16 channels (see v_layout)
 
-``q4`` (4.5 bits per value at Dh = 64: keys 4.75, values 4.25; the keys carry most of the loss):
+``q4`` (4.5 bits per value at Dh = 64: keys 4.875, values 4.125; the keys carry most of the loss):
 
-    kscale [Dh] f16, kmin [Dh] f16     keys per channel over the block, as q8 with codes 0 .. 15, and
-    kadj [2, Dh] u8                    per 32-position sub-block i a narrower range (sub_ranges): the
-                                       min moves up (kadj & 15) * kscale, the scale becomes
+    kmin [Dh] f16, kscale [Dh] u8      keys per channel over the block, as q8 with codes 0 .. 15 (the
+                                       scale an 8-bit code of LOGTAB, rounded up), and
+    kadj [4, Dh] u8                    per 16-position sub-block i a narrower range (sub_ranges): the
+                                       min moves up (kadj & 15) * kscale, the step becomes
                                        kscale * ((kadj >> 4) + 1) / 16
     kcodes                             4-bit, k_layout
-    vscale [G] f16                     values per position, symmetric: v[t, d] ~ vscale[t] * VLEV[code],
-    vcodes                             vscale = absmax / 127, VLEV NF4's 16 normal quantiles as int8
+    vscale [G] u8                      values per position, symmetric: v[t, d] ~ vscale[t] * VLEV[code],
+    vcodes                             vscale = absmax / 127 rounded up to LOGTAB, VLEV NF4's 16
+                                       normal quantiles as int8
 
 Block 0 (the first 64 positions: the attention sink) is never packed, and the most recent
 positions are read in f16: a position's K/V are first stored in f16, a block is packed when its
 64th position is written, and row p (n = p + 1 keys) reads block 0, the partial block n // G and the
 RECENT whole blocks before it in f16, blocks 1 .. n // G - RECENT - 1 packed. What a row reads
 depends on its position only, so a prompt's rows equal single decode steps bit for bit. (RECENT = 1
-halved the 4-bit cache's loss for nothing: those f16 rows are resident anyway; docs/long-context.md.)
+halved the 4-bit cache's loss; RECENT = 3, 192 to 255 positions read exactly as KIVI's residual
+window, took another 6-16 % at 8k-16k tokens for about 1 % of a 16k step: docs/long-context.md.)
 
 Attention per row and query head, blocks in order with an online softmax (m, l, acc):
   f16 block (positions i0 .. i1-1):  s_t = dot(q, k_t) * scale                (dotf: 16 lanes, tree)
-  packed block:  q'_c = q_c * kscale_c; a = max|q'|;            (q4: per sub-block,
-                 q8_c = rint(q'_c * (127 / a)), d = a / 127;                       its scale and min)
-                 C = dot(q, kmin)
-                 s_t = (float(sum_c q8_c code_tc) * d + C) * scale
+  packed block:  q'_c = q_c * kscale_c; a = max|q'|;
+                 q8_c = rint(q'_c * (127 / a)), d = a / 127;
+                 q8: C = dot(q, kmin); s_t = (float(sum_c q8_c code_tc) * d + C) * scale
+                 q4: u_tc = 16 a_ic + (b_ic + 1) code_tc (<= 255, sub-block i of t: k = kmin + kscale / 16 u);
+                     s_t = (float(sum_c q8_c u_tc) * (d / 16) + C) * scale
   m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
   l = l * alpha + sum16(p)
   f16 block:     acc_d = acc_d * alpha + (p_t * v_td, added in position order)
@@ -49,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 G = 64                      # positions per block
-RECENT = 1                  # whole blocks before a row's own partial block that it reads in f16 (misc.h MQ_KV_RECENT)
+RECENT = 3                  # whole blocks before a row's own partial block that it reads in f16 (misc.h MQ_KV_RECENT)
 EXP_LO = np.float32(-87.0)
 F32 = np.float32
 
@@ -60,8 +64,18 @@ def pmax_of(bits: int) -> int:
     return 127 if bits == 8 else 255
 
 
-SUB = 32                    # q4: positions per key sub-block (its own narrowing of the block's range)
+SUB = 16                    # q4: positions per key sub-block (its own narrowing of the block's range)
 NSUB = G // SUB
+# q4's 8-bit scales (the keys' per-channel block scale, the values' per-position scale): code e stands
+# for LOGTAB[e] = 2^((e mod 12) / 12) * 2^(e // 12 - 16), 1.5e-5 .. 38.1 in steps of 2^(1/12); a scale
+# is stored as the smallest code at or above it, so the grid still covers the range (misc.h MQ_KV_LOGMANT)
+LOGMANT = np.array([2.0 ** (k / 12) for k in range(12)]).astype(np.float32)
+LOGTAB = np.array([np.ldexp(LOGMANT[e % 12], e // 12 - 16) for e in range(256)], np.float32)
+
+
+def log8_code(x) -> np.ndarray:
+    """The 8-bit code of scale(s) x: the first e with LOGTAB[e] >= x (255 if none, NaN included)."""
+    return np.minimum(np.searchsorted(LOGTAB, np.asarray(x, np.float32), side="left"), 255).astype(np.uint8)
 # q4 values: the 16 levels a code stands for, in units of the position's scale (absmax / 127): NF4's
 # normal quantiles (QLoRA) rounded to int8 (misc.h MQ_KV_VLEV)
 VLEV = np.array([-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127], np.int32)
@@ -70,16 +84,15 @@ VLEV = np.array([-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 
 def block_bytes(dh: int, bits: int) -> int:
     """Bytes of one packed block of one KV head (misc.h MQ_KV_BLOCK_BYTES)."""
     if bits == 4:
-        return 4 * dh + NSUB * dh + G * dh // 2 + 2 * G + G * dh // 2
+        return 2 * dh + dh + NSUB * dh + G * dh // 2 + G + G * dh // 2
     return 4 * dh + G * dh + 4 * G + G * dh
 
 
 def offsets(dh: int, bits: int) -> dict:
     nk = G * dh * bits // 8
     if bits == 4:
-        ka = 4 * dh + NSUB * dh
-        return {"kscale": 0, "kmin": 2 * dh, "kadj": 4 * dh, "kcodes": ka, "vscale": ka + nk, "vmin": ka + nk + 2 * G,
-                "vcodes": ka + nk + 2 * G}
+        ka = 3 * dh + NSUB * dh
+        return {"kmin": 0, "kscale": 2 * dh, "kadj": 3 * dh, "kcodes": ka, "vscale": ka + nk, "vcodes": ka + nk + G}
     return {"kscale": 0, "kmin": 2 * dh, "kcodes": 4 * dh, "vscale": 4 * dh + nk, "vmin": 4 * dh + nk + 2 * G,
             "vcodes": 4 * dh + nk + 4 * G}
 
@@ -219,10 +232,34 @@ def sub_ranges(sc: np.ndarray, mn: np.ndarray, adj: np.ndarray) -> tuple:
     return ((sc * b1) * F32(0.0625)).astype(F32), (mn + sc * a).astype(F32)
 
 
+KEY_NA, KEY_NB = 3, 4       # q4 keys: the (a, b) candidates a half-block's range is searched over
+
+
+def _sub_codes(x: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
+    return np.clip(np.rint((x - mn) * inv), 0, 15).astype(np.int32)
+
+
+def _sub_error(x: np.ndarray, sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Squared error per channel of x [SUB, Dh] against (sc, mn), as kvpack.c kv_sub_error: codes
+    rounded half to even and clamped to 0..15, the errors added position by position in float32."""
+    inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
+    e = np.zeros(x.shape[1], F32)
+    for t in range(x.shape[0]):
+        y = np.clip((x[t] - mn) * inv, F32(-1.0), F32(16.0)).astype(F32)
+        c = np.clip(np.rint(y), F32(0.0), F32(15.0)).astype(F32)
+        d = ((c * sc + mn) - x[t]).astype(F32)
+        e = (e + d * d).astype(F32)
+    return e
+
+
 def _q4_keys(k: np.ndarray):
-    """k [G, Dh] -> (kscale f16, kmin f16, adj [NSUB, Dh] uint8, codes [G, Dh])."""
+    """k [G, Dh] -> (kscale f16, kmin f16, adj [NSUB, Dh] uint8, codes [G, Dh]). Each half-block's
+    (a, b) is the one of least squared error among a0 .. a0 + KEY_NA - 1 (a0: the largest min at or
+    below the half's own) and, for each a, the b that covers the half's max and the KEY_NB - 1 below
+    it (the top values clipped); the first of equals wins."""
     lo, hi = k.min(0), k.max(0)
-    ks = f16r((hi - lo) / F32(15))
+    ks = LOGTAB[log8_code((hi - lo) / F32(15))]
     km = f16r(lo)
     pos = ks > 0
     div = np.where(pos, ks, F32(1.0))
@@ -231,20 +268,33 @@ def _q4_keys(k: np.ndarray):
     for i in range(NSUB):
         x = k[i * SUB:(i + 1) * SUB]
         li, hi_ = x.min(0), x.max(0)
-        a = np.where(pos, np.clip(np.floor((li - km) / div), 0, 15), 0).astype(np.int32)
-        mi = (km + ks * a.astype(F32)).astype(F32)
-        need = ((hi_ - mi) * F32(16)) / (div * F32(15))
-        b1 = np.where(pos, np.clip(np.ceil(need), 1, 16), 16).astype(np.int32)
-        adj[i] = (a | ((b1 - 1) << 4)).astype(np.uint8)
-        sc, mn = sub_ranges(ks, km, adj[i])
-        inv = np.where(sc > 0, F32(1.0) / np.where(sc > 0, sc, F32(1.0)), F32(0.0)).astype(F32)
-        codes[i * SUB:(i + 1) * SUB] = np.clip(np.rint((x - mn) * inv), 0, 15).astype(np.int32)
+        a0 = np.where(pos, np.clip(np.floor((li - km) / div), 0, 15), 0).astype(np.int32)
+        best = berr = None
+        for da in range(KEY_NA):
+            a = np.where(pos, np.minimum(a0 + da, 15), 0)
+            mi = (km + ks * a.astype(F32)).astype(F32)
+            need = ((hi_ - mi) * F32(16)) / (div * F32(15))
+            bn = np.where(pos, np.clip(np.ceil(need), 1, 16), 16).astype(np.int32)
+            b1max = (255 - 16 * a) // 15                              # 16 a + (b + 1) * code fits a byte
+            for db in range(KEY_NB):
+                b1 = np.minimum(np.where(pos, np.maximum(bn - db, 1), 16), b1max)
+                cand = (a | ((b1 - 1) << 4)).astype(np.uint8)
+                err = _sub_error(x, *sub_ranges(ks, km, cand))
+                if best is None:
+                    best, berr = cand, err
+                else:
+                    take = err < berr
+                    best = np.where(take, cand, best)
+                    berr = np.where(take, err, berr)
+        adj[i] = best
+        codes[i * SUB:(i + 1) * SUB] = _sub_codes(x, *sub_ranges(ks, km, adj[i]))
     return ks, km, adj, codes
 
 
 def _nf4_values(v: np.ndarray):
-    """v [G, Dh] -> (vscale f16 [G], codes [G, Dh]): per position, absmax / 127, the nearest level."""
-    vs = f16r(np.abs(v).max(1) / F32(127))
+    """v [G, Dh] -> (vscale [G] (LOGTAB values), codes [G, Dh]): per position, absmax / 127 rounded up
+    to an 8-bit scale, the nearest level."""
+    vs = LOGTAB[log8_code(np.abs(v).max(1) / F32(127))]
     inv = np.where(vs > 0, F32(1.0) / np.where(vs > 0, vs, F32(1.0)), F32(0.0)).astype(F32)
     y = (v * inv[:, None]).astype(F32)
     mid = ((VLEV[1:] + VLEV[:-1]) / 2).astype(F32)
@@ -262,12 +312,17 @@ def pack_block(k: np.ndarray, v: np.ndarray, bits: int) -> np.ndarray:
     if bits == 4:
         ks, km, adj, kc = _q4_keys(k)
         vs, vc = _nf4_values(v)
+        out[o["kmin"]:o["kscale"]] = km.reshape(-1).astype(np.float16).view(np.uint8)
+        out[o["kscale"]:o["kadj"]] = log8_code(ks)
         out[o["kadj"]:o["kcodes"]] = adj.reshape(-1)
-    else:
-        qmax = (1 << bits) - 1
-        ks, km, kc = _range_codes(k, k.min(0, keepdims=True), k.max(0, keepdims=True), qmax)
-        vs, vm, vc = _range_codes(v, v.min(1, keepdims=True), v.max(1, keepdims=True), qmax)
-        out[o["vmin"]:o["vcodes"]] = vm.reshape(-1).astype(np.float16).view(np.uint8)
+        out[o["kcodes"]:o["vscale"]] = k_layout(kc, bits)
+        out[o["vscale"]:o["vcodes"]] = log8_code(vs)
+        out[o["vcodes"]:] = v_layout(vc, bits)
+        return out
+    qmax = (1 << bits) - 1
+    ks, km, kc = _range_codes(k, k.min(0, keepdims=True), k.max(0, keepdims=True), qmax)
+    vs, vm, vc = _range_codes(v, v.min(1, keepdims=True), v.max(1, keepdims=True), qmax)
+    out[o["vmin"]:o["vcodes"]] = vm.reshape(-1).astype(np.float16).view(np.uint8)
     out[o["kscale"]:o["kmin"]] = ks.reshape(-1).astype(np.float16).view(np.uint8)
     out[o["kmin"]:o["kmin"] + 2 * dh] = km.reshape(-1).astype(np.float16).view(np.uint8)
     out[o["kcodes"]:o["vscale"]] = k_layout(kc, bits)
@@ -282,10 +337,12 @@ def unpack_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
     o = offsets(dh, bits)
     raw = np.asarray(raw, np.uint8)
     h = lambda a, n: raw[o[a]:o[a] + 2 * n].view(np.float16).astype(F32)     # noqa: E731
-    vm = None if bits == 4 else h("vmin", G)
-    adj = raw[o["kadj"]:o["kcodes"]].reshape(NSUB, dh) if bits == 4 else None
-    return (h("kscale", dh), h("kmin", dh), k_unlayout(raw[o["kcodes"]:o["vscale"]], dh, bits),
-            h("vscale", G), vm, v_unlayout(raw[o["vcodes"]:], dh, bits), adj)
+    kc = k_unlayout(raw[o["kcodes"]:o["vscale"]], dh, bits)
+    vc = v_unlayout(raw[o["vcodes"]:], dh, bits)
+    if bits == 4:
+        return (LOGTAB[raw[o["kscale"]:o["kadj"]]], h("kmin", dh), kc, LOGTAB[raw[o["vscale"]:o["vcodes"]]], None, vc,
+                raw[o["kadj"]:o["kcodes"]].reshape(NSUB, dh))
+    return h("kscale", dh), h("kmin", dh), kc, h("vscale", G), h("vmin", G), vc, None
 
 
 def dequant_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
@@ -340,25 +397,32 @@ def _q8_query(q, sc, mn):
     return q8, d, c
 
 
+def probs8(ps: np.ndarray, pm: int) -> tuple:
+    """A packed block's probabilities times the values' scales, ps [g, G] >= 0 -> (p8 [g, G] int in
+    0 .. pm, e [g]) with ps ~ p8 * e: against the row's max b, rounded to nearest (kv_round8_)."""
+    b = ps.max(1)
+    safe = np.where(b > 0, b, F32(1.0))
+    p8 = np.where(b[:, None] > 0, np.rint(ps * (F32(pm) / safe)[:, None]), 0).astype(np.int32)
+    e = np.where(b > 0, b / F32(pm), F32(0.0)).astype(F32)
+    return p8, e
+
+
 def _packed_block(st, q, raw, dh, bits, scale):
     ks, km, kc, vs, vm, vc, adj = unpack_block(raw, dh, bits)
-    if bits == 4:
-        s = np.empty((q.shape[0], G), F32)
+    if bits == 4:                   # k = kmin + kscale / 16 * u, u = 16 a + (b + 1) code <= 255: one query
+        q8, d, c = _q8_query(q, ks, km)          # against the block's scale, one constant
+        u = np.empty(kc.shape, np.int32)
         for i in range(NSUB):
-            q8, d, c = _q8_query(q, *sub_ranges(ks, km, adj[i]))
-            isum = q8 @ kc[i * SUB:(i + 1) * SUB].T                            # [g, SUB] exact
-            s[:, i * SUB:(i + 1) * SUB] = (isum.astype(F32) * d[:, None] + c[:, None]) * scale
+            u[i * SUB:(i + 1) * SUB] = (kc[i * SUB:(i + 1) * SUB] * ((adj[i] >> 4).astype(np.int32) + 1)[None, :]
+                                        + 16 * (adj[i] & 15).astype(np.int32)[None, :])
+        isum = q8 @ u.T                                                      # [g, G] exact
+        s = ((isum.astype(F32) * (d * F32(0.0625)).astype(F32)[:, None] + c[:, None]) * scale).astype(F32)
     else:
         q8, d, c = _q8_query(q, ks, km)
         isum = q8 @ kc.T                                                     # [g, G] exact
         s = ((isum.astype(F32) * d[:, None] + c[:, None]) * scale).astype(F32)
     alpha, p = st.probs(s)
-    pm = pmax_of(bits)
-    ps = p * vs[None, :]                                                     # [g, G]
-    b = ps.max(1)
-    safe = np.where(b > 0, b, F32(1.0))
-    p8 = np.where(b[:, None] > 0, np.rint(ps * (F32(pm) / safe)[:, None]), 0).astype(np.int32)
-    e = np.where(b > 0, b / F32(pm), F32(0.0)).astype(F32)
+    p8, e = probs8((p * vs[None, :]).astype(F32), pmax_of(bits))
     if bits == 4:
         iv = p8 @ VLEV[vc]                                                   # [g, Dh] exact
         st.acc = (st.acc * alpha[:, None] + iv.astype(F32) * e[:, None]).astype(F32)

@@ -117,13 +117,14 @@ class KVCache:
 # The KV cache's element type, chosen per Pipeline / Engine (kv_type=) and on the command line
 # (--kv-type). f32 and f16 are the KVCache above; q8 and q4 are the packed, mixed-bit cache
 # (mixqrt.kv.packed.PackedKVCache: keys per channel over 64-position blocks, values per position;
-# q4: keys 4.75 bits narrowed per 32 positions, values 4.25 bits NF4 after a Hadamard rotation;
-# q8: both 8 bits; the attention sink, a row's own partial block and the one before it read in f16;
+# q4: keys 4.875 bits narrowed per 16 positions, values 4.125 bits NF4 after a Hadamard rotation,
+# 8-bit scales; q8: both 8 bits; the attention sink, a row's own partial block and the 3 before it
+# read in f16;
 # the format and arithmetic in mixqrt/kv/ref.py, the measurements in docs/long-context.md).
 KV_TYPES = ("f32", "f16", "q8", "q4")
 # the Pipeline's, the Engine's and the command line's default: q4, 4.5 bits a value, which at 8k
-# tokens loses less than llama.cpp's q8_0 cache (8.5 bits) and decodes fastest at depth; q8 (8.5
-# bits) is the option when 16k-token prompts must lose less (docs/long-context.md)
+# and 16k tokens loses less than llama.cpp's q8_0 cache (8.5 bits) and decodes fastest at depth; q8
+# (8.5 bits) is the option when long prompts must lose less still (docs/long-context.md)
 DEFAULT_KV_TYPE = "q4"
 _FLOAT_KV = {"f32": np.float32, "f16": np.float16}
 _PACKED_BITS = {"q8": 8, "q4": 4}

@@ -86,6 +86,25 @@ static inline void MQ_FN(kv_round8_)(const float *x, float s, uint8_t *out, int 
     for (; i < n; i++) out[i] = (uint8_t)(int)nearbyintf(x[i] * s);
 }
 
+/* q4's 8-bit scales -> floats (misc.h mq_kv_logscale, exact): e = 12 q + r, the bits of 2^(r/12) plus q - 16
+ * in the exponent (e / 12 as (e * 2731) >> 15, exact for e < 256) */
+static inline void MQ_FN(kv_logscales_)(const uint8_t *e8, float *out, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    static const uint32_t mb[16] = MQ_KV_LOGMANT_BITS;
+    const __m512i tab = _mm512_loadu_si512((const void *)mb);
+    for (; i + 16 <= n; i += 16) {
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(e8 + i)));
+        const __m512i qd = _mm512_srli_epi32(_mm512_mullo_epi32(e, _mm512_set1_epi32(2731)), 15);
+        const __m512i r = _mm512_sub_epi32(e, _mm512_mullo_epi32(qd, _mm512_set1_epi32(12)));
+        const __m512i b = _mm512_add_epi32(_mm512_permutexvar_epi32(r, tab),
+                                           _mm512_slli_epi32(_mm512_sub_epi32(qd, _mm512_set1_epi32(16)), 23));
+        _mm512_storeu_ps(out + i, _mm512_castsi512_ps(b));
+    }
+#endif
+    for (; i < n; i++) out[i] = mq_kv_logscale(e8[i]);
+}
+
 static inline float MQ_FN(kv_max_)(const float *x, int n) {
     int i = 0;
     float m = x[0];
@@ -131,16 +150,33 @@ static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *
     }
     float alpha[MQ_KV_GB];
     MQ_FN(kv_probs_)(sc, g, n, m, l, alpha);
-    for (int j = 0; j < g; j++) {
+    float vr[64 * 256];                               /* the block's values once in float, then per head */
+    for (int t = 0; t < n; t++) MQ_FN(kv_cvt16_)(v + (size_t)t * Dh, vr + (size_t)t * Dh, Dh);
+    for (int j = 0; j < g; j++) {                     /* acc * alpha, then + p_t v_t in position order */
         float *aj = acc + (size_t)j * Dh;
-        for (int d = 0; d < Dh; d++) aj[d] = aj[d] * alpha[j];
-    }
-    for (int t = 0; t < n; t++) {
-        MQ_FN(kv_cvt16_)(v + (size_t)t * Dh, row, Dh);
-        for (int j = 0; j < g; j++) {
-            const float p = sc[(size_t)j * 64 + t];
-            float *aj = acc + (size_t)j * Dh;
-            for (int d = 0; d < Dh; d++) aj[d] = aj[d] + p * row[d];
+        const float *pj = sc + (size_t)j * 64;
+        int d = 0;
+#if defined(__AVX512F__)
+        const __m512 al = _mm512_set1_ps(alpha[j]);
+        for (; d + 64 <= Dh; d += 64) {               /* four accumulators in registers */
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(aj + d), al), a1 = _mm512_mul_ps(_mm512_loadu_ps(aj + d + 16), al);
+            __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(aj + d + 32), al), a3 = _mm512_mul_ps(_mm512_loadu_ps(aj + d + 48), al);
+            for (int t = 0; t < n; t++) {
+                const __m512 p = _mm512_set1_ps(pj[t]);
+                const float *x = vr + (size_t)t * Dh + d;
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(p, _mm512_loadu_ps(x)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(p, _mm512_loadu_ps(x + 16)));
+                a2 = _mm512_add_ps(a2, _mm512_mul_ps(p, _mm512_loadu_ps(x + 32)));
+                a3 = _mm512_add_ps(a3, _mm512_mul_ps(p, _mm512_loadu_ps(x + 48)));
+            }
+            _mm512_storeu_ps(aj + d, a0); _mm512_storeu_ps(aj + d + 16, a1);
+            _mm512_storeu_ps(aj + d + 32, a2); _mm512_storeu_ps(aj + d + 48, a3);
+        }
+#endif
+        for (; d < Dh; d++) {
+            float a = aj[d] * alpha[j];
+            for (int t = 0; t < n; t++) a = a + pj[t] * vr[(size_t)t * Dh + d];
+            aj[d] = a;
         }
     }
 }
@@ -149,20 +185,34 @@ static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *
  * kv_kdot_: isum[j][t] = sum_c q8[j][c] code(t, c) for the block's 64 positions
  * kv_vdot_: iv[j][d]   = sum_t p8[j][t] code(t, d) */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-static void MQ_FN(kv_kdot_)(const int8_t *q8a, const int8_t *q8b, int g, int Dh, const uint8_t *kc, int bits,
+/* bytes x * f (each product < 256), through 16-bit products of the even and the odd bytes */
+static inline __m512i MQ_FN(kv_mulu8_)(__m512i x, __m512i f) {
+    const __m512i m = _mm512_set1_epi16(0x00FF);
+    const __m512i lo = _mm512_mullo_epi16(_mm512_and_si512(x, m), _mm512_and_si512(f, m));
+    const __m512i hi = _mm512_mullo_epi16(_mm512_srli_epi16(x, 8), _mm512_srli_epi16(f, 8));
+    return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+}
+
+static void MQ_FN(kv_kdot_)(const int8_t *q8, const uint8_t *fac, int g, int Dh, const uint8_t *kc, int bits,
                             int32_t *isum) {
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
     for (int j0 = 0; j0 < g; j0 += 8) {
         const int gn = g - j0 < 8 ? g - j0 : 8;
-        for (int s = 0; s < 4; s++) {                    /* 16 positions */
-            const int8_t *q8 = s < 2 ? q8a : q8b;        /* positions 0..31 and 32..63 */
+        for (int s = 0; s < 4; s++) {                    /* 16 positions (q4: one sub-block) */
             __m512i a[8];
             for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_si512();
             if (bits == 4) {
                 const uint8_t *p = kc + (size_t)s * (Dh / 8) * 64;
+                const uint8_t *fs = fac + (size_t)s * Dh, *as = fac + (size_t)(4 + s) * Dh;
                 for (int mm = 0; mm < Dh / 8; mm++) {
                     const __m512i x = _mm512_loadu_si512((const void *)(p + (size_t)mm * 64));
-                    const __m512i lo = _mm512_and_si512(x, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), lo4);
+                    int32_t f0, f1, a0, a1;
+                    memcpy(&f0, fs + 8 * mm, 4); memcpy(&f1, fs + 8 * mm + 4, 4);
+                    memcpy(&a0, as + 8 * mm, 4); memcpy(&a1, as + 8 * mm + 4, 4);
+                    const __m512i lo = _mm512_add_epi8(MQ_FN(kv_mulu8_)(_mm512_and_si512(x, lo4), _mm512_set1_epi32(f0)),
+                                                       _mm512_set1_epi32(a0));
+                    const __m512i hi = _mm512_add_epi8(MQ_FN(kv_mulu8_)(_mm512_and_si512(_mm512_srli_epi16(x, 4), lo4),
+                                                                        _mm512_set1_epi32(f1)), _mm512_set1_epi32(a1));
                     for (int j = 0; j < 8; j++) {
                         if (j >= gn) break;
                         const int8_t *qj = q8 + (size_t)(j0 + j) * Dh + 8 * mm;
@@ -253,15 +303,20 @@ static void MQ_FN(kv_unpack_v_)(const uint8_t *vc, int Dh, int bits, uint8_t *ou
         }
 }
 
-static void MQ_FN(kv_kdot_)(const int8_t *q8a, const int8_t *q8b, int g, int Dh, const uint8_t *kc, int bits,
+static void MQ_FN(kv_kdot_)(const int8_t *q8, const uint8_t *fac, int g, int Dh, const uint8_t *kc, int bits,
                             int32_t *isum) {
     uint8_t codes[64 * 256];
     MQ_FN(kv_unpack_k_)(kc, Dh, bits, codes);
+    if (fac)                                            /* q4: u = 16 a + (b + 1) code, per sub-block */
+        for (int t = 0; t < 64; t++)
+            for (int c = 0; c < Dh; c++)
+                codes[(size_t)t * Dh + c] = (uint8_t)(codes[(size_t)t * Dh + c] * fac[(size_t)(t / MQ_KV_SUB) * Dh + c]
+                                                      + fac[(size_t)(4 + t / MQ_KV_SUB) * Dh + c]);
     for (int j = 0; j < g; j++)
         for (int t = 0; t < 64; t++) {
             int32_t s = 0;
             const uint8_t *cr = codes + (size_t)t * Dh;
-            const int8_t *qj = (t < 32 ? q8a : q8b) + (size_t)j * Dh;
+            const int8_t *qj = q8 + (size_t)j * Dh;
             for (int c = 0; c < Dh; c++) s += (int32_t)qj[c] * (int32_t)cr[c];
             isum[(size_t)j * 64 + t] = s;
         }
@@ -320,42 +375,46 @@ static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const floa
 /* ---- one packed block for one row's g heads */
 static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t *blk, int bits, float scale,
                                     float *m, float *l, float *acc, float *sc, float *row, void *iscr) {
-    const int q4 = bits == 4;
-    const uint16_t *ks = (const uint16_t *)blk, *km = ks + Dh;
-    const uint8_t *adj = blk + 4 * (size_t)Dh;                 /* q4: [2][Dh] */
-    const uint8_t *kc = adj + (q4 ? 2 * (size_t)Dh : 0);
-    const uint8_t *vb = kc + (size_t)64 * Dh * bits / 8;
-    const uint16_t *vs = (const uint16_t *)vb, *vm = vs + 64;
-    const uint8_t *vc = vb + (q4 ? 2 : 4) * 64;
+    const int q4 = bits == 4, NS = 64 / MQ_KV_SUB;
+    const uint8_t *kc, *vc, *adj = NULL;
+    const uint16_t *km16;
     const float pmax = bits == 8 ? 127.0f : 255.0f;
-    int8_t *q8 = (int8_t *)iscr;                                   /* [2][GB][Dh] */
+    int8_t *q8 = (int8_t *)iscr;                                   /* [GB][Dh] */
     int32_t *isum = (int32_t *)(q8 + 2 * (size_t)MQ_KV_GB * 256);  /* [g][64], then [g][Dh] */
     uint8_t *p8 = (uint8_t *)(isum + (size_t)MQ_KV_GB * 256);      /* [g][64] */
-    float kmin[256], kscale[256], smin[256], sscale[256], vsc[64], vmn[64];
-    float d8[2][MQ_KV_GB], cst[2][MQ_KV_GB];
-    MQ_FN(kv_cvt16_)(ks, kscale, Dh);
-    MQ_FN(kv_cvt16_)(km, kmin, Dh);
-    MQ_FN(kv_cvt16_)(vs, vsc, 64);
-    if (!q4) MQ_FN(kv_cvt16_)(vm, vmn, 64);
-    int8_t *q8b = q8;
-    if (q4) {
-        q8b = q8 + (size_t)MQ_KV_GB * 256;
-        for (int i = 0; i < 2; i++) {                              /* ref.sub_ranges */
+    float kmin[256], kscale[256], vsc[64], vmn[64];
+    float d8[MQ_KV_GB], ck[MQ_KV_GB];
+    uint8_t fac[2 * 4 * 256];                                     /* q4: b + 1 [4][Dh], then 16 a [4][Dh] */
+    if (q4) {                                                      /* kmin f16, kscale u8, adj [4][Dh], codes, vscale u8, codes */
+        km16 = (const uint16_t *)blk;
+        adj = blk + 3 * (size_t)Dh;
+        kc = adj + (size_t)NS * Dh;
+        vc = kc + (size_t)32 * Dh + 64;
+        MQ_FN(kv_logscales_)(blk + 2 * (size_t)Dh, kscale, Dh);
+        MQ_FN(kv_logscales_)(kc + (size_t)32 * Dh, vsc, 64);
+    } else {                                                       /* kscale, kmin f16, codes, vscale, vmin f16, codes */
+        km16 = (const uint16_t *)blk + Dh;
+        kc = blk + 4 * (size_t)Dh;
+        const uint16_t *vs = (const uint16_t *)(kc + (size_t)64 * Dh);
+        vc = (const uint8_t *)(vs + 128);
+        MQ_FN(kv_cvt16_)((const uint16_t *)blk, kscale, Dh);
+        MQ_FN(kv_cvt16_)(vs, vsc, 64);
+        MQ_FN(kv_cvt16_)(vs + 64, vmn, 64);
+    }
+    MQ_FN(kv_cvt16_)(km16, kmin, Dh);
+    MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8, ck);  /* the query against the block's scale */
+    if (q4) {          /* k = kmin + kscale / 16 * u, u = 16 a + (b + 1) code <= 255 (sub-block i's a, b) */
+        for (int i = 0; i < NS; i++) {
             const uint8_t *ai = adj + (size_t)i * Dh;
             for (int c = 0; c < Dh; c++) {
-                sscale[c] = (kscale[c] * (float)((ai[c] >> 4) + 1)) * 0.0625f;
-                smin[c] = kmin[c] + kscale[c] * (float)(ai[c] & 15);
+                fac[(size_t)i * Dh + c] = (uint8_t)((ai[c] >> 4) + 1);
+                fac[(size_t)(NS + i) * Dh + c] = (uint8_t)(16 * (ai[c] & 15));
             }
-            MQ_FN(kv_q8_query_)(q, g, Dh, sscale, smin, row, i ? q8b : q8, d8[i], cst[i]);
         }
-    } else {
-        MQ_FN(kv_q8_query_)(q, g, Dh, kscale, kmin, row, q8, d8[0], cst[0]);
-        for (int j = 0; j < g; j++) { d8[1][j] = d8[0][j]; cst[1][j] = cst[0][j]; }
+        for (int j = 0; j < g; j++) d8[j] = d8[j] * 0.0625f;
     }
-    MQ_FN(kv_kdot_)(q8, q8b, g, Dh, kc, bits, isum);
-    for (int j = 0; j < g; j++)
-        for (int i = 0; i < 2; i++)                                    /* positions 0..31, 32..63 */
-            MQ_FN(kv_scores_)(isum + (size_t)j * 64 + 32 * i, d8[i][j], cst[i][j], scale, sc + (size_t)j * 64 + 32 * i, 32);
+    MQ_FN(kv_kdot_)(q8, q4 ? fac : NULL, g, Dh, kc, bits, isum);
+    for (int j = 0; j < g; j++) MQ_FN(kv_scores_)(isum + (size_t)j * 64, d8[j], ck[j], scale, sc + (size_t)j * 64, 64);
     float alpha[MQ_KV_GB], e8[MQ_KV_GB], vsum[MQ_KV_GB];
     MQ_FN(kv_probs_)(sc, g, 64, m, l, alpha);
     for (int j = 0; j < g; j++) {

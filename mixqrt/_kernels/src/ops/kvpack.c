@@ -15,53 +15,115 @@ static inline void kv_range(float lo, float hi, int qmax, uint16_t *sc16, uint16
 }
 
 static inline uint8_t kv_code(float x, float mn, float inv, int qmax) {
-    float v = nearbyintf((x - mn) * inv);
+    float v = (x - mn) * inv;                   /* nearest, ties to even (the float magic, exact in range) */
+    v = v < -1.0f ? -1.0f : (v > (float)qmax + 1.0f ? (float)qmax + 1.0f : v);
+    v = (v + 12582912.0f) - 12582912.0f;
     if (!(v >= 0.0f)) v = 0.0f;
     if (v > (float)qmax) v = (float)qmax;
     return (uint8_t)(int)v;
 }
 
+/* per channel c < Dh: the squared error of the n positions of x (rows Dh apart) against (sc[c], mn[c]),
+ * as ref._sub_error: codes rounded half to even (the float magic, exact for |y| <= 16) and clamped to
+ * 0..15, added position by position in float32. Channels innermost, so the compiler vectorizes. */
+typedef float kv_v4f __attribute__((vector_size(16)));
+typedef float kv_v4fu __attribute__((vector_size(16), aligned(4)));
+typedef int kv_v4i __attribute__((vector_size(16)));
+#define KV_SEL(m, a, b) ((kv_v4f)(((m) & (kv_v4i)(a)) | (~(m) & (kv_v4i)(b))))
+
+static void kv_sub_error(const float *x, int Dh, int n, const float *sc, const float *mn, float *e) {
+    float inv[256];
+    for (int c = 0; c < Dh; c++) { inv[c] = sc[c] > 0.0f ? 1.0f / sc[c] : 0.0f; e[c] = 0.0f; }
+    const kv_v4f lo = {-1.0f, -1.0f, -1.0f, -1.0f}, hi = {16.0f, 16.0f, 16.0f, 16.0f};
+    const kv_v4f zero = {0.0f, 0.0f, 0.0f, 0.0f}, top = {15.0f, 15.0f, 15.0f, 15.0f};
+    const kv_v4f magic = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
+    for (int c = 0; c < Dh; c += 4) {                 /* 4 channels at a time: IEEE operations lane by lane */
+        const kv_v4f vs = *(const kv_v4fu *)(sc + c), vm = *(const kv_v4fu *)(mn + c);
+        const kv_v4f vi = *(const kv_v4fu *)(inv + c);
+        kv_v4f acc = zero;
+        for (int t = 0; t < n; t++) {
+            const kv_v4f xt = *(const kv_v4fu *)(x + (size_t)t * Dh + c);
+            kv_v4f y = (xt - vm) * vi;
+            y = KV_SEL(y < lo, lo, y);
+            y = KV_SEL(y > hi, hi, y);
+            y = (y + magic) - magic;
+            y = KV_SEL(y < zero, zero, y);
+            y = KV_SEL(y > top, top, y);
+            const kv_v4f d = (y * vs + vm) - xt;
+            acc = acc + d * d;
+        }
+        *(kv_v4fu *)(e + c) = acc;
+    }
+}
+
 /* q4 (ref._q4_keys, ref._nf4_values, the 4-bit layouts): k, v [64][Dh] -> one block */
 static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
     static const float lev[16] = MQ_KV_VLEV;
-    const int G = 64, SUB = 32;
-    uint16_t *kscale = (uint16_t *)out, *kmin = kscale + Dh;
-    uint8_t *adj = out + 4 * (size_t)Dh;
-    uint8_t *kcodes = adj + 2 * (size_t)Dh;
+    const int G = 64, SUB = MQ_KV_SUB;
+    uint16_t *kmin = (uint16_t *)out;
+    uint8_t *kscale = out + 2 * (size_t)Dh;
+    uint8_t *adj = out + 3 * (size_t)Dh;
+    uint8_t *kcodes = adj + (size_t)(G / SUB) * Dh;
     const size_t nk = (size_t)G * Dh / 2;
-    uint16_t *vscale = (uint16_t *)(kcodes + nk);
-    uint8_t *vcodes = (uint8_t *)(vscale + G);
+    uint8_t *vscale = kcodes + nk;
+    uint8_t *vcodes = vscale + G;
     uint8_t kc[64 * 256], vc[64 * 256];
-    for (int c = 0; c < Dh; c++) {                    /* keys: per channel, two sub-blocks narrowing the range */
-        float lo = k[c], hi = k[c];
-        for (int t = 1; t < G; t++) {
+    float ks[256], km[256], a0[256], lo[256], hi[256], li[256], hs[256];
+    float csc[256], cmn[256], e[256], berr[256];
+    int ba[256], bb[256];
+    for (int c = 0; c < Dh; c++) { lo[c] = k[c]; hi[c] = k[c]; }
+    for (int t = 1; t < G; t++)                       /* keys: per channel over the block ... */
+        for (int c = 0; c < Dh; c++) {
             const float x = k[(size_t)t * Dh + c];
-            lo = x < lo ? x : lo;
-            hi = x > hi ? x : hi;
+            lo[c] = x < lo[c] ? x : lo[c];
+            hi[c] = x > hi[c] ? x : hi[c];
         }
-        kscale[c] = mq_f32_to_f16((hi - lo) / 15.0f);
-        kmin[c] = mq_f32_to_f16(lo);
-        const float ks = mq_f16_to_f32(kscale[c]), km = mq_f16_to_f32(kmin[c]);
-        const float div = ks > 0.0f ? ks : 1.0f;
-        for (int i = 0; i < 2; i++) {
-            float li = k[(size_t)(i * SUB) * Dh + c], hs = li;
-            for (int t = i * SUB + 1; t < (i + 1) * SUB; t++) {
-                const float x = k[(size_t)t * Dh + c];
-                li = x < li ? x : li;
-                hs = x > hs ? x : hs;
+    for (int c = 0; c < Dh; c++) {
+        kscale[c] = mq_kv_logcode((hi[c] - lo[c]) / 15.0f);
+        kmin[c] = mq_f32_to_f16(lo[c]);
+        ks[c] = mq_kv_logscale(kscale[c]);
+        km[c] = mq_f16_to_f32(kmin[c]);
+    }
+    for (int i = 0; i < G / SUB; i++) {               /* ... each sub-block narrowing it: the (a, b) of least error */
+        const float *x = k + (size_t)(i * SUB) * Dh;
+        for (int c = 0; c < Dh; c++) { li[c] = x[c]; hs[c] = x[c]; }
+        for (int t = 1; t < SUB; t++)
+            for (int c = 0; c < Dh; c++) {
+                const float y = x[(size_t)t * Dh + c];
+                li[c] = y < li[c] ? y : li[c];
+                hs[c] = y > hs[c] ? y : hs[c];
             }
-            int a = 0, b1 = 16;
-            if (ks > 0.0f) {
-                float fa = floorf((li - km) / div);
-                fa = fa < 0.0f ? 0.0f : (fa > 15.0f ? 15.0f : fa);
-                a = (int)fa;
-                const float mi = km + ks * (float)a;
-                float need = ceilf(((hs - mi) * 16.0f) / (div * 15.0f));
-                need = need < 1.0f ? 1.0f : (need > 16.0f ? 16.0f : need);
-                b1 = (int)need;
+        for (int c = 0; c < Dh; c++) {
+            const float div = ks[c] > 0.0f ? ks[c] : 1.0f;
+            float fa = floorf((li[c] - km[c]) / div);
+            a0[c] = fa < 0.0f ? 0.0f : (fa > 15.0f ? 15.0f : fa);
+        }
+        for (int da = 0; da < MQ_KV_KEY_NA; da++)
+            for (int db = 0; db < MQ_KV_KEY_NB; db++) {
+                int ca[256], cb[256];
+                for (int c = 0; c < Dh; c++) {
+                    if (ks[c] > 0.0f) {
+                        ca[c] = (int)a0[c] + da > 15 ? 15 : (int)a0[c] + da;
+                        const float mi = km[c] + ks[c] * (float)ca[c];
+                        float need = ceilf(((hs[c] - mi) * 16.0f) / (ks[c] * 15.0f));
+                        need = need < 1.0f ? 1.0f : (need > 16.0f ? 16.0f : need);
+                        const int b1max = (255 - 16 * ca[c]) / 15;   /* 16 a + (b + 1) code fits a byte */
+                        cb[c] = (int)need - db < 1 ? 1 : (int)need - db;
+                        cb[c] = cb[c] > b1max ? b1max : cb[c];
+                    } else {
+                        ca[c] = 0;
+                        cb[c] = 16;
+                    }
+                    csc[c] = (ks[c] * (float)cb[c]) * 0.0625f;
+                    cmn[c] = km[c] + ks[c] * (float)ca[c];
+                }
+                kv_sub_error(x, Dh, SUB, csc, cmn, e);
+                for (int c = 0; c < Dh; c++)
+                    if ((da == 0 && db == 0) || e[c] < berr[c]) { berr[c] = e[c]; ba[c] = ca[c]; bb[c] = cb[c]; }
             }
-            adj[(size_t)i * Dh + c] = (uint8_t)(a | ((b1 - 1) << 4));
-            const float sc = (ks * (float)b1) * 0.0625f, mn = km + ks * (float)a;
+        for (int c = 0; c < Dh; c++) {
+            adj[(size_t)i * Dh + c] = (uint8_t)(ba[c] | ((bb[c] - 1) << 4));
+            const float sc = (ks[c] * (float)bb[c]) * 0.0625f, mn = km[c] + ks[c] * (float)ba[c];
             const float inv = sc > 0.0f ? 1.0f / sc : 0.0f;
             for (int t = i * SUB; t < (i + 1) * SUB; t++) kc[(size_t)t * Dh + c] = kv_code(k[(size_t)t * Dh + c], mn, inv, 15);
         }
@@ -70,17 +132,23 @@ static void kv_pack_q4(const float *k, const float *v, int Dh, uint8_t *out) {
     for (int j = 0; j < 15; j++) mid[j] = (lev[j] + lev[j + 1]) / 2.0f;
     for (int t = 0; t < G; t++) {                     /* values: per position, absmax / 127, the nearest level */
         const float *vr = v + (size_t)t * Dh;
-        float am = 0.0f;
-        for (int d = 0; d < Dh; d++) { const float a = vr[d] < 0 ? -vr[d] : vr[d]; am = a > am ? a : am; }
-        vscale[t] = mq_f32_to_f16(am / 127.0f);
-        const float vs = mq_f16_to_f32(vscale[t]);
-        const float inv = vs > 0.0f ? 1.0f / vs : 0.0f;
-        for (int d = 0; d < Dh; d++) {
-            const float y = vr[d] * inv;
-            int code = 0;
-            for (int j = 0; j < 15; j++) code += y > mid[j];
-            vc[(size_t)t * Dh + d] = (uint8_t)code;
+        kv_v4f m4 = {0.0f, 0.0f, 0.0f, 0.0f};      /* absmax (a NaN never wins, as before) */
+        for (int d = 0; d < Dh; d += 4) {
+            const kv_v4f x4 = *(const kv_v4fu *)(vr + d);
+            const kv_v4f a4 = (kv_v4f)((kv_v4i)x4 & (kv_v4i){0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff});
+            m4 = KV_SEL(a4 > m4, a4, m4);
         }
+        float am = 0.0f;
+        for (int j = 0; j < 4; j++) am = m4[j] > am ? m4[j] : am;
+        vscale[t] = mq_kv_logcode(am / 127.0f);
+        const float vs = mq_kv_logscale(vscale[t]);
+        const float inv = vs > 0.0f ? 1.0f / vs : 0.0f;
+        float y[256];
+        int code[256];
+        for (int d = 0; d < Dh; d++) { y[d] = vr[d] * inv; code[d] = 0; }
+        for (int j = 0; j < 15; j++)
+            for (int d = 0; d < Dh; d++) code[d] += y[d] > mid[j];
+        for (int d = 0; d < Dh; d++) vc[(size_t)t * Dh + d] = (uint8_t)code[d];
     }
     memset(kcodes, 0, nk);
     memset(vcodes, 0, nk);

@@ -4,6 +4,7 @@
 #define MIXQRT_MISC_H
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 void mq_rmsnorm(const float *x, const float *w, float *y, int T, int D, float eps);
 void mq_rope(float *x, const int64_t *pos, int T, int H, int Dh, double theta);
@@ -38,14 +39,38 @@ typedef struct {
 } mq_kvatt;
 #define MQ_KV_TR 8           /* rows of a tile (each block read once per tile) */
 /* Whole blocks before a row's own that it still reads in f16 (the packed KV cache's rule, kv/ref.py RECENT). */
-#define MQ_KV_RECENT 1
+#define MQ_KV_RECENT 3
 #define MQ_KV_PF 2           /* packed blocks prefetched ahead of the one being read */
 #define MQ_KV_GB 16          /* query heads of one KV head per pass */
-/* q8: kscale, kmin [Dh] f16, codes, vscale, vmin [64] f16, codes. q4: kscale, kmin [Dh] f16, the two
- * 32-position sub-blocks' adjustments [2][Dh] bytes, codes, vscale [64] f16, codes (kv/ref.py) */
-#define MQ_KV_BLOCK_BYTES(Dh, bits) ((bits) == 4 ? 4 * (Dh) + 2 * (Dh) + 64 * (Dh) + 2 * 64 \
+/* q8: kscale, kmin [Dh] f16, codes, vscale, vmin [64] f16, codes. q4: kmin [Dh] f16, kscale [Dh] u8 (a
+ * LOGSCALE code), the four 16-position sub-blocks' adjustments [4][Dh] bytes, codes, vscale [64] u8,
+ * codes (kv/ref.py) */
+#define MQ_KV_SUB 16
+#define MQ_KV_BLOCK_BYTES(Dh, bits) ((bits) == 4 ? 2 * (Dh) + (Dh) + 4 * (Dh) + 64 * (Dh) + 64 \
                                                  : 4 * (Dh) + 2 * (64 * (Dh)) + 4 * 64)
 /* q4 values: the int8 level of each 4-bit code (NF4's normal quantiles x 127; kv/ref.py VLEV) */
+#define MQ_KV_KEY_NA 3       /* q4 keys: a half-block's (a, b) searched over 3 mins x 4 scales (ref.KEY_NA, KEY_NB) */
+#define MQ_KV_KEY_NB 4
+/* q4's 8-bit scales: code e stands for 2^((e mod 12) / 12) * 2^(e / 12 - 16) (1.5e-5 .. 38.1, steps of
+ * 2^(1/12)), built exactly from the float32 bits of the 12 factors 2^(k/12) (kv/ref.py LOGTAB); a scale
+ * is stored as the first code at or above it (255 if none) */
+#define MQ_KV_LOGMANT_BITS {0x3f800000u, 0x3f879c7du, 0x3f8facd6u, 0x3f9837f0u, 0x3fa14518u, 0x3faadc08u, 0x3fb504f3u, 0x3fbfc887u, 0x3fcb2ff5u, 0x3fd744fdu, 0x3fe411f0u, 0x3ff1a1bfu}
+static inline float mq_kv_logscale(unsigned e) {
+    static const uint32_t mb[12] = MQ_KV_LOGMANT_BITS;
+    const uint32_t b = mb[e % 12] + ((e / 12) << 23) - (16u << 23);
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+static inline uint8_t mq_kv_logcode(float x) {
+    int lo = 0, hi = 256;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (mq_kv_logscale((unsigned)mid) >= x) hi = mid;
+        else lo = mid + 1;
+    }
+    return (uint8_t)(lo > 255 ? 255 : lo);
+}
 #define MQ_KV_VLEV {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127}
 #define MQ_KV_SCRATCH_FLOATS(Dh) ((size_t)MQ_KV_TR * (2 * MQ_KV_GB + (size_t)MQ_KV_GB * (Dh)) + MQ_KV_GB * 64 + 256 \
                                   + (2 * MQ_KV_GB * 256 + MQ_KV_GB * 256 * 4 + MQ_KV_GB * 64) / 4 + 64)
