@@ -3,18 +3,9 @@
 # llama.cpp's best decode at 16k (Q3_K_M, -fa 0) measured again in the same run; llama.cpp's other rows
 # are round2's files (the same machine and boot, 19:21-19:51 UTC, llama.cpp unchanged), copied here.
 # Each step under the benchmark lock; /tmp/timed.active pauses the untimed quality runs meanwhile.
-set -u
-OUT=$(realpath -m "${1:-docs/data/long_context/round3}"); mkdir -p "$OUT"
-cd /tmp
-M=${MXQ:-$HOME/.cache/mixqrt/qwen2.5-coder-0.5b-instruct-q4a-b80f564a3d26.mxq}
+. "$(dirname "$0")/common.sh" "${1:-}"
 G3=${GGUF_DIR:-/tmp/longctx-lcpp}/qwen-Q3_K_M.gguf
 B=${MIXQRT_LLAMA_CPP_BIN:-/work/llama/build/bin}/llama-bench
-PY="${PYTHON:-python}"
-log() { echo "$(date +%H:%M:%S) load $(cut -d' ' -f1-3 /proc/loadavg) $*" >> $OUT/log; }
-run() { flock ${LOCK:-/work/bench.lock} bash -c 'touch /tmp/timed.active; sleep 2; "$@"; rm -f /tmp/timed.active' _ "$@"; }
-mx() {   # kv depth [tag]
-  local f=$OUT/mixqrt-$1-d$2${3:+-$3}; log "mixqrt $1 d$2 ${3:-}"
-  run $PY -m mixqrt bench $M -t 2 --depth $2 --kv-type $1 -p 512 -n 32 -r 2 --json -q > $f.json 2> $f.err; }
 for d in 0 16384 4096; do mx q4 $d; done
 log "llama q3km-tg-fa0-f16-d16k"
 run $B -m $G3 -t 2 -r 1 -o jsonl -p 0 -n 32 -d 16384 -fa 0 > $OUT/llama-q3km-tg-fa0-f16-d16k.jsonl 2> $OUT/llama-q3km-tg-fa0-f16-d16k.err

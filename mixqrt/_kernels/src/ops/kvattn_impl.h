@@ -42,6 +42,9 @@ static inline void MQ_FN(kv_exp64_)(const float *x, float mx, float *p) {
     }
 }
 
+/* q4's kdot walks the codes in 4 groups of 16 positions, one sub-block each, and its fac holds [4][Dh] */
+_Static_assert(MQ_KV_SUB == 16, "q4's key sub-blocks are the kdot's 16-position groups");
+
 /* ---- small vector helpers: the same values on every tier (conversions and roundings are exact /
  * round-to-nearest-even in all of them; max is order-free) */
 static inline void MQ_FN(kv_cvt16_)(const uint16_t *src, float *dst, int n) {
