@@ -250,7 +250,7 @@ class Engine:
     a request waits for room before it starts, a prompt that cannot fit alone is refused with a
     RequestError naming the sizes, and a decoding request that would cross it ends with "length";
     0 turns the prompt cache off and the bound with it); kv_type: the KV cache's type
-    (mixqrt.models.kv_cache.KV_TYPES; default the Pipeline's, else the model's);
+    (mixqrt.models.kv_cache.KV_TYPES; default the Pipeline's, else DEFAULT_KV_TYPE where the heads allow it);
     max_queue: requests waiting for a slot before submit raises EngineBusy; stall_timeout: seconds
     a slot may wait on a consumer that does not read before it is cancelled; threads: kernel
     threads (the process-wide pool; default: leave it); gemm_cache_bytes: memory for unpacked
@@ -276,8 +276,9 @@ class Engine:
         if max_context is not None:
             ctx = integer("max_context", max_context, lo=2)
         self.max_context = context_window(model.args.max_position_embeddings, ctx)
-        if kv_type is None:
-            kv_type = getattr(model_or_pipeline, "kv_type", None)
+        if kv_type is None:                     # a Pipeline's type, else the default type for these heads
+            from mixqrt.models.kv_cache import default_kv_type
+            kv_type = getattr(model_or_pipeline, "kv_type", None) or default_kv_type(model.args.head_dim)
         if threads is not None:
             ops.set_num_threads(integer("threads", threads, lo=1))
         if gemm_cache_bytes is not None:
