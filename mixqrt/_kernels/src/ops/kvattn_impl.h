@@ -282,6 +282,23 @@ static void MQ_FN(kv_f16_block_)(const float *q, int g, int Dh, const uint16_t *
                                  float scale, float *m, float *L, float *acc, float *sc, float *row) {
     for (int t = 0; t < n; t++) {
         MQ_FN(kv_cvt16_)(k + (size_t)t * Dh, row, Dh);
+#if defined(__AVX512F__)
+        if (Dh % 16 == 0)
+        for (int j = 0; j < g; j += 4) {          /* dotf_ of four heads, their trees as one */
+            __m512 d[4];
+            for (int i = 0; i < 4; i++) {
+                const float *qj = q + (size_t)(j + i < g ? j + i : j) * Dh;
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < Dh; c += 16)
+                    a = _mm512_add_ps(a, _mm512_mul_ps(_mm512_loadu_ps(qj + c), _mm512_loadu_ps(row + c)));
+                d[i] = a;
+            }
+            float r[4];
+            _mm_storeu_ps(r, _mm_mul_ps(MQ_FN(kv_tree4_)(d[0], d[1], d[2], d[3], 0), _mm_set1_ps(scale)));
+            for (int i = 0; i < 4 && j + i < g; i++) sc[(size_t)(j + i) * 64 + t] = r[i];
+        }
+        else
+#endif
         for (int j = 0; j < g; j++) sc[(size_t)j * 64 + t] = MQ_FN(dotf_)(q + (size_t)j * Dh, row, Dh) * scale;
     }
     float alpha[MQ_KV_GB];
