@@ -50,34 +50,29 @@ static inline float MQ_FN(kexp2_)(float x) {
     return p * sc.f;
 }
 
+#if defined(MQ_XV)
+/* kexp2_ on a vector, the same bits per lane (AVX-512 scales by scalef, the others by a multiply with
+ * 2^n built from its bits: both exact here) */
+static inline __attribute__((always_inline)) mq_xv MQ_FN(kexp2_v_)(mq_xv v) {
+    const mq_xv n = MQ_XROUND(v), f = MQ_XSUB(v, n);
+    mq_xv q = MQ_XADD(MQ_XMUL(MQ_X1(MQ_KV_E2C4), f), MQ_X1(MQ_KV_E2C3));
+    q = MQ_XADD(MQ_XMUL(q, f), MQ_X1(MQ_KV_E2C2));
+    q = MQ_XADD(MQ_XMUL(q, f), MQ_X1(MQ_KV_E2C1));
+    q = MQ_XADD(MQ_XMUL(q, f), MQ_X1(1.0f));
+#if defined(__AVX512F__)
+    return _mm512_scalef_ps(q, n);
+#else
+    return MQ_XMUL(q, MQ_XSCALE(n));
+#endif
+}
+#endif
+
 /* p[i] = kexp2(max(x[i] - mx, MQ_KV_E2LO)) for 64 values (x - mx <= 0) */
 static inline void MQ_FN(kv_exp64_)(const float *x, float mx, float *p) {
     int i = 0;
-#if defined(__AVX512F__)
-    const __m512 mv = _mm512_set1_ps(mx), lo = _mm512_set1_ps(MQ_KV_E2LO);
-    for (; i < 64; i += 16) {
-        const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv), lo);
-        const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(v, n);
-        __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(MQ_KV_E2C4), f), _mm512_set1_ps(MQ_KV_E2C3));
-        q = _mm512_add_ps(_mm512_mul_ps(q, f), _mm512_set1_ps(MQ_KV_E2C2));
-        q = _mm512_add_ps(_mm512_mul_ps(q, f), _mm512_set1_ps(MQ_KV_E2C1));
-        q = _mm512_add_ps(_mm512_mul_ps(q, f), _mm512_set1_ps(1.0f));
-        _mm512_storeu_ps(p + i, _mm512_scalef_ps(q, n));
-    }
-#elif defined(__AVX2__)
-    const __m256 mv = _mm256_set1_ps(mx), lo = _mm256_set1_ps(MQ_KV_E2LO);
-    for (; i < 64; i += 8) {
-        const __m256 v = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv), lo);
-        const __m256 n = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 f = _mm256_sub_ps(v, n);
-        __m256 q = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(MQ_KV_E2C4), f), _mm256_set1_ps(MQ_KV_E2C3));
-        q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(MQ_KV_E2C2));
-        q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(MQ_KV_E2C1));
-        q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(1.0f));
-        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-        _mm256_storeu_ps(p + i, _mm256_mul_ps(q, _mm256_castsi256_ps(e)));
-    }
+#if defined(MQ_XV)
+    for (; i < 64; i += MQ_XV)
+        MQ_XSTORE(p + i, MQ_FN(kexp2_v_)(MQ_XMAX(MQ_XSUB(MQ_XLOAD(x + i), MQ_X1(mx)), MQ_X1(MQ_KV_E2LO))));
 #endif
     for (; i < 64; i++) {
         float v = x[i] - mx;
@@ -212,15 +207,6 @@ static inline void MQ_FN(kv_hred_)(const __m512 *v, int g, int is_max, float *ou
     }
 }
 
-static inline __m512 MQ_FN(kexp2_v16_)(__m512 v) {      /* kexp2_ on 16 lanes, the same bits */
-    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(v, n);
-    __m512 q = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(MQ_KV_E2C4), f), _mm512_set1_ps(MQ_KV_E2C3));
-    q = _mm512_add_ps(_mm512_mul_ps(q, f), _mm512_set1_ps(MQ_KV_E2C2));
-    q = _mm512_add_ps(_mm512_mul_ps(q, f), _mm512_set1_ps(MQ_KV_E2C1));
-    q = _mm512_add_ps(_mm512_mul_ps(q, f), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(q, n);
-}
 #endif
 
 /* The online-softmax step shared by both block kinds: s [g][64] scores (base 2) of n positions (the
@@ -244,7 +230,7 @@ static inline void MQ_FN(kv_probs_)(float *s, int g, int n, float *m, float *L, 
         const __m512 mo = _mm512_mask_loadu_ps(ninf, gm, m);
         const __m512 mn = _mm512_max_ps(mo, _mm512_mask_loadu_ps(ninf, gm, bm));
         const __m512 d = _mm512_max_ps(_mm512_sub_ps(mo, mn), _mm512_set1_ps(MQ_KV_E2LO));
-        const __m512 al = _mm512_mask_mov_ps(MQ_FN(kexp2_v16_)(d), _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ),
+        const __m512 al = _mm512_mask_mov_ps(MQ_FN(kexp2_v_)(d), _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ),
                                              _mm512_setzero_ps());  /* 2^0 is exactly 1: m' = m gives 1 */
         _mm512_mask_storeu_ps(alpha, gm, al);
         _mm512_mask_storeu_ps(m, gm, mn);
