@@ -5,6 +5,10 @@ load average before each step) in one folder.
 
     bash benchmarks/depth_run.sh docs/data/long_context/round2      # measure (under the benchmark lock)
     python benchmarks/depth_table.py docs/data/long_context/round2  # write the table
+    python benchmarks/depth_table.py docs/data/long_context/round4 long-context-depth4   # into another block
+
+benchmarks/depth_ratio.py's files in the folder (ratio-TAG.json: decode at 16k against depth 0 in
+alternating bursts) are listed under the table.
 """
 from __future__ import annotations
 
@@ -86,13 +90,24 @@ def main() -> None:
     runner = folder / "run.sh"              # a round's own runner, kept with its data
     prov = provenance(f"bash docs/data/long_context/{folder.name}/run.sh" if runner.exists()
                       else "bash benchmarks/depth_run.sh " + str(folder.name))
-    prov += ("- 2 threads; mixqrt: the default q4a file, `mixqrt bench --depth N -p 512 -n 32 -r 2` (the depth filled, "
-             "not timed); llama.cpp: `llama-bench -d N` on its Q4_0 (and Q3_K_M at 0 / 16k), its best per depth\n")
+    ngen = sorted({r.get("n_gen", 32) for r in mx.values()} or {32})
+    prov += (f"- 2 threads; mixqrt: the default q4a file, `mixqrt bench --depth N -p 512 -n {' or '.join(map(str, ngen))} "
+             "-r 2` (the depth filled, not timed); llama.cpp: `llama-bench -d N` on its Q4_0 (and Q3_K_M at 0 / 16k), "
+             "its best per depth\n")
+    for p in sorted(folder.glob("ratio-*.json")):
+        try:
+            r = json.loads(p.read_text())
+            extra.append(f"| decode at {r['depth']:,d} / depth 0, {len(r['rounds'])} alternated pairs of {r['burst']} steps "
+                         f"({p.stem[6:]}; benchmarks/depth_ratio.py) | median {r['median_ratio']:.3f}x (min "
+                         f"{r['min_ratio']:.3f}, max {r['max_ratio']:.3f}); depth 0 {r['median_zero_tok_s']:.1f}, "
+                         f"depth {r['depth']:,d} {r['median_deep_tok_s']:.1f} tok/s |")
+        except (ValueError, KeyError, OSError):
+            continue
     body = prov + "\n" + "\n".join(out)
     if extra:
         body += "\n\n| other mixqrt KV types | |\n|---|---|\n" + "\n".join(extra)
     body += "\n\n" + "\n".join(every) + "\n\nThe run's log (load average before each step):\n\n```\n" + log + "```"
-    update_doc(DOC, {"long-context-depth": body}, "Long context")
+    update_doc(DOC, {sys.argv[2] if len(sys.argv) > 2 else "long-context-depth": body}, "Long context")
     print("\n".join(out))
 
 

@@ -189,6 +189,19 @@ def test_bench_depth(lm):
               probe_bytes=1 << 20, probes=1)
 
 
+def test_bench_default_kv_type_is_the_default(lm, monkeypatch):
+    """Without kv_type, bench measures what a Pipeline or Engine would use (default_kv_type: its --help
+    says so), not the bare graph's f32 cache. The tiny model's head_dim 16 gets f32 from it, so the
+    test makes the default f16 to tell the two apart."""
+    from mixqrt.commands.bench import bench
+    from mixqrt.models import kv_cache
+    assert lm.model.kv_type == "f32"
+    monkeypatch.setattr(kv_cache, "default_kv_type", lambda head_dim: "f16")
+    r = bench(lm, threads=(1,), n_prompt=16, n_gen=2, ttft_prompt=8, repeats=1, progress=False,
+              probe_bytes=1 << 20, probes=1)[0]
+    assert r["kv_type"] == "f16" and r["kv_bytes_per_token"] == ROW_F32 / 2
+
+
 def test_inspect_reports_kv_bytes(tiny_f32_path):
     from mixqrt.commands.inspect_model import inspect_model
     text = inspect_model(str(tiny_f32_path), kv_type="f16")

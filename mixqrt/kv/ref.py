@@ -33,20 +33,21 @@ depends on its position only, so a prompt's rows equal single decode steps bit f
 halved the 4-bit cache's loss; RECENT = 3, 192 to 255 positions read exactly as KIVI's residual
 window, took another 6-16 % at 8k-16k tokens for about 1 % of a 16k step: docs/long-context.md.)
 
-Attention per row and query head, blocks in order with an online softmax (m, l, acc):
+Attention per row and query head, blocks in order with an online softmax in base 2 (m, 16 lanes of
+l, acc; scale = 1 / sqrt(Dh) * log2(e)):
   f16 block (positions i0 .. i1-1):  s_t = dot(q, k_t) * scale                (dotf: 16 lanes, tree)
   packed block:  q'_c = q_c * kscale_c; a = max|q'|;
                  q8_c = rint(q'_c * (127 / a)), d = a / 127;
                  q8: C = dot(q, kmin); s_t = (float(sum_c q8_c code_tc) * d + C) * scale
                  q4: u_tc = 16 a_ic + (b_ic + 1) code_tc (<= 255, sub-block i of t: k = kmin + kscale / 16 u);
                      s_t = (float(sum_c q8_c u_tc) * (d / 16) + C) * scale
-  m' = max(m, max_t s_t); alpha = fexp(m - m') (0 on the first block); p_t = fexp(max(s_t - m', -87))
-  l = l * alpha + sum16(p)
+  m' = max(m, max_t s_t); alpha = fexp2(m - m') (0 on the first block); p_t = fexp2(max(s_t - m', -125))
+  lanes_i = lanes_i * alpha + (((p_i + p_i+16) + p_i+32) + p_i+48)             (zeros past the block's n)
   f16 block:     acc_d = acc_d * alpha + (p_t * v_td, added in position order)
   packed block:  p'_t = p_t * vscale_t; b = max p'; p8_t = rint(p'_t * (PMAX / b)), e = b / PMAX
                  q8: acc_d = acc_d * alpha + (float(sum_t p8_t vcode_td) * e + sum16(p_t * vmin_t))
                  q4: acc_d = acc_d * alpha + float(sum_t p8_t VLEV[vcode_td]) * e
-  out = acc / l
+  out = acc / ltree(lanes)
 """
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ import numpy as np
 
 G = 64                      # positions per block
 RECENT = 3                  # whole blocks before a row's own partial block that it reads in f16 (misc.h MQ_KV_RECENT)
-EXP_LO = np.float32(-87.0)
 F32 = np.float32
 
 
@@ -134,18 +134,36 @@ def f16r(x) -> np.ndarray:
     return np.asarray(x, F32).astype(np.float16).astype(F32)
 
 
-def fexp(x) -> np.ndarray:
-    """The kernels' exp (misc_impl.h fexp_): Cody-Waite + degree-6 polynomial, float32 step by step."""
+E2LO = np.float32(-125.0)   # kvattn_impl.h MQ_KV_E2LO
+E2C = tuple(np.float32(float.fromhex(h)) for h in ("0x1.62e12ep-1", "0x1.ec0368p-3", "0x1.c9fc2ap-5", "0x1.3a0728p-7"))
+LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+
+
+def fexp2(x) -> np.ndarray:
+    """The attention's exp, base 2 (kvattn_impl.h kexp2_ / kv_exp64_), x in [E2LO, 0]: 2^n * P(f),
+    n = rint(x), f = x - n (exact), P of degree 4 by Horner in float32; the product is normal and exact."""
     x = np.asarray(x, F32)
-    n = np.rint(x * F32(1.44269504088896341))
-    r = x - n * F32(0.693359375)
-    r = r - n * F32(-2.12194440e-4)
-    p = np.full_like(x, F32(1.9875691500E-4))
-    for c in (1.3981999507E-3, 8.3334519073E-3, 4.1665795894E-2, 1.6666665459E-1, 5.0000001201E-1):
-        p = p * r + F32(c)
-    p = (p * (r * r) + r) + F32(1.0)
-    scale = ((n.astype(np.int32) + 127) << 23).astype(np.int32).view(F32)
-    return (p * scale).astype(F32)
+    n = np.rint(x)
+    f = (x - n).astype(F32)
+    p = np.full_like(x, E2C[3])
+    for c in (E2C[2], E2C[1], E2C[0], F32(1.0)):
+        p = (p * f + c).astype(F32)
+    return np.ldexp(p, n.astype(np.int32)).astype(F32)
+
+
+def lanes16(p) -> np.ndarray:
+    """[..., n <= 64] -> [..., 16]: lane i = ((p_i + p_i+16) + p_i+32) + p_i+48, zeros past n."""
+    p = np.asarray(p, F32)
+    if p.shape[-1] < 64:
+        p = np.concatenate([p, np.zeros(p.shape[:-1] + (64 - p.shape[-1],), F32)], -1)
+    return ((p[..., 0:16] + p[..., 16:32]) + p[..., 32:48]) + p[..., 48:64]
+
+
+def ltree(lanes) -> np.ndarray:
+    """[..., 16] -> [...]: sum16's tree (8 + 8, 4 + 4, (0 + 2) + (1 + 3))."""
+    h = lanes[..., :8] + lanes[..., 8:]
+    q = h[..., :4] + h[..., 4:]
+    return (q[..., 0] + q[..., 2]) + (q[..., 1] + q[..., 3])
 
 
 def sum16(x) -> np.float32:
@@ -159,9 +177,7 @@ def sum16(x) -> np.float32:
     lanes = np.zeros(x.shape[:-1] + (16,), F32)
     for i in range(0, x.shape[-1], 16):
         lanes = lanes + x[..., i:i + 16]
-    h = lanes[..., :8] + lanes[..., 8:]
-    q = h[..., :4] + h[..., 4:]
-    return (q[..., 0] + q[..., 2]) + (q[..., 1] + q[..., 3])
+    return ltree(lanes)
 
 
 def dotf(a, b) -> np.float32:
@@ -361,17 +377,17 @@ def dequant_block(raw: np.ndarray, dh: int, bits: int) -> tuple:
 class _State:
     def __init__(self, g: int, dh: int):
         self.m = np.full(g, -np.inf, F32)
-        self.l = np.zeros(g, F32)
+        self.lanes = np.zeros((g, 16), F32)     # the sum l in 16 lanes, folded by ltree at the end
         self.acc = np.zeros((g, dh), F32)
 
     def probs(self, s: np.ndarray):
-        """s [g, n] scores of one block -> (alpha [g], p [g, n]); updates m."""
+        """s [g, n] scores of one block, base 2 -> (alpha [g], p [g, n]); updates m and the lanes."""
         m_new = np.maximum(self.m, s.max(1))
         first = np.isneginf(self.m)
-        alpha = np.where(first, F32(0.0), fexp(np.maximum(np.where(first, F32(0.0), self.m - m_new), EXP_LO))).astype(F32)
-        p = fexp(np.maximum(s - m_new[:, None], EXP_LO))
+        alpha = np.where(first, F32(0.0), fexp2(np.maximum(np.where(first, F32(0.0), self.m - m_new), E2LO))).astype(F32)
+        p = fexp2(np.maximum(s - m_new[:, None], E2LO))
         self.m = m_new
-        self.l = self.l * alpha + sum16(p)
+        self.lanes = (self.lanes * alpha[:, None] + lanes16(p)).astype(F32)
         return alpha, p
 
 
@@ -441,7 +457,7 @@ def attend_row(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed, n: int, bi
     as a windowed layer or an f16 cache); n keys (the row sits at position n - 1); window: the row
     reads positions n - window .. n - 1 only (f16 only)."""
     g, dh = q.shape
-    scale = F32(1.0 / np.sqrt(dh))
+    scale = F32(F32(1.0 / np.sqrt(dh)) * LOG2E)     # scores in base 2
     st = _State(g, dh)
     lo = 0 if window is None else max(0, n - window)
     npk = n // G - RECENT                           # blocks 1 .. npk - 1 are read packed
@@ -451,7 +467,7 @@ def attend_row(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, packed, n: int, bi
             _packed_block(st, q, packed(b), dh, bits, scale)
         else:
             _f16_block(st, q, kf[i0:i1], vf[i0:i1], scale)
-    out = (st.acc / st.l[:, None]).astype(F32)
+    out = (st.acc / ltree(st.lanes)[:, None]).astype(F32)
     return fwht(out) if packed is not None and rotates_values(bits) else out
 
 

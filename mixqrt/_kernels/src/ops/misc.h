@@ -72,7 +72,7 @@ static inline uint8_t mq_kv_logcode(float x) {
     return (uint8_t)(lo > 255 ? 255 : lo);
 }
 #define MQ_KV_VLEV {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127}
-#define MQ_KV_SCRATCH_FLOATS(Dh) ((size_t)MQ_KV_TR * (2 * MQ_KV_GB + (size_t)MQ_KV_GB * (Dh)) + MQ_KV_GB * 64 + 256 \
+#define MQ_KV_SCRATCH_FLOATS(Dh) ((size_t)MQ_KV_TR * (17 * MQ_KV_GB + (size_t)MQ_KV_GB * (Dh)) + MQ_KV_GB * 64 + 256 \
                                   + (2 * MQ_KV_GB * 256 + MQ_KV_GB * 256 * 4 + MQ_KV_GB * 64) / 4 + 64)
 /* KV head kh, rows [r0, r1); scratch MQ_KV_SCRATCH_FLOATS(Dh) floats */
 void mq_kvattn(const mq_kvatt *a, int kh, int r0, int r1, float *scratch);

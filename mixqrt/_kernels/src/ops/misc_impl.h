@@ -45,6 +45,7 @@ typedef __m512 mq_xv;
 #define MQ_XMUL _mm512_mul_ps
 #define MQ_XADD _mm512_add_ps
 #define MQ_XSUB _mm512_sub_ps
+#define MQ_XMAX _mm512_max_ps
 #define MQ_XLOAD _mm512_loadu_ps
 #define MQ_XSTORE _mm512_storeu_ps
 #define MQ_XCLAMP(v) _mm512_min_ps(_mm512_max_ps(v, MQ_X1(MQ_EXP_LO)), MQ_X1(MQ_EXP_HI))
@@ -57,6 +58,7 @@ typedef __m256 mq_xv;
 #define MQ_XMUL _mm256_mul_ps
 #define MQ_XADD _mm256_add_ps
 #define MQ_XSUB _mm256_sub_ps
+#define MQ_XMAX _mm256_max_ps
 #define MQ_XLOAD _mm256_loadu_ps
 #define MQ_XSTORE _mm256_storeu_ps
 #define MQ_XCLAMP(v) _mm256_min_ps(_mm256_max_ps(v, MQ_X1(MQ_EXP_LO)), MQ_X1(MQ_EXP_HI))
