@@ -61,8 +61,8 @@ def main() -> None:
     ops.set_num_threads(a.threads)
     m = load(a.model, None, offline=True, progress=not a.quiet)
     model = m.model
-    from mixqrt.models.kv_cache import default_kv_type
-    kv = a.kv_type or default_kv_type(model.args.head_dim)
+    from mixqrt.models.kv_cache import check_kv_type
+    kv = check_kv_type(a.kv_type, model.args.head_dim)
     rng = np.random.default_rng(0)
     vocab = model.args.vocab_size
     fill = rng.integers(100, min(vocab, 30000), size=a.depth)

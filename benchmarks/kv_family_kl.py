@@ -11,13 +11,9 @@ from pathlib import Path
 import numpy as np
 
 import mixqrt
+from mixqrt.commands.evaluate import log_softmax
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "wikitext-2-test.txt"
-
-
-def log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def main() -> None:
@@ -32,7 +28,7 @@ def main() -> None:
         half, base = ctx // 2, None
         for kt in ["f32"] + types:
             t0 = time.time()
-            lp = log_softmax(net(win, net.make_cache(ctx, kv_type=kt), 0, last_only=False)[half:-1].astype(np.float64))
+            lp = log_softmax(net(win, net.make_cache(ctx, kv_type=kt), 0, last_only=False)[half:-1])
             if base is None:
                 base = lp
                 continue

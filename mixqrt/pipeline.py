@@ -189,8 +189,8 @@ class Pipeline:
         self.loaded = LoadedModel(self.path, threads=threads, weights_in_memory=weights_in_memory)
         self.model = self.loaded.model
         self.max_context = context_window(self.model.context_length, max_context)
-        from mixqrt.models.kv_cache import check_kv_type, default_kv_type
-        self.kv_type = check_kv_type(kv_type) if kv_type is not None else default_kv_type(self.model.args.head_dim)
+        from mixqrt.models.kv_cache import check_kv_type
+        self.kv_type = check_kv_type(kv_type, self.model.args.head_dim)
         self.model.kv_bytes_per_token(self.kv_type)      # a type this build cannot make fails here
         self.model.kv_type = self.kv_type                # every cache of this model (generate, logits)
         self.drafter = None

@@ -130,9 +130,9 @@ def bench(loaded, *, threads=(2,), n_prompt: int = 512, n_gen: int = 128, ttft_p
     depth + the TTFT prompt. kv_type: the KV cache's type (default: what a Pipeline or Engine on this
     model uses, default_kv_type, q4 where the heads allow; the bare graph's own cache is f32)."""
     from mixqrt import ops
-    from mixqrt.models.kv_cache import check_kv_type, default_kv_type
+    from mixqrt.models.kv_cache import check_kv_type
     model = loaded.model
-    kv_type = check_kv_type(kv_type) if kv_type else default_kv_type(model.args.head_dim)
+    kv_type = check_kv_type(kv_type, model.args.head_dim)
     rng = np.random.default_rng(0)
     vocab = model.args.vocab_size
     prompt = rng.integers(100, min(vocab, 30000), size=n_prompt)

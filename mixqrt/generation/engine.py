@@ -277,8 +277,8 @@ class Engine:
             ctx = integer("max_context", max_context, lo=2)
         self.max_context = context_window(model.args.max_position_embeddings, ctx)
         if kv_type is None:                     # a Pipeline's type, else the default type for these heads
-            from mixqrt.models.kv_cache import default_kv_type
-            kv_type = getattr(model_or_pipeline, "kv_type", None) or default_kv_type(model.args.head_dim)
+            from mixqrt.models.kv_cache import check_kv_type
+            kv_type = check_kv_type(getattr(model_or_pipeline, "kv_type", None), model.args.head_dim)
         if threads is not None:
             ops.set_num_threads(integer("threads", threads, lo=1))
         if gemm_cache_bytes is not None:

@@ -130,10 +130,12 @@ _FLOAT_KV = {"f32": np.float32, "f16": np.float16}
 _PACKED_BITS = {"q8": 8, "q4": 4}
 
 
-def check_kv_type(kv_type) -> str:
-    """A kv_type name (or None: DEFAULT_KV_TYPE) -> the checked name; GenerationError naming the choices."""
+def check_kv_type(kv_type, head_dim: int | None = None) -> str:
+    """A kv_type name -> the checked name; GenerationError naming the choices. None: the default,
+    DEFAULT_KV_TYPE, or with head_dim default_kv_type(head_dim) (f32 where the packed cache does not
+    fit the heads): what a Pipeline, an Engine and the command line use."""
     if kv_type is None:
-        return DEFAULT_KV_TYPE
+        return DEFAULT_KV_TYPE if head_dim is None else default_kv_type(head_dim)
     name = str(kv_type).strip().lower() if isinstance(kv_type, str) else None
     if name not in KV_TYPES:
         raise GenerationError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")

@@ -116,20 +116,11 @@ static inline void MQ_FN(kv_cvt16_)(const uint16_t *src, float *dst, int n) {
     for (; i < n; i++) dst[i] = mq_f16_to_f32(src[i]);
 }
 
-/* y = a * b (n a multiple of 16), returns max |y| (0 if none is larger) */
+/* y = a * b, returns max |y| (0 if none is larger); the AVX-512 tier reduces four heads at once
+ * (kv_hred_) instead */
 static inline float MQ_FN(kv_mul_absmax_)(const float *a, const float *b, float *y, int n) {
     float m = 0.0f;
-    int i = 0;
-#if defined(__AVX512F__)
-    __m512 mv = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i));
-        _mm512_storeu_ps(y + i, v);
-        mv = _mm512_max_ps(mv, _mm512_abs_ps(v));
-    }
-    m = _mm512_reduce_max_ps(mv);
-#endif
-    for (; i < n; i++) {
+    for (int i = 0; i < n; i++) {
         y[i] = a[i] * b[i];
         const float v = y[i] < 0 ? -y[i] : y[i];
         m = v > m ? v : m;
@@ -167,17 +158,10 @@ static inline void MQ_FN(kv_logscales_)(const uint8_t *e8, float *out, int n) {
     for (; i < n; i++) out[i] = mq_kv_logscale(e8[i]);
 }
 
+/* max of x[0 .. n) (the AVX-512 tier: kv_hred_) */
 static inline float MQ_FN(kv_max_)(const float *x, int n) {
-    int i = 0;
     float m = x[0];
-#if defined(__AVX512F__)
-    if (n >= 16) {
-        __m512 mv = _mm512_loadu_ps(x);
-        for (i = 16; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
-        m = _mm512_reduce_max_ps(mv);
-    }
-#endif
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
     return m;
 }
 
@@ -556,13 +540,15 @@ static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const floa
 #if defined(__AVX512F__)
     {   /* max |q sc| and dot(q, mn) (dotf_'s order) of every head, reduced in trees of four */
         __m512 am[MQ_KV_GB], dv[MQ_KV_GB];
-        float a[MQ_KV_GB];
+        float a[MQ_KV_GB], qs[MQ_KV_GB * 256];                   /* q' = q sc of every head */
         for (int j = 0; j < g; j++) {
             const float *qj = q + (size_t)j * Dh;
+            float *qsj = qs + (size_t)j * Dh;
             __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
             for (int i = 0; i < Dh; i += 16) {
-                const __m512 qv = _mm512_loadu_ps(qj + i);
-                x = _mm512_max_ps(x, _mm512_abs_ps(_mm512_mul_ps(qv, _mm512_loadu_ps(sc + i))));
+                const __m512 qv = _mm512_loadu_ps(qj + i), p = _mm512_mul_ps(qv, _mm512_loadu_ps(sc + i));
+                _mm512_storeu_ps(qsj + i, p);
+                x = _mm512_max_ps(x, _mm512_abs_ps(p));
                 y = _mm512_add_ps(y, _mm512_mul_ps(qv, _mm512_loadu_ps(mn + i)));
             }
             am[j] = x; dv[j] = y;
@@ -570,13 +556,9 @@ static inline void MQ_FN(kv_q8_query_)(const float *q, int g, int Dh, const floa
         MQ_FN(kv_hred_)(am, g, 1, a);
         MQ_FN(kv_hred_)(dv, g, 0, cst);
         for (int j = 0; j < g; j++) {
-            const float *qj = q + (size_t)j * Dh;
             int8_t *qo = q8 + (size_t)j * Dh;
             if (a[j] > 0.0f) {
-                const __m512 f = _mm512_set1_ps(127.0f / a[j]);
-                for (int i = 0; i < Dh; i += 16)
-                    _mm_storeu_si128((__m128i *)(qo + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
-                        _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(qj + i), _mm512_loadu_ps(sc + i)), f))));
+                MQ_FN(kv_round8_)(qs + (size_t)j * Dh, 127.0f / a[j], (uint8_t *)qo, Dh);
                 d8[j] = a[j] / 127.0f;
             } else {
                 memset(qo, 0, (size_t)Dh);
@@ -651,29 +633,31 @@ static void MQ_FN(kv_packed_block_)(const float *q, int g, int Dh, const uint8_t
     for (int j = 0; j < g; j++) MQ_FN(kv_scores_)(isum + (size_t)j * 64, d8[j], ck[j], scale, sc + (size_t)j * 64, 64);
     float alpha[MQ_KV_GB], e8[MQ_KV_GB], vsum[MQ_KV_GB];
     MQ_FN(kv_probs_)(sc, g, 64, m, L, alpha);
-    float pb[MQ_KV_GB];                                              /* max p' of each head */
+    float pb[MQ_KV_GB], pv[MQ_KV_GB * 64];                          /* max p' of each head; p' = p vscale */
 #if defined(__AVX512F__)
     {
         __m512 v[MQ_KV_GB];
         for (int j = 0; j < g; j++) {
             const float *pj = sc + (size_t)j * 64;
             __m512 x = _mm512_setzero_ps();
-            for (int t = 0; t < 64; t += 16)
-                x = _mm512_max_ps(x, _mm512_abs_ps(_mm512_mul_ps(_mm512_loadu_ps(pj + t), _mm512_loadu_ps(vsc + t))));
+            for (int t = 0; t < 64; t += 16) {
+                const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(pj + t), _mm512_loadu_ps(vsc + t));
+                _mm512_storeu_ps(pv + (size_t)j * 64 + t, p);
+                x = _mm512_max_ps(x, _mm512_abs_ps(p));
+            }
             v[j] = x;
         }
         MQ_FN(kv_hred_)(v, g, 1, pb);
     }
 #else
-    for (int j = 0; j < g; j++) pb[j] = MQ_FN(kv_mul_absmax_)(sc + (size_t)j * 64, vsc, row, 64);
+    for (int j = 0; j < g; j++) pb[j] = MQ_FN(kv_mul_absmax_)(sc + (size_t)j * 64, vsc, pv + (size_t)j * 64, 64);
 #endif
     for (int j = 0; j < g; j++) {
         const float *pj = sc + (size_t)j * 64;
         const float b = pb[j];                                         /* p' >= 0 */
-        for (int t = 0; t < 64; t++) row[t] = pj[t] * vsc[t];
         uint8_t *po = p8 + (size_t)j * 64;
         if (b > 0.0f) {
-            MQ_FN(kv_round8_)(row, pmax / b, po, 64);
+            MQ_FN(kv_round8_)(pv + (size_t)j * 64, pmax / b, po, 64);
             e8[j] = b / pmax;
         } else {
             for (int t = 0; t < 64; t++) po[t] = 0;
